@@ -1,0 +1,29 @@
+"""numafast: NUMA placement for deep-learning input pipelines.
+
+The native layer, :mod:`numafast._libnuma`, mirrors libnuma one call to one
+function; this package adds validation, policy and typed objects on top.
+"""
+
+from __future__ import annotations
+
+from numafast import _libnuma
+from numafast.errors import LibnumaError, NumaError, NumaUnavailable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LibnumaError",
+    "NumaError",
+    "NumaUnavailable",
+    "numa_available",
+]
+
+
+def numa_available() -> bool:
+    """True when the kernel offers the NUMA system calls (libnuma's numa_available() >= 0).
+
+    Without them (a kernel built without CONFIG_NUMA, or a seccomp profile that
+    blocks get_mempolicy) the package still imports; placement calls then raise
+    :class:`NumaUnavailable`.
+    """
+    return _libnuma.available() >= 0

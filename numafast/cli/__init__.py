@@ -1,0 +1,31 @@
+"""The ``numafast`` command: one subcommand per module of this package."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from numafast.cli import show
+
+# Each subcommand module has add_parser(subparsers) and run(args) -> int.
+SUBCOMMANDS = [show]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="numafast", description="NUMA placement for deep-learning input pipelines."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["show", *(argv or [])])
+    try:
+        return int(args.run(args))
+    except BrokenPipeError:  # `numafast show | head`
+        return 0
+    except (OSError, ValueError) as error:
+        print(f"numafast {args.command}: {error}", file=sys.stderr)
+        return 1

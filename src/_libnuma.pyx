@@ -1,0 +1,16 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""numafast._libnuma: a thin, faithful mirror of libnuma and the Linux NUMA system calls.
+
+One Python function per C call, named after it without the ``numa_`` prefix. A C
+call that fails raises :class:`LibnumaError` (an ``OSError``) naming the call. The
+GIL is released around every call that enters the kernel or reads sysfs. Policy,
+validation and friendly errors belong to the pure-Python layer in ``numafast``.
+
+The module is built from several include files, one per concern, so that each
+stays small: core (topology queries, bitmask conversion), policy (CPU binding
+and memory policy) and memory (allocation, mbind, page queries).
+"""
+
+include "core.pxi"
+include "policy.pxi"
+include "memory.pxi"

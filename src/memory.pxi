@@ -1,0 +1,1 @@
+# Memory: node-local allocation, mbind, migration and page-location queries.

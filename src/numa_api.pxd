@@ -1,0 +1,145 @@
+# Declarations of libnuma (numa.h), the raw memory-policy system calls it wraps
+# (numaif.h) and the few libc calls the extension needs. Declarations only: the
+# wrappers live in the .pxi files that _libnuma.pyx includes.
+
+cdef extern from "<numa.h>" nogil:
+    struct bitmask:
+        unsigned long size
+        unsigned long *maskp
+
+    int numa_bitmask_isbitset(const bitmask *, unsigned int)
+    bitmask *numa_bitmask_setall(bitmask *)
+    bitmask *numa_bitmask_clearall(bitmask *)
+    bitmask *numa_bitmask_setbit(bitmask *, unsigned int)
+    bitmask *numa_bitmask_clearbit(bitmask *, unsigned int)
+    unsigned int numa_bitmask_nbytes(bitmask *)
+    unsigned int numa_bitmask_weight(const bitmask *)
+    bitmask *numa_bitmask_alloc(unsigned int)
+    void numa_bitmask_free(bitmask *)
+    int numa_bitmask_equal(const bitmask *, const bitmask *)
+    void copy_bitmask_to_bitmask(bitmask *, bitmask *)
+
+    int numa_available()
+    int numa_max_node()
+    int numa_max_possible_node()
+    int numa_preferred()
+    long long numa_node_size64(int node, long long *freep)
+    int numa_pagesize()
+
+    void numa_bind(bitmask *nodes)
+    void numa_set_interleave_mask(bitmask *nodemask)
+    bitmask *numa_get_interleave_mask()
+    bitmask *numa_allocate_nodemask()
+    void numa_free_nodemask(bitmask *)
+    void numa_set_preferred(int node)
+    int numa_has_preferred_many()
+    void numa_set_preferred_many(bitmask *)
+    bitmask *numa_preferred_many()
+    void numa_set_localalloc()
+    void numa_set_membind(bitmask *nodemask)
+    bitmask *numa_get_membind()
+    bitmask *numa_get_mems_allowed()
+    int numa_get_interleave_node()
+
+    void *numa_alloc_interleaved_subset(size_t size, bitmask *nodemask)
+    void *numa_alloc_interleaved(size_t size)
+    void *numa_alloc_onnode(size_t size, int node)
+    void *numa_alloc_local(size_t size)
+    void *numa_alloc(size_t size)
+    void numa_free(void *mem, size_t size)
+    void numa_interleave_memory(void *mem, size_t size, bitmask *mask)
+    void numa_tonode_memory(void *start, size_t size, int node)
+    void numa_tonodemask_memory(void *mem, size_t size, bitmask *mask)
+    void numa_setlocal_memory(void *start, size_t size)
+    void numa_police_memory(void *start, size_t size)
+
+    int numa_run_on_node_mask(bitmask *mask)
+    int numa_run_on_node_mask_all(bitmask *mask)
+    int numa_run_on_node(int node)
+    bitmask *numa_get_run_node_mask()
+    void numa_set_bind_policy(int strict)
+    void numa_set_strict(int flag)
+
+    int numa_num_possible_nodes()
+    int numa_num_possible_cpus()
+    int numa_num_configured_nodes()
+    int numa_num_configured_cpus()
+    int numa_num_task_cpus()
+    int numa_num_task_nodes()
+    bitmask *numa_allocate_cpumask()
+    void numa_free_cpumask(bitmask *)
+    int numa_node_to_cpus(int, bitmask *)
+    int numa_node_of_cpu(int cpu)
+    int numa_distance(int node1, int node2)
+
+    int numa_migrate_pages(int pid, bitmask *fromnodes, bitmask *tonodes)
+    int numa_move_pages(int pid, unsigned long count, void **pages,
+                        const int *nodes, int *status, int flags)
+    int numa_sched_getaffinity(int pid, bitmask *mask)
+    int numa_sched_setaffinity(int pid, bitmask *mask)
+    bitmask *numa_parse_nodestring(const char *)
+    bitmask *numa_parse_cpustring(const char *)
+
+    # libnuma reports failures of void functions through these hooks and the
+    # numa_exit_on_error / numa_exit_on_warn globals.
+    int numa_exit_on_error
+    int numa_exit_on_warn
+
+
+cdef extern from "<numaif.h>" nogil:
+    long get_mempolicy(int *mode, unsigned long *nmask, unsigned long maxnode,
+                       void *addr, unsigned flags)
+    long mbind(void *start, unsigned long len, int mode,
+               const unsigned long *nmask, unsigned long maxnode, unsigned flags)
+    long set_mempolicy(int mode, const unsigned long *nmask, unsigned long maxnode)
+    long migrate_pages(int pid, unsigned long maxnode,
+                       const unsigned long *frommask, const unsigned long *tomask)
+    long move_pages(int pid, unsigned long count, void **pages,
+                    const int *nodes, int *status, int flags)
+
+    enum:
+        MPOL_DEFAULT
+        MPOL_PREFERRED
+        MPOL_BIND
+        MPOL_INTERLEAVE
+        MPOL_LOCAL
+        MPOL_F_NODE
+        MPOL_F_ADDR
+        MPOL_F_MEMS_ALLOWED
+        MPOL_MF_STRICT
+        MPOL_MF_MOVE
+        MPOL_MF_MOVE_ALL
+
+
+cdef extern from *:
+    """
+    /* Newer than some numaif.h headers: the kernel ABI values (uapi/linux/mempolicy.h). */
+    #ifndef MPOL_PREFERRED_MANY
+    #define MPOL_PREFERRED_MANY 5
+    #endif
+    #define NUMAFAST_MPOL_WEIGHTED_INTERLEAVE 6
+    #ifndef MPOL_F_STATIC_NODES
+    #define MPOL_F_STATIC_NODES (1 << 15)
+    #endif
+    #ifndef MPOL_F_RELATIVE_NODES
+    #define MPOL_F_RELATIVE_NODES (1 << 14)
+    #endif
+    #ifndef MPOL_F_NUMA_BALANCING
+    #define MPOL_F_NUMA_BALANCING (1 << 13)
+    #endif
+    """
+    enum:
+        MPOL_PREFERRED_MANY
+        MPOL_F_STATIC_NODES
+        MPOL_F_RELATIVE_NODES
+        MPOL_F_NUMA_BALANCING
+        NUMAFAST_MPOL_WEIGHTED_INTERLEAVE
+
+
+cdef extern from "<sys/syscall.h>" nogil:
+    long syscall(long number, ...)
+    enum:
+        SYS_gettid
+
+cdef extern from "<sched.h>" nogil:
+    int sched_getcpu()

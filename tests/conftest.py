@@ -1,0 +1,64 @@
+"""The ``numa`` marker: tests that need a multi-node kernel.
+
+``@pytest.mark.numa(nodes=4)`` needs at least 4 online NUMA nodes;
+``@pytest.mark.numa(memory_only=True)`` needs a node with memory and no CPUs.
+Elsewhere such a test is skipped with a reason. Inside a guest booted by
+``tests/run_suite.py`` (NUMAFAST_GUEST=1), a marked test whose needs the guest
+meets and that still ends skipped is turned into a failure: a guest run must
+prove placement, never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sysfs_truth import cpuless_nodes_with_memory, online_nodes
+
+IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"
+# Where tests/run_suite.py wants the outcomes of the numa-marked tests.
+MARKER_REPORT = os.environ.get("NUMAFAST_MARKER_REPORT")
+_marked_outcomes: dict[str, str] = {}
+
+
+def _unmet_need(marker: pytest.Mark) -> str | None:
+    """Why this kernel cannot run a test with this marker, or None if it can."""
+    nodes_needed = int(marker.kwargs.get("nodes", 2))
+    nodes = online_nodes()
+    if len(nodes) < nodes_needed:
+        return (
+            f"needs {nodes_needed} NUMA nodes, this kernel has {len(nodes)}; "
+            "runs in the multi-node guests of tests/run_suite.py"
+        )
+    if marker.kwargs.get("memory_only") and not cpuless_nodes_with_memory():
+        return "needs a memory-only (CPU-less) node; runs in the memory-only guest of tests/run_suite.py"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("numa")
+    if marker is not None and (reason := _unmet_need(marker)) is not None:
+        pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    outcome = yield
+    report = outcome.get_result()
+    marker = item.get_closest_marker("numa")
+    if IN_GUEST and marker is not None and report.skipped and _unmet_need(marker) is None:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid}: a numa-marked test was skipped inside a guest that meets its "
+            f"needs ({marker.kwargs}); the skip was: {report.longrepr}"
+        )
+    if marker is not None and (report.when == "call" or report.outcome != "passed"):
+        _marked_outcomes.setdefault(item.nodeid, report.outcome)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if MARKER_REPORT:
+        Path(MARKER_REPORT).write_text(json.dumps(_marked_outcomes, indent=1, sort_keys=True))
