@@ -21,13 +21,6 @@ cdef inline object _fail(str call, int err, str detail=""):
     raise LibnumaError(call, err if err else 22, detail)  # 22 = EINVAL
 
 
-cdef bitmask *_new_mask(unsigned int nbits) except NULL:
-    cdef bitmask *mask = numa_bitmask_alloc(nbits)
-    if mask == NULL:
-        raise MemoryError("numa_bitmask_alloc")
-    return mask
-
-
 cdef bitmask *_nodemask_from(object nodes) except NULL:
     """A freshly allocated nodemask with the given node ids set; the caller frees it."""
     cdef bitmask *mask = numa_allocate_nodemask()
