@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""The whole test suite: pytest on this host, then inside two QEMU guests whose
+kernels have real multi-node NUMA topologies (see tests/numa_vm.py):
+
+* ``4-nodes``: 4 nodes of one CPU each, distances 10/16/32;
+* ``memory-only``: 3 nodes, 2 CPUs, node 2 has memory and no CPUs.
+
+Tests marked ``@pytest.mark.numa`` skip on a one-node host and must run in a
+guest that meets their needs (tests/conftest.py fails them otherwise). Each run
+prints its counts; the last line is the total. Exit status 0 only if every run
+passed and every guest ran numa-marked tests.
+
+Usage: python3 tests/run_suite.py [--host-only] [--guest NAME]... [-- PYTEST_ARGS...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+from numa_vm import FOUR_NODES, MEMORY_ONLY, GuestTopology, run_in_guest
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / ".test-results"
+GUESTS: dict[str, GuestTopology] = {"4-nodes": FOUR_NODES, "memory-only": MEMORY_ONLY}
+GUEST_TIMEOUT_S = 1500
+
+
+@dataclass
+class RunResult:
+    name: str
+    exit_code: int
+    seconds: float
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    marked_ran: int = 0
+    marked_skipped: int = 0
+
+    def line(self) -> str:
+        return (
+            f"{self.name:>11}: {self.passed} passed, {self.failed} failed, {self.skipped} skipped"
+            f" | numa-marked: {self.marked_ran} ran, {self.marked_skipped} skipped"
+            f" | exit {self.exit_code} | {self.seconds:.1f} s"
+        )
+
+
+def _pytest_command(name: str, extra: list[str]) -> list[str]:
+    """pytest on all of tests/, or on the paths given among the extra arguments."""
+    paths = [] if any(not a.startswith("-") for a in extra) else ["tests"]
+    return [
+        sys.executable, "-m", "pytest", "-q", *paths,
+        f"--junitxml={RESULTS / f'{name}.xml'}", *extra,
+    ]  # fmt: skip
+
+
+def _collect(result: RunResult) -> RunResult:
+    """Fill the counts from the run's JUnit XML and numa-marker report."""
+    xml_path = RESULTS / f"{result.name}.xml"
+    if xml_path.exists():
+        suite = ElementTree.parse(xml_path).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        assert suite is not None
+        total = int(suite.get("tests", 0))
+        result.failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        result.skipped = int(suite.get("skipped", 0))
+        result.passed = total - result.failed - result.skipped
+    marker_path = RESULTS / f"{result.name}.markers.json"
+    if marker_path.exists():
+        outcomes = json.loads(marker_path.read_text()).values()
+        result.marked_ran = sum(o != "skipped" for o in outcomes)
+        result.marked_skipped = sum(o == "skipped" for o in outcomes)
+    return result
+
+
+def run_host(extra: list[str]) -> RunResult:
+    print("==== host: pytest", flush=True)
+    env = {**os.environ, "NUMAFAST_MARKER_REPORT": str(RESULTS / "host.markers.json")}
+    start = time.monotonic()
+    code = subprocess.call(_pytest_command("host", extra), cwd=REPO, env=env)
+    return _collect(RunResult("host", code, time.monotonic() - start))
+
+
+def run_guest(name: str, extra: list[str]) -> RunResult:
+    topology = GUESTS[name]
+    print(f"==== guest {name}: {topology.describe()}: pytest", flush=True)
+    env = {
+        "NUMAFAST_GUEST": "1",
+        "NUMAFAST_MARKER_REPORT": str(RESULTS / f"{name}.markers.json"),
+        # Plugins such as hypothesis' cost ~10 s per pytest start under TCG.
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        # Policies act at first touch: give large arrays fresh mappings (see README).
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    start = time.monotonic()
+    code = run_in_guest(
+        _pytest_command(name, extra), topology, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_S
+    )
+    result = _collect(RunResult(name, code, time.monotonic() - start))
+    if code == 0 and result.marked_ran == 0:
+        print(f"run_suite: guest {name} ran no numa-marked test", file=sys.stderr)
+        result.exit_code = 1
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host-only", action="store_true", help="skip the guest runs")
+    parser.add_argument("--guest", action="append", choices=sorted(GUESTS), help="only these guests")
+    parser.add_argument("pytest_args", nargs="*", help="passed on to every pytest run")
+    args = parser.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    for stale in RESULTS.iterdir():
+        stale.unlink()
+
+    results = [run_host(args.pytest_args)]
+    if not args.host_only:
+        for name in args.guest or list(GUESTS):
+            results.append(run_guest(name, args.pytest_args))
+
+    print("==== summary")
+    for result in results:
+        print(result.line())
+    passed = sum(r.passed for r in results)
+    failed = sum(r.failed for r in results)
+    skipped = sum(r.skipped for r in results)
+    # A run that died before writing its counts still fails the suite.
+    failed += sum(1 for r in results if r.exit_code != 0 and r.failed == 0)
+    print(f"total: {passed} passed, {failed} failed, {skipped} skipped")
+    return 0 if all(r.exit_code == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
