@@ -7,12 +7,22 @@ function; this package adds validation, policy and typed objects on top.
 from __future__ import annotations
 
 from numafast import _libnuma
-from numafast.errors import LibnumaError, NumaError, NumaUnavailable
+from numafast.errors import (
+    InvalidCpuSetError,
+    InvalidNodeError,
+    LibnumaError,
+    NodeNotAllowedError,
+    NumaError,
+    NumaUnavailable,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "InvalidCpuSetError",
+    "InvalidNodeError",
     "LibnumaError",
+    "NodeNotAllowedError",
     "NumaError",
     "NumaUnavailable",
     "numa_available",

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from numafast._libnuma import LibnumaError
 
-__all__ = ["LibnumaError", "NumaError", "NumaUnavailable"]
+__all__ = [
+    "InvalidCpuSetError",
+    "InvalidNodeError",
+    "LibnumaError",
+    "NodeNotAllowedError",
+    "NumaError",
+    "NumaUnavailable",
+]
 
 
 class NumaError(Exception):
@@ -13,3 +20,15 @@ class NumaError(Exception):
 
 class NumaUnavailable(NumaError, OSError):
     """The kernel (or a container) offers no NUMA system calls: numa_available() < 0."""
+
+
+class InvalidNodeError(NumaError, ValueError):
+    """A node id that this machine does not have."""
+
+
+class NodeNotAllowedError(NumaError, PermissionError):
+    """A node that exists but that this process's cpuset (cgroup, numactl, taskset) forbids."""
+
+
+class InvalidCpuSetError(NumaError, ValueError):
+    """An empty CPU set, or CPUs this machine does not have or this process may not use."""
