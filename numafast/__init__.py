@@ -16,6 +16,13 @@ from numafast.errors import (
     NumaUnavailable,
 )
 
+# ---------------------------------------------------------------- memory (issue 5)
+from numafast.errors import InvalidBufferError, InvalidSizeError, MigrationError, NodeMemoryError
+from numafast.memory import MemoryMode, empty, mbind, migrate, zeros
+from numafast.pages import PageNodes, Placement, page_nodes, placement
+
+# ---------------------------------------------------------------- end memory
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -26,6 +33,20 @@ __all__ = [
     "NumaError",
     "NumaUnavailable",
     "numa_available",
+    # memory (issue 5)
+    "InvalidBufferError",
+    "InvalidSizeError",
+    "MemoryMode",
+    "MigrationError",
+    "NodeMemoryError",
+    "PageNodes",
+    "Placement",
+    "empty",
+    "mbind",
+    "migrate",
+    "page_nodes",
+    "placement",
+    "zeros",
 ]
 
 
