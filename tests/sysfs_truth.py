@@ -59,6 +59,7 @@ def cpuless_nodes_with_memory() -> list[int]:
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _PFN_MASK = (1 << 55) - 1
 _PRESENT = 1 << 63
+_EXCLUSIVE = 1 << 56
 
 
 @cache
@@ -86,13 +87,14 @@ def _pagemap_entries(address: int, length: int) -> list[int]:
 
 @cache
 def zero_page_pfn() -> int:
-    """The frame of the shared zero page: what a read-only touch of fresh memory maps."""
+    """The frame of the shared zero page, which a read of fresh memory maps; -1 where
+    the kernel gives such a read a page of its own (then mapped exclusively)."""
     with mmap.mmap(-1, PAGE_SIZE) as fresh:
-        fresh[0]  # a read fault maps the zero page
+        fresh[0]  # a read fault
         view = memoryview(fresh)
         entry = _pagemap_entries(_address(view), 1)[0]
         view.release()
-    return entry & _PFN_MASK
+    return -1 if entry & _EXCLUSIVE else entry & _PFN_MASK
 
 
 def _address(view: memoryview) -> int:
