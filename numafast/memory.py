@@ -108,7 +108,10 @@ def allocate(
     mode = MemoryMode.BIND if len(targets) == 1 else MemoryMode.INTERLEAVE
     # Bound before any page exists: each one is placed by the policy as it is faulted in.
     _libnuma.mbind(buffer, _libnuma.MBIND_MODES[mode.value], targets, 0)
-    cpus = _pretouch_cpus(targets)
+    # Big buffers: threads pinned to the node's CPUs share the zeroing, each on memory
+    # near it. Small ones: the caller faults them in at once (pages land on the target
+    # all the same; a thread would cost more than the work).
+    cpus = _pretouch_cpus(targets) if nbytes >= 2 * BYTES_PER_THREAD else []
     threads = max(1, min(len(cpus), nbytes // BYTES_PER_THREAD))
     try:
         _libnuma.pretouch(buffer, cpus, threads, alignment)

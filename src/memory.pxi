@@ -398,7 +398,8 @@ def pretouch(buf, cpus, int threads, size_t alignment=0) -> str:
     """Fault in every page ``buf`` touches from ``threads`` threads pinned to ``cpus``.
 
     Each thread takes one slice (a multiple of ``alignment``, e.g. the huge-page
-    size, so no huge page is split between threads) and populates it with
+    size, so no huge page is split between threads; with no ``cpus`` and one thread
+    the caller does it) and populates it with
     madvise(MADV_POPULATE_WRITE), or on kernels before 5.14 with one write per page
     that keeps its contents: neither changes a byte, so the partial pages at the
     ends (shared with neighbouring memory) are safe to include. Returns which of
@@ -412,6 +413,7 @@ def pretouch(buf, cpus, int threads, size_t alignment=0) -> str:
     cdef char *first
     cdef size_t total, chunk, offset
     cdef int count = 0, i
+    cdef bint inline
     if threads < 1:
         raise ValueError(f"threads must be at least 1, not {threads}")
     _hold(buf, &view, True)
@@ -434,16 +436,21 @@ def pretouch(buf, cpus, int threads, size_t alignment=0) -> str:
             jobs[count].cpus = mask
             offset += jobs[count].length
             count += 1
+        # One slice and no CPU to pin to: this thread does it, no thread to start.
+        inline = count == 1 and mask == NULL
         with nogil:
-            for i in range(count):
-                started[i] = pthread_create(&handles[i], NULL, _touch, &jobs[i]) == 0
-            for i in range(count):
-                if started[i]:
-                    pthread_join(handles[i], NULL)
-                else:
-                    # No thread to be had: do its slice here, without pinning the caller.
-                    jobs[i].cpus = NULL
-                    _touch(&jobs[i])
+            if inline:
+                _touch(&jobs[0])
+            else:
+                for i in range(count):
+                    started[i] = pthread_create(&handles[i], NULL, _touch, &jobs[i]) == 0
+                for i in range(count):
+                    if started[i]:
+                        pthread_join(handles[i], NULL)
+                    else:
+                        # No thread to be had: do its slice here, without pinning the caller.
+                        jobs[i].cpus = NULL
+                        _touch(&jobs[i])
         for i in range(count):
             if jobs[i].err:
                 _fail("madvise", jobs[i].err,

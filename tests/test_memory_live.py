@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 
 import numafast
-from sysfs_truth import PAGE_SIZE, cpuless_nodes_with_memory, numa_maps_of, online_nodes, pagemap_nodes
+from sysfs_truth import (
+    PAGE_SIZE,
+    cpuless_nodes_with_memory,
+    node_cpus,
+    node_distances,
+    numa_maps_of,
+    online_nodes,
+    pagemap_nodes,
+)
 
 NODES = online_nodes()
 MIB = 1 << 20
@@ -50,6 +58,16 @@ def test_memory_only_node_is_filled_from_its_nearest_cpus() -> None:
         array = numafast.zeros((512, 1024), np.float32, node=node)
         assert set(pagemap_nodes(address_of(array), array.nbytes)) == {node}
         assert not array.any()
+        # Big allocations pre-touch from threads pinned to the nearest node with CPUs
+        # (small ones from the caller); drive that path directly on a small mapping.
+        nearest = min((n for n in NODES if node_cpus(n)), key=lambda n: (node_distances(node)[n], n))
+        cpus = numafast.memory._pretouch_cpus([node])
+        assert cpus == node_cpus(nearest)
+        region = numafast._libnuma.mmap_anonymous(4 * MIB)
+        numafast.mbind(region, node)
+        numafast._libnuma.pretouch(region, cpus, 2)
+        view = np.frombuffer(region, dtype=np.uint8)
+        assert set(pagemap_nodes(address_of(view), view.nbytes)) == {node}
 
 
 @pytest.mark.numa(nodes=3)
