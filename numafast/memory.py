@@ -135,8 +135,11 @@ def mbind(
     ``buf`` is any writable C-contiguous buffer (NumPy array, torch CPU tensor,
     bytearray, memoryview, mmap). A policy covers whole pages, so only the pages
     wholly inside ``buf`` are bound and moved; a partial page at either end is
-    shared with neighbouring memory and left alone. Raises MigrationError when
-    pages stay elsewhere after retries (locked or shared with another process).
+    shared with neighbouring memory and left alone. As mbind(2) does, ``move``
+    moves the pages that are off ``nodes``: with "interleave" they are spread over
+    the nodes, and a page already on one of them stays (to respread, migrate to
+    one node first). Raises MigrationError when pages stay off ``nodes`` after
+    retries (locked, or shared with another process).
     """
     try:
         mode = MemoryMode(mode)

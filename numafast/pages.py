@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
 import sys
 from collections.abc import Iterator, Mapping
 
@@ -81,7 +80,7 @@ def local_node() -> int:
     nodes = {_libnuma.node_of_cpu(cpu) for cpu in allowed_cpus()}
     if len(nodes) == 1:
         return nodes.pop()
-    with open(f"/proc/self/task/{os.gettid()}/stat") as f:
+    with open("/proc/thread-self/stat") as f:
         # Fields after the command name, which may hold spaces and parentheses.
         fields = f.read().rpartition(")")[2].split()
     return _libnuma.node_of_cpu(int(fields[39 - 3]))

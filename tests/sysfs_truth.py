@@ -6,6 +6,8 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -159,3 +161,16 @@ def anon_huge_bytes(address: int) -> int:
             elif inside and line.startswith("AnonHugePages:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+@contextmanager
+def pinned_to_one_cpu() -> Iterator[int]:
+    """Keep the calling thread on one of its CPUs (so "the caller's node" holds still
+    while a test looks); yields the CPU's node, read from sysfs."""
+    allowed = os.sched_getaffinity(0)
+    cpu = min(allowed)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield next(n for n in online_nodes() if cpu in node_cpus(n))
+    finally:
+        os.sched_setaffinity(0, allowed)

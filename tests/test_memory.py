@@ -19,7 +19,7 @@ import pytest
 
 import numafast
 from numafast import _libnuma
-from sysfs_truth import PAGE_SIZE, anon_huge_bytes, online_nodes, pagemap_nodes, vma_of
+from sysfs_truth import PAGE_SIZE, anon_huge_bytes, online_nodes, pagemap_nodes, pinned_to_one_cpu, vma_of
 
 NODE = online_nodes()[0]
 MIB = 1 << 20
@@ -31,6 +31,13 @@ def address_of(array: np.ndarray) -> int:
 
 def nodes_of(array: np.ndarray) -> set[int | None]:
     return set(pagemap_nodes(address_of(array), array.nbytes))
+
+
+def whole_page_nodes(array: np.ndarray) -> set[int | None]:
+    """Truth for the pages wholly inside ``array`` (those mbind and migrate act on)."""
+    start = -(-address_of(array) // PAGE_SIZE) * PAGE_SIZE
+    end = (address_of(array) + array.nbytes) // PAGE_SIZE * PAGE_SIZE
+    return set(pagemap_nodes(start, end - start))
 
 
 def backing(array: np.ndarray) -> _libnuma.MappedBuffer:
@@ -58,9 +65,10 @@ def test_empty_is_c_ordered_writable_zero_and_on_its_node(shape, dtype, hugepage
 
 
 def test_zeros_is_zero_and_default_node_is_the_callers() -> None:
-    array = numafast.zeros((256, 256))
+    with pinned_to_one_cpu() as node:
+        array = numafast.zeros((256, 256))
     assert array.dtype == np.float64 and not array.any()
-    assert nodes_of(array) == {numafast.pages.local_node()}
+    assert nodes_of(array) == {node}
 
 
 def test_large_allocation_is_aligned_and_backed_by_huge_pages_where_thp_allows() -> None:
@@ -161,6 +169,7 @@ def test_explicit_free_refuses_while_views_live_then_frees_once() -> None:
 
 
 def test_threads_allocating_querying_and_dropping_views_never_crash_or_leak() -> None:
+    WORKERS, ROUNDS = 5, 12  # noqa: N806
     # Weak references to every MappedBuffer: dead once its memory is unmapped. (Freed
     # addresses are soon reused by other mappings, e.g. the threads' malloc arenas,
     # so /proc/self/maps cannot tell here; the single-threaded tests check it.)
@@ -170,12 +179,12 @@ def test_threads_allocating_querying_and_dropping_views_never_crash_or_leak() ->
     owners += [weakref.ref(backing(a)) for a in shared]
     lock = threading.Lock()
     # Each worker gets views of the shared arrays and drops them as it goes.
-    handed = [[a[rng_seed * 10 :] for a in shared for _ in range(5)] for rng_seed in range(6)]
+    handed = [[a[seed * 10 :] for a in shared for _ in range(5)] for seed in range(WORKERS)]
 
     def worker(seed: int, mine_views: list[np.ndarray]) -> None:
         rng = random.Random(seed)
         try:
-            for _ in range(20):
+            for _ in range(ROUNDS):
                 mine = numafast.empty(rng.choice([4096, 3 * MIB]), np.uint8, node=NODE)
                 with lock:
                     owners.append(weakref.ref(backing(mine)))
@@ -188,7 +197,7 @@ def test_threads_allocating_querying_and_dropping_views_never_crash_or_leak() ->
         except BaseException as error:  # noqa: BLE001 - handed to the main thread
             errors.append(error)
 
-    threads = [threading.Thread(target=worker, args=(seed, handed[seed])) for seed in range(6)]
+    threads = [threading.Thread(target=worker, args=(seed, handed[seed])) for seed in range(WORKERS)]
     shared.clear()
     handed.clear()  # the workers now hold the only views of the shared arrays
     for thread in threads:
@@ -197,7 +206,7 @@ def test_threads_allocating_querying_and_dropping_views_never_crash_or_leak() ->
         thread.join()
     gc.collect()
     assert not errors, errors
-    assert len(owners) == 4 + 6 * 20
+    assert len(owners) == 4 + WORKERS * ROUNDS
     assert [owner() for owner in owners if owner() is not None] == []
 
 
@@ -252,7 +261,7 @@ def test_mbind_and_migrate_take_every_writable_contiguous_buffer(kind, buf, mode
     numafast.mbind(buf, NODE, mode=mode)
     assert numafast.migrate(buf, NODE) == 0  # already there: nothing moved
     view = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-    assert nodes_of(view) == {NODE}
+    assert whole_page_nodes(view) == {NODE}
     assert (view == 1).all()
 
 
@@ -313,6 +322,7 @@ def test_alloc_onnode_and_memset_mirror_libnuma() -> None:
 
 def test_pretouch_populates_every_page_and_keeps_contents() -> None:
     owner = _libnuma.mmap_anonymous(3 * MIB + 5, 2 * MIB)
+    numafast.mbind(owner, NODE)  # else each thread's pages land on its own node
     view = np.frombuffer(owner, dtype=np.uint8)
     view[-1] = 42
     how = _libnuma.pretouch(owner, sorted(numafast._validate.allowed_cpus()), 2, 2 * MIB)
