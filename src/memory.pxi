@@ -162,15 +162,21 @@ cdef class MappedBuffer:
 
     def free(self) -> None:
         """Unmap now. BufferError while views hold the memory; freeing twice is a no-op."""
+        cdef uintptr_t address = <uintptr_t>self.address
+        cdef int err
         if self.exports:
             raise BufferError(f"{self.exports} views still use this memory; it is freed when they are gone")
-        self._release()
+        err = self._unmap()
+        if err:
+            _fail("munmap", err, f"{self.mapped} bytes at {address:#x}")
 
-    cdef _release(self):
+    cdef int _unmap(self) noexcept:
+        """Give the memory back once, GIL released (freeing gigabytes takes a while);
+        0, or the errno of a failed munmap."""
         cdef char *address = self.address
         cdef int err = 0
         if address == NULL:
-            return
+            return 0
         self.address = NULL
         with nogil:
             if self.from_libnuma:
@@ -179,17 +185,11 @@ cdef class MappedBuffer:
                 libc_errno.errno = 0
                 if numa_api.munmap(address, self.mapped) != 0:
                     err = libc_errno.errno
-        if err:
-            _fail("munmap", err, f"{self.mapped} bytes at {<uintptr_t>address:#x}")
+        return err
 
     def __dealloc__(self):
         # Every export holds a reference, so none is left here.
-        if self.address != NULL:
-            if self.from_libnuma:
-                numa_free(self.address, self.mapped)
-            else:
-                numa_api.munmap(self.address, self.mapped)
-            self.address = NULL
+        self._unmap()
 
     def __repr__(self) -> str:
         if self.address == NULL:
