@@ -1,5 +1,5 @@
 # Memory: anonymous mappings that own their pages, madvise, mbind, move_pages,
-# memset, and the parallel pre-touch that faults a mapping in from its node's CPUs.
+# numa_alloc_onnode, and the parallel pre-touch that faults a mapping in from its node's CPUs.
 #
 # Every call that takes a buffer holds it (PyObject_GetBuffer) for the whole call,
 # GIL released: the exporter cannot free or resize the memory meanwhile (a
@@ -21,7 +21,6 @@ from cpython.buffer cimport (
 from libc.errno cimport EINVAL
 from libc.stdint cimport uintptr_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.string cimport memset as c_memset
 
 cimport numa_api  # the raw calls whose names the mirrors below take
 
@@ -349,17 +348,6 @@ def move_pages(buf, node=None, int flags=0, bint whole_pages_only=False, int pid
     finally:
         free(addresses)
         free(targets)
-        PyBuffer_Release(&view)
-
-
-def memset(buf, int value) -> None:
-    """memset(3) of the whole writable buffer ``buf`` (GIL released)."""
-    cdef Py_buffer view
-    _hold(buf, &view, True)
-    try:
-        with nogil:
-            c_memset(view.buf, value, <size_t>view.len)
-    finally:
         PyBuffer_Release(&view)
 
 
