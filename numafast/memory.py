@@ -99,12 +99,17 @@ def allocate(
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise InvalidSizeError(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
     targets = _target_nodes(node, nodes)
-    huge = _thp_size() if hugepages and nbytes >= _thp_size() else 0
-    alignment = huge or PAGE_SIZE
+    thp = _thp_size()
+    huge = hugepages and thp and nbytes >= thp
+    alignment = thp if huge else PAGE_SIZE
     _check_room(nbytes, targets, alignment)
-    buffer = _libnuma.mmap_anonymous(nbytes, alignment)
-    if huge:
-        _libnuma.madvise(buffer, _libnuma.MADV_HUGEPAGE)
+    # Whole pages: mbind and madvise act on the pages wholly inside a buffer, and the
+    # last one is all ours (the array over it uses the first nbytes).
+    buffer = _libnuma.mmap_anonymous(-(-nbytes // PAGE_SIZE) * PAGE_SIZE, alignment)
+    if thp:
+        # Asked either way: a kernel whose THP mode is "always" backs big mappings with
+        # huge pages unless told not to, which would make interleave go by 2 MiB.
+        _libnuma.madvise(buffer, _libnuma.MADV_HUGEPAGE if huge else _libnuma.MADV_NOHUGEPAGE)
     mode = MemoryMode.BIND if len(targets) == 1 else MemoryMode.INTERLEAVE
     # Bound before any page exists: each one is placed by the policy as it is faulted in.
     _libnuma.mbind(buffer, _libnuma.MBIND_MODES[mode.value], targets, 0)
@@ -250,10 +255,10 @@ def _pretouch_cpus(nodes: list[int]) -> list[int]:
 
 @cache
 def _thp_size() -> int:
-    """The transparent huge page size, or a size no allocation reaches when THP is off."""
+    """The transparent huge page size; 0 when this kernel has no THP or has it off."""
     try:
         if "[never]" in THP_ENABLED_FILE.read_text():
-            return 1 << 62
+            return 0
         return int(THP_SIZE_FILE.read_text())
     except OSError:
-        return 1 << 62
+        return 0

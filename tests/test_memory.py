@@ -321,7 +321,7 @@ def test_alloc_onnode_mirrors_libnuma() -> None:
 
 
 def test_pretouch_populates_every_page_and_keeps_contents() -> None:
-    owner = _libnuma.mmap_anonymous(3 * MIB + 5, 2 * MIB)
+    owner = _libnuma.mmap_anonymous(3 * MIB + PAGE_SIZE, 2 * MIB)
     numafast.mbind(owner, NODE)  # else each thread's pages land on its own node
     view = np.frombuffer(owner, dtype=np.uint8)
     view[-1] = 42
