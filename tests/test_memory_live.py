@@ -42,10 +42,10 @@ def other_node(node: int) -> int:
 
 
 @pytest.mark.numa(nodes=3)
-@pytest.mark.parametrize("hugepages", [False, True])
-def test_empty_lands_entirely_on_each_node(hugepages: bool) -> None:
+@pytest.mark.parametrize(("size", "hugepages"), [(100, True), (4 * MIB, False), (4 * MIB, True)])
+def test_empty_lands_entirely_on_each_node(size: int, hugepages: bool) -> None:
     for node in NODES:  # the memory-only node included, in that guest
-        array = numafast.empty(4 * MIB, np.uint8, node=node, hugepages=hugepages)
+        array = numafast.empty(size, np.uint8, node=node, hugepages=hugepages)
         pages = pagemap_nodes(address_of(array), array.nbytes)
         assert set(pages) == {node}, f"node {node}: {sorted(set(pages), key=str)}"
         policy, counts = numa_maps_of(address_of(array))
