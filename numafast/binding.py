@@ -1,0 +1,350 @@
+"""Run a thread on a node's CPUs and allocate its memory there.
+
+Context managers (also usable as decorators) change the calling thread's CPU
+affinity and/or memory policy, and on exit restore exactly what was there
+before (CPU mask, policy mode, nodes and flags), also when the body raises:
+:func:`numa_local`, :func:`cpubind`, :func:`membind`, :func:`preferred`,
+:func:`preferred_many`, :func:`interleave`, :func:`local_alloc`.
+:func:`bind` and :func:`bind_process` change placement for good.
+
+Kernel semantics (see README, "Placement"): affinity and memory policy belong to
+one thread; threads and forked children inherit them when they are created; a
+context manager therefore affects only the thread that entered it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterable
+from contextlib import ContextDecorator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from numafast import _libnuma
+from numafast._validate import check_node, check_nodes, format_ids, online_nodes, parse_ids
+from numafast.capabilities import capabilities
+from numafast.errors import (
+    InvalidCpuSetError,
+    InvalidWeightsError,
+    LibnumaError,
+    NodeNotAllowedError,
+    PolicyNotPermitted,
+    PolicyUnsupported,
+)
+from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, seccomp_hint, set_mempolicy
+
+__all__ = [
+    "bind",
+    "bind_process",
+    "cpubind",
+    "cpus_allowed",
+    "interleave",
+    "local_alloc",
+    "membind",
+    "numa_local",
+    "preferred",
+    "preferred_many",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+WEIGHTS_DIR = Path("/sys/kernel/mm/mempolicy/weighted_interleave")
+
+
+# ---------------------------------------------------------------- which CPUs a node means
+
+
+def _cpuset_effective_cpus() -> set[int] | None:
+    """The CPUs of this process's cpuset cgroup (v2 or v1), or None where it is not visible."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidate = Path("/sys/fs/cgroup", path.lstrip("/"), "cpuset.cpus.effective")
+        elif "cpuset" in controllers.split(","):
+            candidate = Path("/sys/fs/cgroup/cpuset", path.lstrip("/"), "cpuset.effective_cpus")
+        else:
+            continue
+        try:
+            return set(parse_ids(candidate.read_text()))
+        except OSError:
+            continue
+    return None
+
+
+def _cpus_at_start() -> set[int]:
+    """The CPUs the process (its main thread) was allowed when numafast was imported.
+
+    A launcher's taskset or numactl restriction is respected this way, as libnuma
+    does; a thread numafast binds later does not narrow it.
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Cpus_allowed_list:"):
+                return set(parse_ids(line.split(":", 1)[1]))
+    return set(os.sched_getaffinity(0))
+
+
+_CPUS_AT_START = _cpus_at_start()
+
+
+def cpus_allowed() -> set[int]:
+    """CPUs this process may be bound to: its cpuset's, within what it was started with."""
+    cpuset = _cpuset_effective_cpus()
+    return _CPUS_AT_START if cpuset is None else _CPUS_AT_START & cpuset
+
+
+def _node_cpus(node: int, allowed: set[int]) -> list[int]:
+    """The allowed CPUs of ``node``; for a CPU-less node those of its nearest node(s) with CPUs."""
+    own = [cpu for cpu in _libnuma.node_to_cpus(node) if cpu in allowed]
+    if own:
+        return own
+    if _libnuma.node_to_cpus(node):
+        raise NodeNotAllowedError(
+            f"node {node}'s CPUs {format_ids(_libnuma.node_to_cpus(node))} are all outside the "
+            f"CPUs this process may use ({format_ids(allowed)})"
+        )
+    candidates = {
+        other: cpus
+        for other in online_nodes()
+        if (cpus := [cpu for cpu in _libnuma.node_to_cpus(other) if cpu in allowed])
+    }
+    if not candidates:
+        raise InvalidCpuSetError(f"no node has CPUs this process may use ({format_ids(allowed)})")
+    nearest = min(_libnuma.distance(node, other) for other in candidates)
+    return sorted(cpu for other, cpus in candidates.items() if _libnuma.distance(node, other) == nearest for cpu in cpus)
+
+
+def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[int]:
+    """The CPU list of ``cpubind``/``bind``-style arguments, validated against :func:`cpus_allowed`."""
+    if (cpus is None) == (nodes is None):
+        raise TypeError("give exactly one of cpus= or nodes=")
+    allowed = cpus_allowed()
+    if nodes is not None:
+        return sorted({cpu for node in check_nodes(nodes) for cpu in _node_cpus(node, allowed)})
+    checked: set[int] = set()
+    for cpu in cpus or ():
+        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
+            raise InvalidCpuSetError(f"cpu {cpu!r} is not a CPU id (a non-negative integer)")
+        checked.add(cpu)
+    if not checked:
+        raise InvalidCpuSetError(f"empty CPU set; allowed CPUs: {format_ids(allowed)}")
+    if forbidden := checked - allowed:
+        raise InvalidCpuSetError(f"cpu {format_ids(forbidden)} not allowed; allowed CPUs: {format_ids(allowed)}")
+    return sorted(checked)
+
+
+# ---------------------------------------------------------------- the kernel calls, with refusals explained
+
+
+def _set_affinity(tid: int, cpus: list[int]) -> None:
+    try:
+        _libnuma.sched_setaffinity(tid, cpus)
+    except LibnumaError as error:
+        if error.errno == errno.EPERM:
+            raise PolicyNotPermitted(f"sched_setaffinity(tid {tid}) refused with EPERM; {seccomp_hint()}") from error
+        if error.errno == errno.EINVAL:
+            raise InvalidCpuSetError(
+                f"cpus {format_ids(cpus)} are all outside this thread's cpuset; "
+                f"allowed CPUs: {format_ids(cpus_allowed())}"
+            ) from error
+        raise
+
+
+def _mode_word(mode: Mode, flags: Iterable[ModeFlag | str]) -> int:
+    word = MODE_NUMBERS[mode]
+    for flag in flags:
+        word |= FLAG_BITS[ModeFlag(flag)]
+    return word
+
+
+# ---------------------------------------------------------------- the context manager behind them all
+
+
+class Placement(ContextDecorator):
+    """A CPU set and/or memory policy for the calling thread, restored exactly on exit.
+
+    ``cpus`` None leaves the affinity alone, ``mode_word`` None the memory policy.
+    One instance is entered by one ``with`` at a time; as a decorator every call
+    gets its own copy, so a decorated function may run in many threads at once.
+    """
+
+    __slots__ = ("_cpus", "_mode_word", "_nodes", "_saved_cpus", "_saved_policy")
+
+    def __init__(self, cpus: list[int] | None, mode_word: int | None, nodes: list[int]) -> None:
+        self._cpus = cpus
+        self._mode_word = mode_word
+        self._nodes = nodes
+        self._saved_cpus: list[int] | None = None
+        self._saved_policy: tuple[int, list[int]] | None = None
+
+    def _recreate_cm(self) -> Placement:
+        return Placement(self._cpus, self._mode_word, self._nodes)
+
+    def __enter__(self) -> Placement:
+        if self._saved_cpus is not None or self._saved_policy is not None:
+            raise RuntimeError("this placement is already entered; create one per `with`")
+        cpus, mode_word = self._cpus, self._mode_word
+        saved_cpus = _libnuma.sched_getaffinity(0) if cpus is not None else None
+        saved_policy = _libnuma.get_mempolicy() if mode_word is not None else None
+        # A call that would change nothing is skipped.
+        cpus_changed = cpus is not None and cpus != saved_cpus
+        if cpus_changed:
+            _set_affinity(0, cpus)  # type: ignore[arg-type]
+        if mode_word is not None and saved_policy != (mode_word, self._nodes):
+            try:
+                set_mempolicy(mode_word, self._nodes)
+            except BaseException:
+                if cpus_changed:  # never leave half of the placement applied
+                    _libnuma.sched_setaffinity(0, saved_cpus)
+                raise
+        self._saved_cpus, self._saved_policy = saved_cpus, saved_policy
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        saved_cpus, saved_policy = self._saved_cpus, self._saved_policy
+        self._saved_cpus = self._saved_policy = None
+        # Restored unconditionally: the body may have changed either in between.
+        try:
+            if saved_cpus is not None:
+                _libnuma.sched_setaffinity(0, saved_cpus)
+        finally:
+            if saved_policy is not None:
+                _libnuma.set_mempolicy(*saved_policy)
+
+
+# Validated (cpus, nodes) of numa_local per node: topology does not change while a
+# job runs, and a cpuset that changes later is still enforced by the kernel (it
+# drops forbidden CPUs, and refuses a forbidden node with EINVAL, which
+# set_mempolicy turns into NodeNotAllowedError).
+_numa_local_plans: dict[int, tuple[list[int], list[int]]] = {}
+
+
+def _numa_local_plan(node: int) -> tuple[list[int], list[int]]:
+    plan = _numa_local_plans.get(node) if type(node) is int else None
+    if plan is None:
+        checked = check_node(node)
+        plan = _numa_local_plans[checked] = (_node_cpus(checked, cpus_allowed()), [checked])
+    return plan
+
+
+_BIND = MODE_NUMBERS[Mode.BIND]
+_PREFERRED = MODE_NUMBERS[Mode.PREFERRED]
+
+
+def numa_local(node: int, *, strict: bool = False) -> Placement:
+    """Run on ``node``'s allowed CPUs and allocate new pages on ``node``.
+
+    ``strict=False`` prefers the node (MPOL_PREFERRED): when it is full, pages come
+    from another node rather than the OOM killer ending a data loader.
+    ``strict=True`` binds (MPOL_BIND): the node or nothing. A node without CPUs
+    (CXL or HBM memory, Grace-Hopper GPU memory) runs on its nearest CPU node(s)
+    by numa_distance and allocates on itself.
+    """
+    cpus, nodes = _numa_local_plan(node)
+    return Placement(cpus, _BIND if strict else _PREFERRED, nodes)
+
+
+def cpubind(*, cpus: Iterable[int] | None = None, nodes: Iterable[int] | None = None) -> Placement:
+    """Run only on ``cpus``, or on the allowed CPUs of ``nodes``; memory policy untouched."""
+    return Placement(_cpus_for(cpus, nodes), None, [])
+
+
+def membind(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+    """Allocate only on ``nodes`` (MPOL_BIND): when they are full, the OOM killer, not another node."""
+    return Placement(None, _mode_word(Mode.BIND, flags), check_nodes(nodes))
+
+
+def preferred(node: int, *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+    """Allocate on ``node`` while it has free memory, elsewhere after (MPOL_PREFERRED)."""
+    return Placement(None, _mode_word(Mode.PREFERRED, flags), [check_node(node)])
+
+
+def preferred_many(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+    """Allocate on any of ``nodes`` while they have memory (MPOL_PREFERRED_MANY, Linux 5.15+)."""
+    _require("preferred_many")
+    return Placement(None, _mode_word(Mode.PREFERRED_MANY, flags), check_nodes(nodes))
+
+
+def interleave(
+    nodes: Iterable[int], *, weights: Iterable[int] | None = None, flags: Iterable[ModeFlag | str] = ()
+) -> Placement:
+    """Spread new pages round-robin over ``nodes`` (MPOL_INTERLEAVE).
+
+    ``weights`` (one per node, 1-255) asks for weighted interleave (Linux 6.9+):
+    node i gets weights[i] pages in turn. The kernel keeps these weights system-wide
+    in /sys/kernel/mm/mempolicy/weighted_interleave/nodeN, not per thread; numafast
+    does not rewrite a setting that every process shares, so the weights must
+    already be set there (the error says how) and are checked to match.
+    """
+    checked = check_nodes(nodes)
+    if weights is None:
+        return Placement(None, _mode_word(Mode.INTERLEAVE, flags), checked)
+    _require("weighted_interleave")
+    _check_weights(list(nodes), list(weights))
+    return Placement(None, _mode_word(Mode.WEIGHTED_INTERLEAVE, flags), checked)
+
+
+def local_alloc() -> Placement:
+    """Allocate on the node of the CPU that touches each page (MPOL_LOCAL)."""
+    return Placement(None, MODE_NUMBERS[Mode.LOCAL], [])
+
+
+def _require(feature: str) -> None:
+    capability = getattr(capabilities(), feature)
+    if not capability.available:
+        raise PolicyUnsupported(f"{feature} is not available here: {capability.reason}")
+
+
+def _check_weights(nodes: list[int], weights: list[int]) -> None:
+    if len(weights) != len(nodes):
+        raise InvalidWeightsError(f"{len(weights)} weights for {len(nodes)} nodes {nodes}; give one per node")
+    for weight in weights:
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= 255:
+            raise InvalidWeightsError(f"weight {weight!r} is not an integer in 1..255")
+    system = {node: int((WEIGHTS_DIR / f"node{node}").read_text()) for node in nodes}
+    wanted = dict(zip(nodes, weights))
+    if system != wanted:
+        commands = "; ".join(f"echo {w} > {WEIGHTS_DIR}/node{n}" for n, w in wanted.items())
+        raise InvalidWeightsError(
+            f"weights {wanted} differ from the kernel's system-wide weights {system}; the kernel "
+            f"has no per-thread weights: an administrator sets them ({commands})"
+        )
+
+
+# ---------------------------------------------------------------- persistent binding
+
+
+def bind(node: int, *, strict: bool = False) -> None:
+    """Bind the calling thread for good: ``node``'s CPUs, and memory there (as numa_local)."""
+    placement = numa_local(node, strict=strict)
+    placement.__enter__()  # keeps the change: nothing will exit it
+
+
+def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> list[int]:
+    """Move every thread of this process to ``node``'s CPUs; set the calling thread's policy.
+
+    The kernel offers no way to change another thread's memory policy, so only
+    the caller's is set (threads created afterwards inherit it). ``migrate=True``
+    also moves pages already touched on other nodes to ``node``. Returns the ids
+    of the threads that were moved.
+    """
+    cpus, nodes = _numa_local_plan(node)
+    moved: list[int] = []
+    for entry in os.listdir("/proc/self/task"):
+        try:
+            _set_affinity(int(entry), cpus)
+        except LibnumaError as error:
+            if error.errno != errno.ESRCH:  # the thread has ended meanwhile
+                raise
+        else:
+            moved.append(int(entry))
+    set_mempolicy(_BIND if strict else _PREFERRED, nodes)
+    if migrate:
+        others = [n for n in _libnuma.get_mems_allowed() if n != node]
+        if others:
+            _libnuma.migrate_pages(0, others, nodes)
+    return moved
