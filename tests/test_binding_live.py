@@ -61,7 +61,7 @@ def test_numa_local_puts_pages_and_thread_on_the_node_then_restores(node: int, s
     cpus_before, policy_before = os.sched_getaffinity(0), thread_policy()
     with numafast.numa_local(node, strict=strict):
         array, raw = fresh_buffers()
-        assert Counter(page_nodes(array)) == {node: MIB // 4096}
+        assert set(page_nodes(array)) == {node} and len(page_nodes(array)) >= MIB // 4096 - 1
         assert set(page_nodes(raw)) == {node}
         assert os.sched_getaffinity(0) == expected_cpus(node)
         mode = numafast._libnuma.MPOL_BIND if strict else numafast._libnuma.MPOL_PREFERRED
@@ -206,7 +206,8 @@ def test_bind_process_moves_every_existing_thread() -> None:
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert all(cpus == online_cpus() for cpus in report["before"])
-    assert len(report["after"]) == 4 and sorted(map(int, report["after"])) == sorted(report["moved"])
+    # 3 waiting threads, the main one, and whatever pools NumPy's BLAS started.
+    assert len(report["after"]) >= 4 and sorted(map(int, report["after"])) == sorted(report["moved"])
     assert all(cpus == node_cpus(1) for cpus in report["after"].values())
     assert report["pages"] == [1]
 
@@ -252,9 +253,10 @@ except numafast.NodeNotAllowedError as error:
     print("refused:", error)
 print("restored" if (os.sched_getaffinity(0), _libnuma.get_mempolicy()) == before else "HALF-APPLIED")
 try:
-    numafast.numa_local(3)
+    with numafast.numa_local(3):
+        print("entered")
 except numafast.NodeNotAllowedError as error:
-    print("fresh:", error)
+    print("again:", error)
 with numafast.numa_local(2):
     print("node 2 ok")
 """
@@ -267,8 +269,27 @@ def test_cpuset_that_excludes_a_node_is_refused_and_nothing_stays_half_applied()
     lines = result.stdout.splitlines()
     assert lines[0].startswith("refused: ") and "Mems_allowed is 0-2" in lines[0], lines
     assert lines[1] == "restored"
-    assert lines[2].startswith("fresh: node 3 is not allowed"), lines
+    assert lines[2].startswith("again: node 3 is not allowed"), lines
     assert lines[3] == "node 2 ok"
+
+
+@pytest.mark.numa(nodes=4)
+def test_process_started_in_a_cpuset_gets_a_clear_error_for_the_excluded_node() -> None:
+    code = (
+        "import numafast\n"
+        "for call in (lambda: numafast.numa_local(3), lambda: numafast.cpubind(cpus=[3]),\n"
+        "             lambda: numafast.membind([2, 3]), lambda: numafast.cpubind(nodes=[3])):\n"
+        "    try: call(); print('accepted')\n"
+        "    except numafast.NumaError as error: print(type(error).__name__, error)\n"
+    )
+    result = run_python(code, sys.executable, str(TESTS / "cpuset_exec.py"), "0-2", "--cpus", "0-2", "--")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "NodeNotAllowedError node 3 is not allowed for this process (its cpuset's " \
+        "Mems_allowed is 0-2; a container or numactl/cgroup limit)"
+    assert lines[1] == "InvalidCpuSetError cpu 3 not allowed; allowed CPUs: 0-2"
+    assert lines[2].startswith("NodeNotAllowedError node 3 is not allowed")
+    assert lines[3].startswith("NodeNotAllowedError node 3 is not allowed")
 
 
 def test_weighted_interleave_matches_the_kernel_release() -> None:
