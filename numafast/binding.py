@@ -32,7 +32,7 @@ from numafast.errors import (
     PolicyNotPermitted,
     PolicyUnsupported,
 )
-from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, seccomp_hint, set_mempolicy
+from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, explain_refusal, seccomp_hint, set_mempolicy
 
 __all__ = [
     "bind",
@@ -172,44 +172,52 @@ class Placement(ContextDecorator):
     gets its own copy, so a decorated function may run in many threads at once.
     """
 
-    __slots__ = ("_cpus", "_mode_word", "_nodes", "_saved_cpus", "_saved_policy")
+    __slots__ = ("_target", "_saved")
 
     def __init__(self, cpus: list[int] | None, mode_word: int | None, nodes: list[int]) -> None:
-        self._cpus = cpus
-        self._mode_word = mode_word
-        self._nodes = nodes
-        self._saved_cpus: list[int] | None = None
-        self._saved_policy: tuple[int, list[int]] | None = None
+        self._target = (cpus, mode_word, nodes)
+        # (CPUs before, whether entering changed them, policy before) while entered.
+        self._saved: tuple[list[int] | None, bool, tuple[int, list[int]] | None] | None = None
 
     def _recreate_cm(self) -> Placement:
-        return Placement(self._cpus, self._mode_word, self._nodes)
+        return Placement(*self._target)
 
     def __enter__(self) -> Placement:
-        if self._saved_cpus is not None or self._saved_policy is not None:
+        if self._saved is not None:
             raise RuntimeError("this placement is already entered; create one per `with`")
-        cpus, mode_word = self._cpus, self._mode_word
-        saved_cpus = _libnuma.sched_getaffinity(0) if cpus is not None else None
-        saved_policy = _libnuma.get_mempolicy() if mode_word is not None else None
+        cpus, mode_word, nodes = self._target
+        saved_cpus = saved_policy = None
+        cpus_changed = False
         # A call that would change nothing is skipped.
-        cpus_changed = cpus is not None and cpus != saved_cpus
-        if cpus_changed:
-            _set_affinity(0, cpus)  # type: ignore[arg-type]
-        if mode_word is not None and saved_policy != (mode_word, self._nodes):
-            try:
-                set_mempolicy(mode_word, self._nodes)
-            except BaseException:
-                if cpus_changed:  # never leave half of the placement applied
-                    _libnuma.sched_setaffinity(0, saved_cpus)
-                raise
-        self._saved_cpus, self._saved_policy = saved_cpus, saved_policy
+        if cpus is not None:
+            saved_cpus = _libnuma.sched_getaffinity(0)
+            if cpus != saved_cpus:
+                _set_affinity(0, cpus)
+                cpus_changed = True
+        if mode_word is not None:
+            saved_policy = _libnuma.get_mempolicy()
+            if saved_policy[0] != mode_word or saved_policy[1] != nodes:
+                try:
+                    _libnuma.set_mempolicy(mode_word, nodes)
+                except BaseException as error:
+                    if cpus_changed:  # never leave half of the placement applied
+                        _libnuma.sched_setaffinity(0, saved_cpus)
+                    if isinstance(error, LibnumaError):
+                        raise explain_refusal(error, mode_word, nodes) from error
+                    raise
+        self._saved = (saved_cpus, cpus_changed, saved_policy)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        saved_cpus, saved_policy = self._saved_cpus, self._saved_policy
-        self._saved_cpus = self._saved_policy = None
-        # Restored unconditionally: the body may have changed either in between.
+        saved = self._saved
+        self._saved = None
+        if saved is None:
+            raise RuntimeError("this placement was not entered")
+        saved_cpus, cpus_changed, saved_policy = saved
         try:
-            if saved_cpus is not None:
+            # The body may have changed either meanwhile; reading the CPUs is
+            # cheaper than setting them, so they are set only if they differ.
+            if saved_cpus is not None and (cpus_changed or _libnuma.sched_getaffinity(0) != saved_cpus):
                 _libnuma.sched_setaffinity(0, saved_cpus)
         finally:
             if saved_policy is not None:
@@ -320,8 +328,7 @@ def _check_weights(nodes: list[int], weights: list[int]) -> None:
 
 def bind(node: int, *, strict: bool = False) -> None:
     """Bind the calling thread for good: ``node``'s CPUs, and memory there (as numa_local)."""
-    placement = numa_local(node, strict=strict)
-    placement.__enter__()  # keeps the change: nothing will exit it
+    numa_local(node, strict=strict).__enter__()  # never exited: the change stays
 
 
 def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> list[int]:

@@ -6,6 +6,7 @@
 # numa_error() and leaving errno set, so those mirrors clear errno before the
 # call and raise when it is set afterwards.
 
+from libc.string cimport memset
 cimport numa_api  # the raw syscalls, whose names the mirrors below take
 
 # Mode numbers of set_mempolicy(2) (uapi/linux/mempolicy.h), its mode flags (OR'd
@@ -226,6 +227,34 @@ def migrate_pages(int pid, from_nodes, to_nodes) -> int:
 
 
 # ---------------------------------------------------------------- kernel: set_mempolicy / get_mempolicy
+#
+# These four are on the path of every `with numa_local(...)`, so their masks live
+# on the stack rather than in libnuma's heap bitmasks (a malloc and a calloc per
+# call). 8192 bits cover the largest CONFIG_NR_CPUS and CONFIG_NODES_SHIFT.
+
+DEF STACK_MASK_WORDS = 128
+cdef unsigned long WORD_BITS = 8 * sizeof(unsigned long)
+
+
+cdef int _fill_mask(bitmask *mask, unsigned long *words, unsigned long bits, object ids, str what) except -1:
+    """Point ``mask`` at ``words`` (cleared, ``bits`` wide) with ``ids`` set."""
+    cdef unsigned long nwords = (bits + WORD_BITS - 1) // WORD_BITS
+    cdef long i
+    if nwords > STACK_MASK_WORDS:
+        raise OverflowError(f"a {bits}-bit {what} mask is larger than numafast supports")
+    memset(words, 0, nwords * sizeof(unsigned long))
+    mask.size = bits
+    mask.maskp = words
+    for i in ids:
+        if i < 0 or <unsigned long>i >= bits:
+            raise ValueError(f"{what} {i} is outside 0..{bits - 1}")
+        words[i // WORD_BITS] |= 1UL << (i % WORD_BITS)
+    return 0
+
+
+cdef inline unsigned long _nodemask_bits() noexcept:
+    return <unsigned long>numa_max_possible_node() + 1
+
 
 def set_mempolicy(int mode, nodes) -> None:
     """set_mempolicy(2): ``mode`` (an MPOL_* mode, mode flags OR'd in) over ``nodes``.
@@ -233,19 +262,18 @@ def set_mempolicy(int mode, nodes) -> None:
     ``nodes`` is empty for MPOL_DEFAULT and MPOL_LOCAL (and an MPOL_PREFERRED that
     means "local").
     """
-    cdef bitmask *mask = _nodemask_from(nodes)
+    cdef unsigned long words[STACK_MASK_WORDS]
+    cdef bitmask mask
     cdef long rc
     cdef int err
-    try:
-        with nogil:
-            libc_errno.errno = 0
-            # maxnode counts one past the highest bit, as libnuma passes it.
-            rc = numa_api.set_mempolicy(mode, mask.maskp, mask.size + 1)
-            err = libc_errno.errno
-        if rc < 0:
-            _fail("set_mempolicy", err, f"mode {mode:#x}, nodes {list(nodes)}")
-    finally:
-        numa_bitmask_free(mask)
+    _fill_mask(&mask, words, _nodemask_bits(), nodes, "node")
+    with nogil:
+        libc_errno.errno = 0
+        # maxnode counts one past the highest bit, as libnuma passes it.
+        rc = numa_api.set_mempolicy(mode, mask.maskp, mask.size + 1)
+        err = libc_errno.errno
+    if rc < 0:
+        _fail("set_mempolicy", err, f"mode {mode:#x}, nodes {list(nodes)}")
 
 
 def get_mempolicy(unsigned int flags=0, size_t addr=0) -> tuple[int, list[int]]:
@@ -255,22 +283,19 @@ def get_mempolicy(unsigned int flags=0, size_t addr=0) -> tuple[int, list[int]]:
     the first item is the node the page at ``addr`` is on (the kernel faults it in);
     with MPOL_F_MEMS_ALLOWED the nodes are the cpuset's.
     """
-    cdef bitmask *mask = numa_allocate_nodemask()
+    cdef unsigned long words[STACK_MASK_WORDS]
+    cdef bitmask mask
     cdef int mode = 0
     cdef long rc
     cdef int err
-    if mask == NULL:
-        raise MemoryError("numa_allocate_nodemask")
-    try:
-        with nogil:
-            libc_errno.errno = 0
-            rc = numa_api.get_mempolicy(&mode, mask.maskp, mask.size + 1, <void *>addr, flags)
-            err = libc_errno.errno
-        if rc < 0:
-            _fail("get_mempolicy", err, f"flags {flags:#x}, addr {addr:#x}")
-        return mode, _bits_of(mask)
-    finally:
-        numa_bitmask_free(mask)
+    _fill_mask(&mask, words, _nodemask_bits(), (), "node")
+    with nogil:
+        libc_errno.errno = 0
+        rc = numa_api.get_mempolicy(&mode, mask.maskp, mask.size + 1, <void *>addr, flags)
+        err = libc_errno.errno
+    if rc < 0:
+        _fail("get_mempolicy", err, f"flags {flags:#x}, addr {addr:#x}")
+    return mode, _bits_of(&mask)
 
 
 # ---------------------------------------------------------------- kernel: CPU affinity of a thread
@@ -281,35 +306,31 @@ def sched_setaffinity(int tid, cpus) -> None:
     The kernel silently drops CPUs outside the thread's cpuset and fails with
     EINVAL when none is left.
     """
-    cdef bitmask *mask = _cpumask_from(cpus)
+    cdef unsigned long words[STACK_MASK_WORDS]
+    cdef bitmask mask
     cdef int rc, err
-    try:
-        with nogil:
-            libc_errno.errno = 0
-            rc = numa_sched_setaffinity(tid, mask)
-            err = libc_errno.errno
-        if rc < 0:
-            _fail("sched_setaffinity", err, f"tid {tid}, cpus {list(cpus)}")
-    finally:
-        numa_bitmask_free(mask)
+    _fill_mask(&mask, words, numa_num_possible_cpus(), cpus, "cpu")
+    with nogil:
+        libc_errno.errno = 0
+        rc = numa_sched_setaffinity(tid, &mask)
+        err = libc_errno.errno
+    if rc < 0:
+        _fail("sched_setaffinity", err, f"tid {tid}, cpus {list(cpus)}")
 
 
 def sched_getaffinity(int tid) -> list[int]:
     """numa_sched_getaffinity(): the CPUs thread ``tid`` (0 = the caller) may run on."""
-    cdef bitmask *mask = numa_allocate_cpumask()
+    cdef unsigned long words[STACK_MASK_WORDS]
+    cdef bitmask mask
     cdef int rc, err
-    if mask == NULL:
-        raise MemoryError("numa_allocate_cpumask")
-    try:
-        with nogil:
-            libc_errno.errno = 0
-            rc = numa_sched_getaffinity(tid, mask)
-            err = libc_errno.errno
-        if rc < 0:
-            _fail("sched_getaffinity", err, f"tid {tid}")
-        return _bits_of(mask)
-    finally:
-        numa_bitmask_free(mask)
+    _fill_mask(&mask, words, numa_num_possible_cpus(), (), "cpu")
+    with nogil:
+        libc_errno.errno = 0
+        rc = numa_sched_getaffinity(tid, &mask)
+        err = libc_errno.errno
+    if rc < 0:
+        _fail("sched_getaffinity", err, f"tid {tid}")
+    return _bits_of(&mask)
 
 
 def gettid() -> int:

@@ -103,15 +103,20 @@ def nearest_cpu_nodes(node: int) -> list[int]:
     return [n for n in with_cpus if distances[nodes.index(n)] == best]
 
 
-def numa_maps_pages(address: int, pid: int | str = "self") -> dict[int, int]:
-    """{node: pages} of the mapping that holds ``address``, from /proc/PID/numa_maps."""
-    start = None
+def numa_maps_pages(address: int, length: int, pid: int | str = "self") -> dict[int, int]:
+    """{node: pages} of the mappings that overlap [address, address + length), from
+    /proc/PID/numa_maps (NumPy's madvise(MADV_HUGEPAGE) splits one malloc'd block in two)."""
+    starts = set()
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         low, high = (int(x, 16) for x in line.split()[0].split("-"))
-        if low <= address < high:
-            start = low
+        if low < address + length and address < high:
+            starts.add(low)
+    pages: dict[int, int] = {}
     for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
         words = line.split()
-        if int(words[0], 16) == start:
-            return {int(w[1:].split("=")[0]): int(w.split("=")[1]) for w in words if w[0] == "N" and "=" in w}
-    raise LookupError(f"no mapping holds {address:#x}")
+        if int(words[0], 16) in starts:
+            for word in words:
+                if word[0] == "N" and "=" in word:
+                    node, count = word[1:].split("=")
+                    pages[int(node)] = pages.get(int(node), 0) + int(count)
+    return pages

@@ -221,7 +221,7 @@ import json, numpy as np, numafast
 from sysfs_truth import buffer_address, numa_maps_pages
 with numafast.{call}:
     array = np.ones({size_mib} << 17)  # {size_mib} MiB, every page touched
-print(json.dumps(numa_maps_pages(buffer_address(array)[0])))
+print(json.dumps(numa_maps_pages(*buffer_address(array))))
 """
 
 
@@ -282,7 +282,7 @@ def test_process_started_in_a_cpuset_gets_a_clear_error_for_the_excluded_node() 
         "    try: call(); print('accepted')\n"
         "    except numafast.NumaError as error: print(type(error).__name__, error)\n"
     )
-    result = run_python(code, sys.executable, str(TESTS / "cpuset_exec.py"), "0-2", "--cpus", "0-2", "--")
+    result = run_python(code, sys.executable, str(TESTS / "cpuset_exec.py"), "--cpus", "0-2", "0-2", "--")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "NodeNotAllowedError node 3 is not allowed for this process (its cpuset's " \
