@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable, Iterable
 from contextlib import ContextDecorator
 from pathlib import Path
@@ -164,81 +165,84 @@ def _mode_word(mode: Mode, flags: Iterable[ModeFlag | str]) -> int:
 # ---------------------------------------------------------------- the context manager behind them all
 
 
+class _Entries(threading.local):
+    """Per thread: (placement, what it saved) of every block entered and not yet left."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[Placement, tuple[list[int] | None, bool, tuple[int, list[int]] | None]]] = []
+
+
+_entries = _Entries()
+
+
+# The calls every block makes, bound once (a module attribute lookup each is measurable).
+_sched_getaffinity = _libnuma.sched_getaffinity
+_sched_setaffinity = _libnuma.sched_setaffinity
+_get_mempolicy = _libnuma.get_mempolicy
+_set_mempolicy = _libnuma.set_mempolicy
+
+
 class Placement(ContextDecorator):
     """A CPU set and/or memory policy for the calling thread, restored exactly on exit.
 
     ``cpus`` None leaves the affinity alone, ``mode_word`` None the memory policy.
-    One instance is entered by one ``with`` at a time; as a decorator every call
-    gets its own copy, so a decorated function may run in many threads at once.
+    A placement holds no state of its own: what a ``with`` saved is kept per
+    thread, so one placement may be entered by many threads at once, nested, and
+    used as a decorator.
     """
 
-    __slots__ = ("_target", "_saved")
+    __slots__ = ("_cpus", "_mode_word", "_nodes")
 
     def __init__(self, cpus: list[int] | None, mode_word: int | None, nodes: list[int]) -> None:
-        self._target = (cpus, mode_word, nodes)
-        # (CPUs before, whether entering changed them, policy before) while entered.
-        self._saved: tuple[list[int] | None, bool, tuple[int, list[int]] | None] | None = None
-
-    def _recreate_cm(self) -> Placement:
-        return Placement(*self._target)
+        self._cpus, self._mode_word, self._nodes = cpus, mode_word, nodes
 
     def __enter__(self) -> Placement:
-        if self._saved is not None:
-            raise RuntimeError("this placement is already entered; create one per `with`")
-        cpus, mode_word, nodes = self._target
+        cpus, mode_word, nodes = self._cpus, self._mode_word, self._nodes
         saved_cpus = saved_policy = None
         cpus_changed = False
         # A call that would change nothing is skipped.
         if cpus is not None:
-            saved_cpus = _libnuma.sched_getaffinity(0)
+            saved_cpus = _sched_getaffinity(0)
             if cpus != saved_cpus:
                 _set_affinity(0, cpus)
                 cpus_changed = True
         if mode_word is not None:
-            saved_policy = _libnuma.get_mempolicy()
+            saved_policy = _get_mempolicy()
             if saved_policy[0] != mode_word or saved_policy[1] != nodes:
                 try:
-                    _libnuma.set_mempolicy(mode_word, nodes)
+                    _set_mempolicy(mode_word, nodes)
                 except BaseException as error:
                     if cpus_changed:  # never leave half of the placement applied
-                        _libnuma.sched_setaffinity(0, saved_cpus)
+                        _sched_setaffinity(0, saved_cpus)
                     if isinstance(error, LibnumaError):
                         raise explain_refusal(error, mode_word, nodes) from error
                     raise
-        self._saved = (saved_cpus, cpus_changed, saved_policy)
+        _entries.stack.append((self, (saved_cpus, cpus_changed, saved_policy)))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        saved = self._saved
-        self._saved = None
-        if saved is None:
-            raise RuntimeError("this placement was not entered")
+        stack = _entries.stack
+        entered, saved = stack.pop()
+        if entered is not self:  # blocks left out of order (generators): find ours
+            stack.append((entered, saved))
+            index = max(i for i, (placement, _) in enumerate(stack) if placement is self)
+            saved = stack.pop(index)[1]
         saved_cpus, cpus_changed, saved_policy = saved
         try:
             # The body may have changed either meanwhile; reading the CPUs is
             # cheaper than setting them, so they are set only if they differ.
-            if saved_cpus is not None and (cpus_changed or _libnuma.sched_getaffinity(0) != saved_cpus):
-                _libnuma.sched_setaffinity(0, saved_cpus)
+            if saved_cpus is not None and (cpus_changed or _sched_getaffinity(0) != saved_cpus):
+                _sched_setaffinity(0, saved_cpus)
         finally:
             if saved_policy is not None:
-                _libnuma.set_mempolicy(*saved_policy)
+                _set_mempolicy(*saved_policy)
 
 
-# Validated (cpus, nodes) of numa_local per node: topology does not change while a
-# job runs, and a cpuset that changes later is still enforced by the kernel (it
-# drops forbidden CPUs, and refuses a forbidden node with EINVAL, which
-# set_mempolicy turns into NodeNotAllowedError).
-_numa_local_plans: dict[int, tuple[list[int], list[int]]] = {}
-
-
-def _numa_local_plan(node: int) -> tuple[list[int], list[int]]:
-    plan = _numa_local_plans.get(node) if type(node) is int else None
-    if plan is None:
-        checked = check_node(node)
-        plan = _numa_local_plans[checked] = (_node_cpus(checked, cpus_allowed()), [checked])
-    return plan
-
-
+# numa_local's placement per (node, strict), validated once: topology does not
+# change while a job runs, and a cpuset that changes later is still enforced by
+# the kernel (it drops forbidden CPUs, and refuses a forbidden node with EINVAL,
+# which entering turns into NodeNotAllowedError).
+_numa_local_placements: dict[tuple[int, bool], Placement] = {}
 _BIND = MODE_NUMBERS[Mode.BIND]
 _PREFERRED = MODE_NUMBERS[Mode.PREFERRED]
 
@@ -252,8 +256,13 @@ def numa_local(node: int, *, strict: bool = False) -> Placement:
     (CXL or HBM memory, Grace-Hopper GPU memory) runs on its nearest CPU node(s)
     by numa_distance and allocates on itself.
     """
-    cpus, nodes = _numa_local_plan(node)
-    return Placement(cpus, _BIND if strict else _PREFERRED, nodes)
+    placement = _numa_local_placements.get((node, strict)) if type(node) is int else None
+    if placement is None:
+        checked = check_node(node)
+        cpus = _node_cpus(checked, cpus_allowed())
+        placement = Placement(cpus, _BIND if strict is True else _PREFERRED, [checked])
+        _numa_local_placements[(checked, strict is True)] = placement
+    return placement
 
 
 def cpubind(*, cpus: Iterable[int] | None = None, nodes: Iterable[int] | None = None) -> Placement:
@@ -328,7 +337,9 @@ def _check_weights(nodes: list[int], weights: list[int]) -> None:
 
 def bind(node: int, *, strict: bool = False) -> None:
     """Bind the calling thread for good: ``node``'s CPUs, and memory there (as numa_local)."""
-    numa_local(node, strict=strict).__enter__()  # never exited: the change stays
+    placement = numa_local(node, strict=strict)
+    placement.__enter__()
+    _entries.stack.pop()  # never exited: the change stays
 
 
 def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> list[int]:
@@ -339,7 +350,8 @@ def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> l
     also moves pages already touched on other nodes to ``node``. Returns the ids
     of the threads that were moved.
     """
-    cpus, nodes = _numa_local_plan(node)
+    placement = numa_local(node, strict=strict)
+    cpus, nodes = placement._cpus, placement._nodes
     moved: list[int] = []
     for entry in os.listdir("/proc/self/task"):
         try:
@@ -349,7 +361,7 @@ def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> l
                 raise
         else:
             moved.append(int(entry))
-    set_mempolicy(_BIND if strict else _PREFERRED, nodes)
+    set_mempolicy(placement._mode_word, nodes)  # type: ignore[arg-type]
     if migrate:
         others = [n for n in _libnuma.get_mems_allowed() if n != node]
         if others:

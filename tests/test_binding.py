@@ -89,13 +89,49 @@ def test_a_block_affects_only_the_thread_that_entered_it_and_threads_it_creates(
     assert seen == {"bystander": (_libnuma.MPOL_DEFAULT, []), "child": (_libnuma.MPOL_PREFERRED, [NODE])}
 
 
-def test_one_instance_is_entered_once_at_a_time() -> None:
+def test_one_placement_nests_and_serves_several_threads_at_once() -> None:
     placement = numafast.preferred(NODE)
+    inner = numafast.interleave([NODE])
+    barrier = threading.Barrier(2)
+    seen: list[object] = []
+
+    def worker() -> None:
+        with placement:
+            barrier.wait()
+            seen.append(thread_policy())
+            barrier.wait()
+        seen.append(thread_policy())
+
+    other = threading.Thread(target=worker)
+    other.start()
     with placement:
-        with pytest.raises(RuntimeError, match="already entered"):
-            placement.__enter__()
-    with placement:  # reusable once exited
+        barrier.wait()
+        with inner, placement:
+            assert thread_policy() == (_libnuma.MPOL_PREFERRED, [NODE])
         assert thread_policy() == (_libnuma.MPOL_PREFERRED, [NODE])
+        barrier.wait()
+    other.join()
+    assert seen == [(_libnuma.MPOL_PREFERRED, [NODE]), (_libnuma.MPOL_DEFAULT, [])]
+    assert thread_policy() == (_libnuma.MPOL_DEFAULT, [])
+
+
+def test_blocks_left_out_of_order_by_generators_restore_their_own_state() -> None:
+    def placed(block):  # type: ignore[no-untyped-def]
+        with block:
+            yield thread_policy()
+            yield thread_policy()
+
+    first = placed(numafast.membind([NODE]))
+    assert next(first) == (_libnuma.MPOL_BIND, [NODE])
+    second = placed(numafast.interleave([NODE]))
+    assert next(second) == (_libnuma.MPOL_INTERLEAVE, [NODE])
+    first.close()  # the outer block ends first: it restores what it found (default)
+    assert thread_policy() == (_libnuma.MPOL_DEFAULT, [])
+    second.close()  # then the inner one restores what it found (membind)
+    assert thread_policy() == (_libnuma.MPOL_BIND, [NODE])
+    with numafast.local_alloc():  # nothing left on the stack from either
+        pass
+    numafast.set_policy(numafast.Policy(numafast.Mode.DEFAULT))
 
 
 def test_bind_is_persistent_and_bind_process_moves_threads_pinned_elsewhere() -> None:
