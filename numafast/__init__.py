@@ -17,6 +17,7 @@ from numafast.errors import (
 )
 
 # ---- placement (issue 4): binding, memory policies, capabilities
+from numafast import binding
 from numafast.binding import (
     bind,
     bind_process,
@@ -34,6 +35,7 @@ from numafast.errors import InvalidWeightsError, PolicyNotPermitted, PolicyUnsup
 from numafast.policy import Mode, ModeFlag, Policy, get_policy, set_policy
 
 _PLACEMENT_API = [
+    *binding.__all__,
     "Capabilities",
     "Capability",
     "InvalidWeightsError",
@@ -42,18 +44,8 @@ _PLACEMENT_API = [
     "Policy",
     "PolicyNotPermitted",
     "PolicyUnsupported",
-    "bind",
-    "bind_process",
     "capabilities",
-    "cpubind",
-    "cpus_allowed",
     "get_policy",
-    "interleave",
-    "local_alloc",
-    "membind",
-    "numa_local",
-    "preferred",
-    "preferred_many",
     "set_policy",
 ]
 # ---- end placement

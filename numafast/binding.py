@@ -297,6 +297,7 @@ def interleave(
     does not rewrite a setting that every process shares, so the weights must
     already be set there (the error says how) and are checked to match.
     """
+    nodes = list(nodes)
     checked = check_nodes(nodes)
     if weights is None:
         return Placement(None, _mode_word(Mode.INTERLEAVE, flags), checked)
@@ -352,18 +353,27 @@ def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> l
     """
     placement = numa_local(node, strict=strict)
     cpus, nodes = placement._cpus, placement._nodes
-    moved: list[int] = []
-    for entry in os.listdir("/proc/self/task"):
-        try:
-            _set_affinity(int(entry), cpus)
-        except LibnumaError as error:
-            if error.errno != errno.ESRCH:  # the thread has ended meanwhile
-                raise
-        else:
-            moved.append(int(entry))
-    set_mempolicy(placement._mode_word, nodes)  # type: ignore[arg-type]
+    moved: dict[int, list[int]] = {}  # thread id -> its CPUs before
+    try:
+        for tid in map(int, os.listdir("/proc/self/task")):
+            try:
+                before = _libnuma.sched_getaffinity(tid)
+                _set_affinity(tid, cpus)  # type: ignore[arg-type]
+            except LibnumaError as error:
+                if error.errno != errno.ESRCH:  # ESRCH: the thread has ended meanwhile
+                    raise
+            else:
+                moved[tid] = before
+        set_mempolicy(placement._mode_word, nodes)  # type: ignore[arg-type]
+    except BaseException:
+        for tid, before in moved.items():  # never leave half of the placement applied
+            try:
+                _libnuma.sched_setaffinity(tid, before)
+            except LibnumaError:
+                pass  # that thread has ended
+        raise
     if migrate:
         others = [n for n in _libnuma.get_mems_allowed() if n != node]
         if others:
             _libnuma.migrate_pages(0, others, nodes)
-    return moved
+    return sorted(moved)

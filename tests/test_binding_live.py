@@ -191,12 +191,15 @@ from sysfs_truth import page_nodes, thread_cpus_of_process
 release = threading.Event()
 threads = [threading.Thread(target=release.wait) for _ in range(3)]
 for t in threads: t.start()
+with numafast.preferred(0):
+    early = np.ones(1 << 17)  # touched on node 0 before binding
 before = thread_cpus_of_process()
-moved = numafast.bind_process(1)
+moved = numafast.bind_process(1, migrate=True)
 after = thread_cpus_of_process()
 pages = sorted(set(page_nodes(np.ones(1 << 17))))
 release.set()
-print(json.dumps({"before": list(before.values()), "after": after, "moved": moved, "pages": pages}))
+print(json.dumps({"before": list(before.values()), "after": after, "moved": moved, "pages": pages,
+                  "migrated": sorted(set(page_nodes(early)))}))
 """
 
 
@@ -210,6 +213,7 @@ def test_bind_process_moves_every_existing_thread() -> None:
     assert len(report["after"]) >= 4 and sorted(map(int, report["after"])) == sorted(report["moved"])
     assert all(cpus == node_cpus(1) for cpus in report["after"].values())
     assert report["pages"] == [1]
+    assert report["migrated"] == [1]
 
 
 def online_cpus() -> list[int]:
