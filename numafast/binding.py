@@ -33,7 +33,7 @@ from numafast.errors import (
     PolicyNotPermitted,
     PolicyUnsupported,
 )
-from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, explain_refusal, seccomp_hint, set_mempolicy
+from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, raise_refusal, seccomp_hint, set_mempolicy
 
 __all__ = [
     "bind",
@@ -215,7 +215,7 @@ class Placement(ContextDecorator):
                     if cpus_changed:  # never leave half of the placement applied
                         _sched_setaffinity(0, saved_cpus)
                     if isinstance(error, LibnumaError):
-                        raise explain_refusal(error, mode_word, nodes) from error
+                        raise_refusal(error, mode_word, nodes)
                     raise
         _entries.stack.append((self, (saved_cpus, cpus_changed, saved_policy)))
         return self

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NoReturn
 
 from numafast import _libnuma
 from numafast._validate import check_nodes, format_ids
@@ -108,11 +109,20 @@ def set_mempolicy(mode_word: int, nodes: list[int]) -> None:
     try:
         _libnuma.set_mempolicy(mode_word, nodes)
     except LibnumaError as error:
-        raise explain_refusal(error, mode_word, nodes) from error
+        raise_refusal(error, mode_word, nodes)
+
+
+def raise_refusal(error: LibnumaError, mode_word: int, nodes: list[int]) -> NoReturn:
+    """Raise the exception that says why the kernel refused set_mempolicy(mode_word, nodes)."""
+    explained = explain_refusal(error, mode_word, nodes)
+    if explained is error:
+        raise error
+    raise explained from error
 
 
 def explain_refusal(error: LibnumaError, mode_word: int, nodes: list[int]) -> Exception:
-    """The exception that says why the kernel refused set_mempolicy(mode_word, nodes)."""
+    """The exception that says why the kernel refused set_mempolicy(mode_word, nodes)
+    (``error`` itself when there is nothing to add)."""
     policy = Policy.from_kernel(mode_word, nodes)
     what = f"set_mempolicy({policy.mode.value}, nodes {format_ids(nodes)})"
     if error.errno == errno.EPERM:
