@@ -17,10 +17,9 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import ContextDecorator
 from pathlib import Path
-from typing import Any, TypeVar
 
 from numafast import _libnuma
 from numafast._validate import check_node, check_nodes, format_ids, online_nodes, parse_ids
@@ -48,7 +47,6 @@ __all__ = [
     "preferred_many",
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
 WEIGHTS_DIR = Path("/sys/kernel/mm/mempolicy/weighted_interleave")
 
 

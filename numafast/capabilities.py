@@ -96,43 +96,29 @@ def _probe_cpu_affinity() -> Capability:
     return Capability(True)
 
 
-def _probe_all(results: dict[str, Capability]) -> None:
-    """Runs in its own thread: every policy it sets ends with the thread."""
-    node = _libnuma.get_mems_allowed()[0]
-    results["set_mempolicy"] = _probe_set_mempolicy(node)
-    results["preferred_many"] = _probe_preferred_many(node)
-    results["weighted_interleave"] = _probe_weighted_interleave(node)
-    results["cpu_affinity"] = _probe_cpu_affinity()
-
-
-@cache
-def capabilities() -> Capabilities:
-    """Probe once what placement works here (cached for the life of the process)."""
-    kernel = os.uname().release
-    if _libnuma.available() < 0:
-        missing = Capability(False, "numa_available() < 0: no NUMA system calls (kernel or seccomp)")
-        return Capabilities(missing, missing, missing, missing, _probe_in_thread()["cpu_affinity"], kernel)
-    results = _probe_in_thread()
-    return Capabilities(
-        Capability(True),
-        results["set_mempolicy"],
-        results["preferred_many"],
-        results["weighted_interleave"],
-        results["cpu_affinity"],
-        kernel,
-    )
-
-
-def _probe_in_thread() -> dict[str, Capability]:
+def _probes() -> dict[str, Capability]:
+    """Every probe, in a thread of its own: whatever a probe sets ends with that thread."""
     results: dict[str, Capability] = {}
 
     def probe() -> None:
+        results["cpu_affinity"] = _probe_cpu_affinity()
         if _libnuma.available() < 0:
-            results["cpu_affinity"] = _probe_cpu_affinity()
-        else:
-            _probe_all(results)
+            missing = Capability(False, "numa_available() < 0: no NUMA system calls (kernel or seccomp)")
+            results.update(numa=missing, set_mempolicy=missing, preferred_many=missing, weighted_interleave=missing)
+            return
+        node = _libnuma.get_mems_allowed()[0]
+        results["numa"] = Capability(True)
+        results["set_mempolicy"] = _probe_set_mempolicy(node)
+        results["preferred_many"] = _probe_preferred_many(node)
+        results["weighted_interleave"] = _probe_weighted_interleave(node)
 
     thread = threading.Thread(target=probe, name="numafast-capabilities")
     thread.start()
     thread.join()
     return results
+
+
+@cache
+def capabilities() -> Capabilities:
+    """Probe once what placement works here (cached for the life of the process)."""
+    return Capabilities(**_probes(), kernel=os.uname().release)

@@ -26,7 +26,6 @@ from sysfs_truth import (
     node_cpus,
     online_nodes,
     page_nodes,
-    thread_cpus_of_process,
     thread_policy,
 )
 
