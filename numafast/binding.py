@@ -22,7 +22,8 @@ from contextlib import ContextDecorator
 from pathlib import Path
 
 from numafast import _libnuma
-from numafast._validate import check_node, check_nodes, format_ids, online_nodes, parse_ids
+from numafast._validate import check_nodes as _validate_nodes
+from numafast._validate import format_ids, online_nodes, parse_ids
 from numafast.capabilities import capabilities
 from numafast.errors import (
     InvalidCpuSetError,
@@ -123,7 +124,7 @@ def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[i
         raise TypeError("give exactly one of cpus= or nodes=")
     allowed = cpus_allowed()
     if nodes is not None:
-        return sorted({cpu for node in check_nodes(nodes) for cpu in _node_cpus(node, allowed)})
+        return sorted({cpu for node in _check_nodes(nodes) for cpu in _node_cpus(node, allowed)})
     checked: set[int] = set()
     for cpu in cpus or ():
         if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
@@ -137,6 +138,30 @@ def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[i
 
 
 # ---------------------------------------------------------------- the kernel calls, with refusals explained
+
+
+def _check_nodes(nodes: Iterable[object]) -> list[int]:
+    """_validate.check_nodes, with a seccomp refusal of its Mems_allowed query explained.
+
+    numa_get_mems_allowed() reports a refused get_mempolicy as an empty set (and a
+    warning on stderr), which would read as "no node allowed"; asking get_mempolicy
+    directly tells the two apart.
+    """
+    try:
+        return _validate_nodes(nodes)
+    except (LibnumaError, NodeNotAllowedError) as error:
+        try:
+            _libnuma.get_mempolicy(_libnuma.MPOL_F_MEMS_ALLOWED)
+        except LibnumaError as refusal:
+            if refusal.errno == errno.EPERM:
+                raise PolicyNotPermitted(
+                    f"get_mempolicy (asking for the nodes this process may use) refused with EPERM; {seccomp_hint()}"
+                ) from error
+        raise
+
+
+def _check_node(node: object) -> int:
+    return _check_nodes([node])[0]
 
 
 def _set_affinity(tid: int, cpus: list[int]) -> None:
@@ -205,16 +230,16 @@ class Placement(ContextDecorator):
                 _set_affinity(0, cpus)
                 cpus_changed = True
         if mode_word is not None:
-            saved_policy = _get_mempolicy()
-            if saved_policy[0] != mode_word or saved_policy[1] != nodes:
-                try:
+            try:
+                saved_policy = _get_mempolicy()
+                if saved_policy[0] != mode_word or saved_policy[1] != nodes:
                     _set_mempolicy(mode_word, nodes)
-                except BaseException as error:
-                    if cpus_changed:  # never leave half of the placement applied
-                        _sched_setaffinity(0, saved_cpus)
-                    if isinstance(error, LibnumaError):
-                        raise_refusal(error, mode_word, nodes)
-                    raise
+            except BaseException as error:
+                if cpus_changed:  # never leave half of the placement applied
+                    _sched_setaffinity(0, saved_cpus)
+                if isinstance(error, LibnumaError):
+                    raise_refusal(error, mode_word, nodes)
+                raise
         _entries.stack.append((self, (saved_cpus, cpus_changed, saved_policy)))
         return self
 
@@ -256,7 +281,7 @@ def numa_local(node: int, *, strict: bool = False) -> Placement:
     """
     placement = _numa_local_placements.get((node, strict)) if type(node) is int else None
     if placement is None:
-        checked = check_node(node)
+        checked = _check_node(node)
         cpus = _node_cpus(checked, cpus_allowed())
         placement = Placement(cpus, _BIND if strict is True else _PREFERRED, [checked])
         _numa_local_placements[(checked, strict is True)] = placement
@@ -270,18 +295,18 @@ def cpubind(*, cpus: Iterable[int] | None = None, nodes: Iterable[int] | None = 
 
 def membind(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     """Allocate only on ``nodes`` (MPOL_BIND): when they are full, the OOM killer, not another node."""
-    return Placement(None, _mode_word(Mode.BIND, flags), check_nodes(nodes))
+    return Placement(None, _mode_word(Mode.BIND, flags), _check_nodes(nodes))
 
 
 def preferred(node: int, *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     """Allocate on ``node`` while it has free memory, elsewhere after (MPOL_PREFERRED)."""
-    return Placement(None, _mode_word(Mode.PREFERRED, flags), [check_node(node)])
+    return Placement(None, _mode_word(Mode.PREFERRED, flags), [_check_node(node)])
 
 
 def preferred_many(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     """Allocate on any of ``nodes`` while they have memory (MPOL_PREFERRED_MANY, Linux 5.15+)."""
     _require("preferred_many")
-    return Placement(None, _mode_word(Mode.PREFERRED_MANY, flags), check_nodes(nodes))
+    return Placement(None, _mode_word(Mode.PREFERRED_MANY, flags), _check_nodes(nodes))
 
 
 def interleave(
@@ -296,7 +321,7 @@ def interleave(
     already be set there (the error says how) and are checked to match.
     """
     nodes = list(nodes)
-    checked = check_nodes(nodes)
+    checked = _check_nodes(nodes)
     if weights is None:
         return Placement(None, _mode_word(Mode.INTERLEAVE, flags), checked)
     _require("weighted_interleave")

@@ -96,25 +96,41 @@ def _probe_cpu_affinity() -> Capability:
     return Capability(True)
 
 
+def _probe_numa() -> Capability:
+    if _libnuma.available() < 0:
+        return Capability(False, "numa_available() < 0: the kernel has no NUMA system calls (ENOSYS)")
+    try:  # libnuma counts only ENOSYS as unavailable; a seccomp profile answers EPERM
+        _libnuma.get_mempolicy()
+    except LibnumaError as error:
+        return _refusal("get_mempolicy", error)
+    return Capability(True)
+
+
 def _probes() -> dict[str, Capability]:
     """Every probe, in a thread of its own: whatever a probe sets ends with that thread."""
     results: dict[str, Capability] = {}
+    failures: list[BaseException] = []
 
     def probe() -> None:
-        results["cpu_affinity"] = _probe_cpu_affinity()
-        if _libnuma.available() < 0:
-            missing = Capability(False, "numa_available() < 0: no NUMA system calls (kernel or seccomp)")
-            results.update(numa=missing, set_mempolicy=missing, preferred_many=missing, weighted_interleave=missing)
-            return
-        node = _libnuma.get_mems_allowed()[0]
-        results["numa"] = Capability(True)
-        results["set_mempolicy"] = _probe_set_mempolicy(node)
-        results["preferred_many"] = _probe_preferred_many(node)
-        results["weighted_interleave"] = _probe_weighted_interleave(node)
+        try:
+            results["cpu_affinity"] = _probe_cpu_affinity()
+            results["numa"] = _probe_numa()
+            if not results["numa"].available:
+                missing = Capability(False, f"no NUMA system calls: {results['numa'].reason}")
+                results.update(set_mempolicy=missing, preferred_many=missing, weighted_interleave=missing)
+                return
+            node = _libnuma.get_mems_allowed()[0]
+            results["set_mempolicy"] = _probe_set_mempolicy(node)
+            results["preferred_many"] = _probe_preferred_many(node)
+            results["weighted_interleave"] = _probe_weighted_interleave(node)
+        except BaseException as error:  # handed to the caller below
+            failures.append(error)
 
     thread = threading.Thread(target=probe, name="numafast-capabilities")
     thread.start()
     thread.join()
+    if failures:
+        raise failures[0]
     return results
 
 

@@ -124,7 +124,7 @@ def explain_refusal(error: LibnumaError, mode_word: int, nodes: list[int]) -> Ex
     """The exception that says why the kernel refused set_mempolicy(mode_word, nodes)
     (``error`` itself when there is nothing to add)."""
     policy = Policy.from_kernel(mode_word, nodes)
-    what = f"set_mempolicy({policy.mode.value}, nodes {format_ids(nodes)})"
+    what = f"{error.call}({policy.mode.value}, nodes {format_ids(nodes)})"
     if error.errno == errno.EPERM:
         return PolicyNotPermitted(f"{what} refused with EPERM; {seccomp_hint()}")
     if error.errno == errno.ENOSYS:
