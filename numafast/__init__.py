@@ -16,6 +16,40 @@ from numafast.errors import (
     NumaUnavailable,
 )
 
+# ---- placement (issue 4): binding, memory policies, capabilities
+from numafast import binding
+from numafast.binding import (
+    bind,
+    bind_process,
+    cpubind,
+    cpus_allowed,
+    interleave,
+    local_alloc,
+    membind,
+    numa_local,
+    preferred,
+    preferred_many,
+)
+from numafast.capabilities import Capabilities, Capability, capabilities
+from numafast.errors import InvalidWeightsError, PolicyNotPermitted, PolicyUnsupported
+from numafast.policy import Mode, ModeFlag, Policy, get_policy, set_policy
+
+_PLACEMENT_API = [
+    *binding.__all__,
+    "Capabilities",
+    "Capability",
+    "InvalidWeightsError",
+    "Mode",
+    "ModeFlag",
+    "Policy",
+    "PolicyNotPermitted",
+    "PolicyUnsupported",
+    "capabilities",
+    "get_policy",
+    "set_policy",
+]
+# ---- end placement
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -26,6 +60,7 @@ __all__ = [
     "NumaError",
     "NumaUnavailable",
     "numa_available",
+    *_PLACEMENT_API,
 ]
 
 

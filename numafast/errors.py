@@ -7,10 +7,13 @@ from numafast._libnuma import LibnumaError
 __all__ = [
     "InvalidCpuSetError",
     "InvalidNodeError",
+    "InvalidWeightsError",
     "LibnumaError",
     "NodeNotAllowedError",
     "NumaError",
     "NumaUnavailable",
+    "PolicyNotPermitted",
+    "PolicyUnsupported",
 ]
 
 
@@ -32,3 +35,18 @@ class NodeNotAllowedError(NumaError, PermissionError):
 
 class InvalidCpuSetError(NumaError, ValueError):
     """An empty CPU set, or CPUs this machine does not have or this process may not use."""
+
+
+# ---------------------------------------------------------------- placement (binding, memory policy)
+
+
+class PolicyNotPermitted(NumaError, PermissionError):
+    """The kernel refused a memory policy or CPU binding with EPERM (seccomp, capabilities)."""
+
+
+class PolicyUnsupported(NumaError, OSError):
+    """This kernel or libnuma does not offer the memory policy asked for (too old, no NUMA)."""
+
+
+class InvalidWeightsError(NumaError, ValueError):
+    """Interleave weights that do not fit the nodes, or that the kernel's weights contradict."""
