@@ -141,22 +141,14 @@ def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[i
 
 
 def _check_nodes(nodes: Iterable[object]) -> list[int]:
-    """_validate.check_nodes, with a seccomp refusal of its Mems_allowed query explained.
-
-    numa_get_mems_allowed() reports a refused get_mempolicy as an empty set (and a
-    warning on stderr), which would read as "no node allowed"; asking get_mempolicy
-    directly tells the two apart.
-    """
+    """_validate.check_nodes, with a seccomp refusal of its Mems_allowed query explained."""
     try:
         return _validate_nodes(nodes)
-    except (LibnumaError, NodeNotAllowedError) as error:
-        try:
-            _libnuma.get_mempolicy(_libnuma.MPOL_F_MEMS_ALLOWED)
-        except LibnumaError as refusal:
-            if refusal.errno == errno.EPERM:
-                raise PolicyNotPermitted(
-                    f"get_mempolicy (asking for the nodes this process may use) refused with EPERM; {seccomp_hint()}"
-                ) from error
+    except LibnumaError as error:
+        if error.errno == errno.EPERM:
+            raise PolicyNotPermitted(
+                f"get_mempolicy (asking for the nodes this process may use) refused with EPERM; {seccomp_hint()}"
+            ) from error
         raise
 
 
