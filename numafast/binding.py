@@ -22,6 +22,7 @@ from contextlib import ContextDecorator
 from pathlib import Path
 
 from numafast import _libnuma
+from numafast._validate import check_cpus
 from numafast._validate import check_nodes as _validate_nodes
 from numafast._validate import format_ids, online_nodes, parse_ids
 from numafast.capabilities import capabilities
@@ -125,16 +126,7 @@ def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[i
     allowed = cpus_allowed()
     if nodes is not None:
         return sorted({cpu for node in _check_nodes(nodes) for cpu in _node_cpus(node, allowed)})
-    checked: set[int] = set()
-    for cpu in cpus or ():
-        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
-            raise InvalidCpuSetError(f"cpu {cpu!r} is not a CPU id (a non-negative integer)")
-        checked.add(cpu)
-    if not checked:
-        raise InvalidCpuSetError(f"empty CPU set; allowed CPUs: {format_ids(allowed)}")
-    if forbidden := checked - allowed:
-        raise InvalidCpuSetError(f"cpu {format_ids(forbidden)} not allowed; allowed CPUs: {format_ids(allowed)}")
-    return sorted(checked)
+    return check_cpus(cpus or (), allowed)
 
 
 # ---------------------------------------------------------------- the kernel calls, with refusals explained
