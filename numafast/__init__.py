@@ -16,6 +16,10 @@ from numafast.errors import (
     NumaUnavailable,
 )
 
+# topology (issue 3)
+from numafast.errors import InvalidGpuError, PlacementError, TopologyWarning
+from numafast.topology import Cpu, Gpu, Node, PciDevice, Topology, topology
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -26,6 +30,16 @@ __all__ = [
     "NumaError",
     "NumaUnavailable",
     "numa_available",
+    # topology (issue 3)
+    "Cpu",
+    "Gpu",
+    "InvalidGpuError",
+    "Node",
+    "PciDevice",
+    "PlacementError",
+    "Topology",
+    "TopologyWarning",
+    "topology",
 ]
 
 

@@ -11,6 +11,10 @@ __all__ = [
     "NodeNotAllowedError",
     "NumaError",
     "NumaUnavailable",
+    # topology and GPU affinity planning
+    "InvalidGpuError",
+    "PlacementError",
+    "TopologyWarning",
 ]
 
 
@@ -32,3 +36,19 @@ class NodeNotAllowedError(NumaError, PermissionError):
 
 class InvalidCpuSetError(NumaError, ValueError):
     """An empty CPU set, or CPUs this machine does not have or this process may not use."""
+
+
+# ---------------------------------------------------------------- topology and GPU affinity planning
+
+
+class TopologyWarning(UserWarning):
+    """A topology file was damaged or missing (NUL bytes, empty, no cache directory, an
+    unmatched CUDA_VISIBLE_DEVICES entry): the answer given is a best effort."""
+
+
+class InvalidGpuError(NumaError, ValueError):
+    """A CUDA device index this topology does not have, or one whose NUMA node is unknown."""
+
+
+class PlacementError(NumaError, ValueError):
+    """A CPU placement that cannot be made: e.g. more GPUs on a node than it has cores."""
