@@ -96,7 +96,7 @@ def read_meminfo(path: Path) -> dict[str, int] | None:
             continue
         scale = 1024 if words[-1] == "kB" else 1
         fields[name.split()[-1]] = int(words[0]) * scale
-    if not fields:
+    if not fields and text:
         warn(f"{path}: no 'Name: value' fields; memory treated as unknown")
     return fields
 
