@@ -38,10 +38,11 @@ def _unmet_need(marker: pytest.Mark) -> str | None:
     return None
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    marker = item.get_closest_marker("numa")
-    if marker is not None and (reason := _unmet_need(marker)) is not None:
-        pytest.skip(reason)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("numa")
+        if marker is not None and (reason := _unmet_need(marker)) is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.hookimpl(hookwrapper=True)
