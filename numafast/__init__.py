@@ -20,6 +20,9 @@ from numafast.errors import (
 from numafast.errors import InvalidGpuError, PlacementError, TopologyWarning
 from numafast.topology import Cpu, Gpu, Node, PciDevice, Topology, topology
 
+# GPU affinity planning (issue 6)
+from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -40,6 +43,14 @@ __all__ = [
     "Topology",
     "TopologyWarning",
     "topology",
+    # GPU affinity planning (issue 6)
+    "AffinityMode",
+    "MemoryPolicy",
+    "Plan",
+    "RankPlan",
+    "Smt",
+    "cpus_for_gpu",
+    "plan",
 ]
 
 

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from numafast.cli import show
+from numafast.cli import plan, show
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = [show]
+SUBCOMMANDS = [show, plan]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
