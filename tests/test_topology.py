@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -18,6 +19,12 @@ from numafast.cli import main
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 GIB = 1 << 30
+
+# Snapshot replays depend on no kernel: they run on the host. Under the guests' TCG and
+# 9p root each of their hundreds of small file reads is slow, so the guests skip them.
+pytestmark = pytest.mark.skipif(
+    os.environ.get("NUMAFAST_GUEST") == "1", reason="snapshot replays run on the host; nothing kernel-specific"
+)
 
 
 def load(name: str, **kwargs: object) -> Topology:
@@ -355,31 +362,6 @@ def test_damaged_snapshot_gives_a_best_effort_answer_and_warnings() -> None:
     ]
     for fragment in expected:
         assert any(fragment in m for m in messages), (fragment, messages)
-
-
-# ---------------------------------------------------------------- live: cached, and what /sys says
-
-
-def test_live_topology_is_cached_until_refresh() -> None:
-    first = numafast.topology()
-    assert numafast.topology() is first
-    fresh = numafast.topology(refresh=True)
-    assert fresh is not first
-    assert fresh.node_ids == first.node_ids
-    assert numafast.topology() is fresh
-
-
-def test_live_topology_matches_sysfs_and_this_threads_affinity() -> None:
-    import os
-
-    from sysfs_truth import node_cpus, node_distances, online_nodes
-
-    topology = numafast.topology(refresh=True)
-    assert list(topology.node_ids) == online_nodes()
-    for node in topology.nodes:
-        assert list(node.cpus) == node_cpus(node.id)
-        assert [node.distances[other] for other in topology.node_ids] == node_distances(node.id)
-    assert set(topology.allowed_cpus) == os.sched_getaffinity(0)
 
 
 # ---------------------------------------------------------------- numafast show

@@ -53,6 +53,24 @@ def assert_matches_numactl_and_sysfs() -> None:
     assert set(topology.allowed_cpus) == os.sched_getaffinity(0)
 
 
+def test_live_topology_is_cached_until_refresh() -> None:
+    first = numafast.topology()
+    assert numafast.topology() is first
+    fresh = numafast.topology(refresh=True)
+    assert fresh is not first
+    assert fresh.node_ids == first.node_ids
+    assert numafast.topology() is fresh
+
+
+def test_live_topology_matches_sysfs_and_this_threads_affinity() -> None:
+    topology = numafast.topology(refresh=True)
+    assert list(topology.node_ids) == online_nodes()
+    for node in topology.nodes:
+        assert list(node.cpus) == node_cpus(node.id)
+        assert [node.distances[other] for other in topology.node_ids] == node_distances(node.id)
+    assert set(topology.allowed_cpus) == os.sched_getaffinity(0)
+
+
 @pytest.mark.numa(nodes=4)
 def test_four_node_guest_topology_equals_numactl_and_sysfs() -> None:
     assert_matches_numactl_and_sysfs()

@@ -10,10 +10,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 from numafast._validate import format_ids
 from numafast.errors import InvalidGpuError, PlacementError
 from numafast.topology import Gpu, Topology, topology
+
+
+StrEnumT = TypeVar("StrEnumT", bound=Enum)
 
 
 class AffinityMode(str, Enum):
@@ -125,14 +129,17 @@ def cpus_for_gpu(
     NVIDIA gpu_affinity's knobs: equal core counts across nodes for the unique modes,
     an error below ``min_cores`` physical cores, a cap of ``max_cores``.
     """
-    machine = topology if topology is not None else _live_topology()
-    chosen_mode = _member(AffinityMode, mode, "mode")
-    threads = _member(Smt, smt, "smt")
+    machine = resolve_topology(topology)
+    chosen_mode = member(AffinityMode, mode, "mode")
+    threads = member(Smt, smt, "smt")
     gpus = job_gpus(machine, nproc_per_node)
     if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < len(gpus):
         raise InvalidGpuError(f"GPU {gpu!r} is not one of the job's CUDA devices 0-{len(gpus) - 1}")
-    sites = [site_of(machine, g) for g in gpus]
-    cores = _cores_for(machine, sites, gpu, chosen_mode, balanced)
+    site = site_of(machine, gpus[gpu])
+    # The other GPUs count where their node is known; one with an unknown node only
+    # fails a request about itself.
+    sites = [site if g.index == gpu else site_of(machine, g) for g in gpus if g.node is not None or g.index == gpu]
+    cores = _cores_for(machine, sites, site, chosen_mode, balanced)
     if chosen_mode not in _PYTORCH_MODES:
         if len(cores) < min_cores:
             raise PlacementError(
@@ -143,7 +150,7 @@ def cpus_for_gpu(
             cores = cores[:max_cores]
     cpus = sorted(cpu for core in cores for cpu in (core[:1] if threads is Smt.ONE else core))
     if not cpus:
-        node = sites[gpu].cpu_node
+        node = site.cpu_node
         raise PlacementError(
             f"no allowed CPU for GPU {gpu} (node {node}, CPUs {format_ids(machine.node(node).cpus)}); "
             f"allowed CPUs: {format_ids(machine.allowed_cpus)}"
@@ -154,11 +161,13 @@ def cpus_for_gpu(
 _PYTORCH_MODES = (AffinityMode.NODE, AffinityMode.SOCKET, AffinityMode.EXCLUSIVE, AffinityMode.CORE_COMPLEX)
 
 
-def _live_topology() -> Topology:
-    return topology()
+def resolve_topology(given: Topology | None) -> Topology:
+    """The topology a planning call was given, else this machine's (cached)."""
+    return given if given is not None else topology()
 
 
-def _member(enum: type[AffinityMode] | type[Smt], value: object, name: str):  # type: ignore[no-untyped-def]
+def member(enum: type[StrEnumT], value: object, name: str) -> StrEnumT:
+    """``enum(value)``, or a ValueError that lists the allowed values."""
     try:
         return enum(value)
     except ValueError:
@@ -167,10 +176,10 @@ def _member(enum: type[AffinityMode] | type[Smt], value: object, name: str):  # 
 
 
 def _cores_for(
-    machine: Topology, sites: list[GpuSite], gpu: int, mode: AffinityMode, balanced: bool
+    machine: Topology, sites: list[GpuSite], site: GpuSite, mode: AffinityMode, balanced: bool
 ) -> list[list[int]]:
-    """The chosen physical cores (each a list of allowed CPUs) for ``gpu``, before smt/min/max."""
-    site = sites[gpu]
+    """The chosen physical cores (each a list of allowed CPUs) for ``site``'s GPU, before smt/min/max."""
+    gpu = site.gpu.index
     node_cores = cores_of(machine, allowed_cpus_of_node(machine, site.cpu_node))
     # The job's GPUs driven from the same CPU node, in index order.
     peers = [s.gpu.index for s in sites if s.cpu_node == site.cpu_node]

@@ -9,8 +9,8 @@ from enum import Enum
 from typing import Any
 
 from numafast._validate import format_ids
-from numafast.affinity.modes import AffinityMode, Smt, cpus_for_gpu, job_gpus, site_of
-from numafast.topology import Topology, topology
+from numafast.affinity.modes import AffinityMode, Smt, cpus_for_gpu, job_gpus, member, resolve_topology, site_of
+from numafast.topology import Topology
 
 
 class MemoryPolicy(str, Enum):
@@ -89,9 +89,9 @@ def plan(
     count towards each node's load: more processes than the node has allowed physical
     cores is reported as oversubscription.
     """
-    machine = topology if topology is not None else _live_topology()
-    chosen_mode = AffinityMode(mode)
-    policy = MemoryPolicy(memory)
+    machine = resolve_topology(topology)
+    chosen_mode = member(AffinityMode, mode, "mode")
+    policy = member(MemoryPolicy, memory, "memory")
     if isinstance(dataloader_workers, bool) or not isinstance(dataloader_workers, int) or dataloader_workers < 0:
         raise ValueError(f"dataloader_workers must be a non-negative integer, not {dataloader_workers!r}")
     gpus = job_gpus(machine, nproc_per_node)
@@ -110,10 +110,6 @@ def plan(
         *_forbidden_memory(machine, ranks),
     ]
     return Plan(chosen_mode, tuple(ranks), tuple(problems))
-
-
-def _live_topology() -> Topology:
-    return topology()
 
 
 def _memory_nodes(machine: Topology, policy: MemoryPolicy, cpu_node: int, cpus: list[int]) -> tuple[int, ...]:
