@@ -85,20 +85,17 @@ def read_meminfo(path: Path) -> dict[str, int] | None:
     Reads both a node's ``meminfo`` ('Node 0 MemTotal:  4810956 kB') and
     ``/proc/meminfo`` ('MemTotal:  4810956 kB').
     """
-    text = read_text(path)
-    if text is None:
+    fields = read_fields(path)
+    if fields is None:
         return None
-    fields: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
+    sizes: dict[str, int] = {}
+    for name, value in fields.items():
         words = value.split()
-        if not words or not words[0].isdigit():
-            continue
-        scale = 1024 if words[-1] == "kB" else 1
-        fields[name.split()[-1]] = int(words[0]) * scale
-    if not fields and text:
-        warn(f"{path}: no 'Name: value' fields; memory treated as unknown")
-    return fields
+        if name and words and words[0].isdigit():
+            sizes[name.split()[-1]] = int(words[0]) * (1024 if words[-1] == "kB" else 1)
+    if "MemTotal" not in sizes:
+        warn(f"{path}: no MemTotal field; memory treated as unknown")
+    return sizes
 
 
 def read_fields(path: Path) -> dict[str, str] | None:
