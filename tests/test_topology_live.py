@@ -118,8 +118,9 @@ def test_allowed_sets_inside_a_cgroup_cpuset() -> None:
     nodes = online_nodes()
     mems = [nodes[1], nodes[3]]
     cpus = node_cpus(nodes[1]) + node_cpus(nodes[3])
-    command = [sys.executable, str(TESTS / "cpuset_exec.py"), ",".join(map(str, mems)),
-               "--cpus", ",".join(map(str, cpus)), "--", sys.executable, "-c", CHILD]  # fmt: skip
+    # --cpus before MEMS: after it, cpuset_exec's REMAINDER argument swallows --cpus.
+    command = [sys.executable, str(TESTS / "cpuset_exec.py"), "--cpus", ",".join(map(str, cpus)),
+               ",".join(map(str, mems)), "--", sys.executable, "-c", CHILD]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
