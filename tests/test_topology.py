@@ -391,3 +391,12 @@ def test_show_marks_cpus_in_no_node_and_cpu_less_gpu_nodes(capsys: pytest.Captur
     assert main(["show", "--sysfs", str(FIXTURES / "grace-hopper")]) == 0
     gpu1 = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("GPU1 "))
     assert "4-7" in gpu1 and "3 (cpus of 1)" in gpu1
+
+
+def test_a_root_without_sys_is_refused_and_an_empty_one_warns(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="holds no copy of a machine's sys/"):
+        Topology.from_sysfs(tmp_path / "typo")
+    (tmp_path / "sys").mkdir()
+    with pytest.warns(TopologyWarning, match="no cpuN directory: no CPUs"):
+        empty = Topology.from_sysfs(tmp_path)
+    assert empty.cpus == () and empty.node_ids == (0,)

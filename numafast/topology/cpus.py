@@ -25,8 +25,8 @@ def online_cpus(root: Path) -> list[int]:
     if online:
         return online
     present = [number for number, _ in subdirs(root / CPU_DIR, "cpu")]
-    if online is not None or present:
-        warn(f"{root / CPU_DIR / 'online'}: missing or empty; taking every cpuN directory as online")
+    fallback = "taking every cpuN directory as online" if present else "and no cpuN directory: no CPUs"
+    warn(f"{root / CPU_DIR / 'online'}: missing or empty; {fallback}")
     return present
 
 
@@ -64,12 +64,12 @@ def last_level_cache(root: Path, cpu: int) -> list[int] | None:
     return shared
 
 
-def read_cpus(root: Path, node_of: Mapping[int, int]) -> list[Cpu]:
-    """Every online CPU with its node (None if no node lists it), package, core and LLC group.
+def read_cpus(root: Path, online: list[int], node_of: Mapping[int, int]) -> list[Cpu]:
+    """Each of the ``online`` CPUs with its node (None if no node lists it), package, core
+    and LLC group.
 
     Damage is reported once per kind, naming the CPUs, rather than once per CPU.
     """
-    online = online_cpus(root)
     online_set = set(online)
     no_package: list[int] = []
     no_siblings: list[int] = []

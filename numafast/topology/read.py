@@ -27,10 +27,12 @@ def read_topology(
     instead of the files.
     """
     base = Path(root)
+    if not (base / "sys").is_dir():
+        raise FileNotFoundError(f"{base / 'sys'} is not a directory: {base} holds no copy of a machine's sys/")
     online = online_cpus(base)
     nodes = read_nodes(base, online)
     node_of = {cpu: node.id for node in nodes for cpu in node.cpus}
-    cpus = read_cpus(base, node_of)
+    cpus = read_cpus(base, online, node_of)
     pci = read_pci(base, nodes)
     uuids = driver_uuids(base)
     uuid_sources = f"looked in {base / 'proc/driver/nvidia/gpus'}/*/information"
