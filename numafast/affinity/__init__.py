@@ -5,6 +5,6 @@ done elsewhere.
 """
 
 from numafast.affinity.modes import AffinityMode, Smt, cpus_for_gpu
-from numafast.affinity.plan import MemoryPolicy, Plan, RankPlan, plan
+from numafast.affinity.planning import MemoryPolicy, Plan, RankPlan, plan
 
 __all__ = ["AffinityMode", "MemoryPolicy", "Plan", "RankPlan", "Smt", "cpus_for_gpu", "plan"]
