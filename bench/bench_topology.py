@@ -57,7 +57,7 @@ def test_print_ratios(capsys: pytest.CaptureFixture[str]) -> None:
     baseline = medians["baseline"]
     with capsys.disabled():
         print()
-        print(f"numactl -H + lscpu -p (subprocesses), median: {baseline * 1e3:9.3f} ms")
+        print(f"numactl -H + lscpu -p (subprocesses), median: {baseline * 1e6:11.1f} us")
         for name in ("cold", "warm"):
             median = medians[name]
-            print(f"topology() {name:<4}, median: {median * 1e3:9.3f} ms   {baseline / median:10.1f}x faster")
+            print(f"topology() {name:<4}, median: {median * 1e6:11.1f} us   {baseline / median:10.1f}x faster")
