@@ -400,3 +400,19 @@ def test_a_root_without_sys_is_refused_and_an_empty_one_warns(tmp_path: Path) ->
     with pytest.warns(TopologyWarning, match="no cpuN directory: no CPUs"):
         empty = Topology.from_sysfs(tmp_path)
     assert empty.cpus == () and empty.node_ids == (0,)
+
+
+def test_amd_instinct_gpus_are_the_hip_devices_and_the_onboard_vga_is_not(tmp_path: Path) -> None:
+    from fixtures.make_fixtures import Machine
+
+    machine = Machine(tmp_path)
+    machine.cpus(range(2), 2)
+    for cpu in range(2):
+        machine.cpu(cpu, package=0, siblings=[cpu], llc=[0, 1])
+    # On-board ES1000-style VGA (0x0300), two MI250X-style accelerators (class 0x038000).
+    machine.pci("0000:05:00.0", vendor=0x1002, pci_class=0x030000, numa_node=-1, local_cpus=[0, 1])
+    machine.pci("0000:c1:00.0", vendor=0x1002, pci_class=0x038000, numa_node=-1, local_cpus=[0, 1])
+    machine.pci("0000:29:00.0", vendor=0x1002, pci_class=0x038000, numa_node=-1, local_cpus=[0, 1])
+    topology = Topology.from_sysfs(tmp_path)
+    assert [d.is_gpu for d in topology.pci] == [True, True, True]
+    assert [(g.index, g.address, g.node) for g in topology.gpus] == [(0, "0000:29:00.0", 0), (1, "0000:c1:00.0", 0)]

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from numafast.topology.files import read_fields, subdirs, warn
-from numafast.topology.model import NVIDIA, Gpu, PciDevice
+from numafast.topology.model import AMD, AMD_COMPUTE_CLASSES, NVIDIA, Gpu, PciDevice
 
 NVIDIA_GPU_INFO = Path("proc/driver/nvidia/gpus")
 
@@ -103,12 +103,14 @@ def cuda_devices(devices: list[PciDevice]) -> list[PciDevice]:
     """The GPUs CUDA (or HIP) numbers, in PCI bus order.
 
     NVIDIA GPUs when there are any: an AMD display controller next to them is a
-    server's on-board VGA, not a compute device. Else the AMD GPUs, which HIP
-    numbers the same way.
+    server's on-board VGA, not a compute device. Else AMD's compute GPUs (3D or
+    Instinct class) when there are any, for the same reason; else every AMD GPU
+    (a workstation's Radeon is a VGA controller that HIP drives).
     """
     gpus = [device for device in devices if device.is_gpu]
     nvidia = [device for device in gpus if device.vendor == NVIDIA]
-    return nvidia or gpus
+    amd_compute = [device for device in gpus if device.vendor == AMD and device.pci_class >> 8 in AMD_COMPUTE_CLASSES]
+    return nvidia or amd_compute or gpus
 
 
 def match_uuid(entry: str, uuids: Mapping[str, str]) -> list[str]:

@@ -20,8 +20,10 @@ REMOTE_DISTANCE = 20
 NVIDIA = 0x10DE
 AMD = 0x1002
 GPU_VENDORS = (NVIDIA, AMD)
-# PCI base class 0x03 (display), subclass 0x00 (VGA) or 0x02 (3D controller).
+# PCI base class 0x03 (display), subclass 0x00 (VGA) or 0x02 (3D controller); AMD's
+# Instinct accelerators (MI100, MI200) call themselves 0x80 (other display controller).
 GPU_CLASSES = (0x0300, 0x0302)
+AMD_COMPUTE_CLASSES = (0x0302, 0x0380)
 # PCI base class 0x02 (network): 0x0200 Ethernet, 0x0207 InfiniBand.
 NIC_CLASSES = (0x0200, 0x0207)
 
@@ -80,8 +82,11 @@ class PciDevice:
 
     @property
     def is_gpu(self) -> bool:
-        """A display or 3D controller of NVIDIA or AMD."""
-        return self.vendor in GPU_VENDORS and self.pci_class >> 8 in GPU_CLASSES
+        """A display or 3D controller of NVIDIA or AMD (or an AMD Instinct accelerator)."""
+        subclass = self.pci_class >> 8
+        if self.vendor == AMD and subclass in AMD_COMPUTE_CLASSES:
+            return True
+        return self.vendor in GPU_VENDORS and subclass in GPU_CLASSES
 
     @property
     def is_nic(self) -> bool:
