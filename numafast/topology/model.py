@@ -40,14 +40,6 @@ class Node:
     distances: Mapping[int, int] = field(hash=False)
     """SLIT distance from this node to each node (10 = local)."""
 
-    @property
-    def has_cpus(self) -> bool:
-        return bool(self.cpus)
-
-    @property
-    def has_memory(self) -> bool:
-        return bool(self.mem_total)
-
 
 @dataclass(frozen=True, slots=True)
 class Cpu:
