@@ -49,6 +49,12 @@ _PLACEMENT_API = [
     "set_policy",
 ]
 # ---- end placement
+# topology (issue 3)
+from numafast.errors import InvalidGpuError, PlacementError, TopologyWarning
+from numafast.topology import Cpu, Gpu, Node, PciDevice, Topology, topology
+
+# GPU affinity planning (issue 6)
+from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan
 
 __version__ = "0.1.0"
 
@@ -61,6 +67,24 @@ __all__ = [
     "NumaUnavailable",
     "numa_available",
     *_PLACEMENT_API,
+    # topology (issue 3)
+    "Cpu",
+    "Gpu",
+    "InvalidGpuError",
+    "Node",
+    "PciDevice",
+    "PlacementError",
+    "Topology",
+    "TopologyWarning",
+    "topology",
+    # GPU affinity planning (issue 6)
+    "AffinityMode",
+    "MemoryPolicy",
+    "Plan",
+    "RankPlan",
+    "Smt",
+    "cpus_for_gpu",
+    "plan",
 ]
 
 

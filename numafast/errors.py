@@ -14,6 +14,10 @@ __all__ = [
     "NumaUnavailable",
     "PolicyNotPermitted",
     "PolicyUnsupported",
+    # topology and GPU affinity planning
+    "InvalidGpuError",
+    "PlacementError",
+    "TopologyWarning",
 ]
 
 
@@ -50,3 +54,17 @@ class PolicyUnsupported(NumaError, OSError):
 
 class InvalidWeightsError(NumaError, ValueError):
     """Interleave weights that do not fit the nodes, or that the kernel's weights contradict."""
+# ---------------------------------------------------------------- topology and GPU affinity planning
+
+
+class TopologyWarning(UserWarning):
+    """A topology file was damaged or missing (NUL bytes, empty, no cache directory, an
+    unmatched CUDA_VISIBLE_DEVICES entry): the answer given is a best effort."""
+
+
+class InvalidGpuError(NumaError, ValueError):
+    """A CUDA device index this topology does not have, or one whose NUMA node is unknown."""
+
+
+class PlacementError(NumaError, ValueError):
+    """A CPU placement that cannot be made: e.g. more GPUs on a node than it has cores."""
