@@ -51,7 +51,7 @@ _PLACEMENT_API = [
 # ---- end placement
 # topology (issue 3)
 from numafast.errors import InvalidGpuError, PlacementError, TopologyWarning
-from numafast.topology import Cpu, Gpu, Node, PciDevice, Topology, topology
+from numafast.topo import Cpu, Gpu, Node, PciDevice, Topology, topology
 
 # GPU affinity planning (issue 6)
 from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan

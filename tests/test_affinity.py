@@ -5,7 +5,6 @@ semantics (PyTorch's torch/numa/binding.py, NVIDIA gpu_affinity's set_affinity).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from functools import cache
 from pathlib import Path
@@ -16,9 +15,7 @@ from numafast import InvalidGpuError, PlacementError, Topology, cpus_for_gpu, pl
 from numafast.cli import main
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-pytestmark = pytest.mark.skipif(
-    os.environ.get("NUMAFAST_GUEST") == "1", reason="plans on snapshots run on the host; nothing kernel-specific"
-)
+pytestmark = pytest.mark.host_only("plans on snapshots; nothing kernel-specific")
 
 
 @cache

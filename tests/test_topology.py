@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -22,9 +21,7 @@ GIB = 1 << 30
 
 # Snapshot replays depend on no kernel: they run on the host. Under the guests' TCG and
 # 9p root each of their hundreds of small file reads is slow, so the guests skip them.
-pytestmark = pytest.mark.skipif(
-    os.environ.get("NUMAFAST_GUEST") == "1", reason="snapshot replays run on the host; nothing kernel-specific"
-)
+pytestmark = pytest.mark.host_only("snapshot replays; nothing kernel-specific")
 
 
 def load(name: str, **kwargs: object) -> Topology:

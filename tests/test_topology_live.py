@@ -96,7 +96,7 @@ CHILD = """
 import json, os
 from pathlib import Path
 import numafast
-from numafast.topology.allowed import from_cgroup
+from numafast.topo.allowed import from_cgroup
 status = dict(line.split(':', 1) for line in open('/proc/self/status') if ':' in line)
 live = numafast.topology()
 snapshot = numafast.Topology.from_sysfs('/')
@@ -119,7 +119,6 @@ def test_allowed_sets_inside_a_cgroup_cpuset() -> None:
     nodes = online_nodes()
     mems = [nodes[1], nodes[-1]]
     cpus = node_cpus(nodes[1]) + node_cpus(nodes[-1])
-    # --cpus before MEMS: after it, cpuset_exec's REMAINDER argument swallows --cpus.
     command = [sys.executable, str(TESTS / "cpuset_exec.py"), "--cpus", ",".join(map(str, cpus)),
                ",".join(map(str, mems)), "--", sys.executable, "-c", CHILD]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from numafast._validate import format_ids
 from numafast.errors import InvalidGpuError, PlacementError
-from numafast.topology import Gpu, Topology, topology
+from numafast.topo import Gpu, Topology, topology
 
 
 StrEnumT = TypeVar("StrEnumT", bound=Enum)

@@ -10,7 +10,7 @@ from typing import Any
 
 from numafast._validate import format_ids
 from numafast.affinity.modes import AffinityMode, Smt, cpus_for_gpu, job_gpus, member, resolve_topology, site_of
-from numafast.topology import Topology
+from numafast.topo import Topology
 
 
 class MemoryPolicy(str, Enum):

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Iterator
 
 from numafast._validate import format_ids
-from numafast.topology import PciDevice, Topology, topology
+from numafast.topo import PciDevice, Topology, topology
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

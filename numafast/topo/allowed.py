@@ -13,8 +13,8 @@ import os
 from pathlib import Path, PurePosixPath
 
 from numafast._validate import parse_ids
-from numafast.topology.files import read_fields, read_id_list, read_lines, warn
-from numafast.topology.model import Node
+from numafast.topo.files import read_fields, read_id_list, read_lines, warn
+from numafast.topo.model import Node
 
 PROC_SELF = Path("proc/self")
 CGROUP_V1_FILES = ("cpuset.cpus", "cpuset.mems")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import MappingProxyType
 
-from numafast.topology.files import read_id_list, read_int_row, read_meminfo, subdirs, warn
-from numafast.topology.model import LOCAL_DISTANCE, REMOTE_DISTANCE, Node
+from numafast.topo.files import read_id_list, read_int_row, read_meminfo, subdirs, warn
+from numafast.topo.model import LOCAL_DISTANCE, REMOTE_DISTANCE, Node
 
 NODE_DIR = Path("sys/devices/system/node")
 PROC_MEMINFO = Path("proc/meminfo")

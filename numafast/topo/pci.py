@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from numafast.topology.files import read_id_list, read_int, warn
-from numafast.topology.model import Node, PciDevice
+from numafast.topo.files import read_id_list, read_int, warn
+from numafast.topo.model import Node, PciDevice
 
 PCI_DIR = Path("sys/bus/pci/devices")
 

@@ -6,12 +6,12 @@ import os
 import threading
 from pathlib import Path
 
-from numafast.topology.allowed import live_allowed, snapshot_allowed
-from numafast.topology.cpus import online_cpus, read_cpus
-from numafast.topology.cuda import driver_uuids, nvml_uuids, torch_uuids, visible_gpus
-from numafast.topology.model import Topology
-from numafast.topology.nodes import read_nodes
-from numafast.topology.pci import read_pci
+from numafast.topo.allowed import live_allowed, snapshot_allowed
+from numafast.topo.cpus import online_cpus, read_cpus
+from numafast.topo.cuda import driver_uuids, nvml_uuids, torch_uuids, visible_gpus
+from numafast.topo.model import Topology
+from numafast.topo.nodes import read_nodes
+from numafast.topo.pci import read_pci
 
 
 def read_topology(

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from numafast.topology.files import read_fields, subdirs, warn
-from numafast.topology.model import AMD, AMD_COMPUTE_CLASSES, NVIDIA, Gpu, PciDevice
+from numafast.topo.files import read_fields, subdirs, warn
+from numafast.topo.model import AMD, AMD_COMPUTE_CLASSES, NVIDIA, Gpu, PciDevice
 
 NVIDIA_GPU_INFO = Path("proc/driver/nvidia/gpus")
 

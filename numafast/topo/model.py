@@ -129,7 +129,7 @@ class Topology:
         ``ask_gpu_libraries`` lets NVML or torch name GPU UUIDs; only meaningful
         for this machine's own ``/``.
         """
-        from numafast.topology.read import read_topology
+        from numafast.topo.read import read_topology
 
         return read_topology(
             root, cuda_visible_devices=cuda_visible_devices, ask_gpu_libraries=ask_gpu_libraries

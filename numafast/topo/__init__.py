@@ -5,7 +5,7 @@ Read live with :func:`topology` or from any copy of a machine's ``sys/`` and
 and a plan can be made on a laptop for a DGX).
 """
 
-from numafast.topology.model import Cpu, Gpu, Node, PciDevice, Topology
-from numafast.topology.read import topology
+from numafast.topo.model import Cpu, Gpu, Node, PciDevice, Topology
+from numafast.topo.read import topology
 
 __all__ = ["Cpu", "Gpu", "Node", "PciDevice", "Topology", "topology"]

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from numafast._validate import format_ids
-from numafast.topology.files import read_id_list, read_int, read_text, subdirs, warn
-from numafast.topology.model import Cpu
+from numafast.topo.files import read_id_list, read_int, read_text, subdirs, warn
+from numafast.topo.model import Cpu
 
 CPU_DIR = Path("sys/devices/system/cpu")
 # Cache types whose sharing says which CPUs compete for data (not Instruction caches).
