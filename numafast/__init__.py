@@ -16,9 +16,48 @@ from numafast.errors import (
     NumaUnavailable,
 )
 
+# ---- placement (issue 4): binding, memory policies, capabilities
+from numafast import binding
+from numafast.binding import (
+    bind,
+    bind_process,
+    cpubind,
+    cpus_allowed,
+    interleave,
+    local_alloc,
+    membind,
+    numa_local,
+    preferred,
+    preferred_many,
+)
+from numafast.capabilities import Capabilities, Capability, capabilities
+from numafast.errors import InvalidWeightsError, PolicyNotPermitted, PolicyUnsupported
+from numafast.policy import Mode, ModeFlag, Policy, get_policy, set_policy
+
+_PLACEMENT_API = [
+    *binding.__all__,
+    "Capabilities",
+    "Capability",
+    "InvalidWeightsError",
+    "Mode",
+    "ModeFlag",
+    "Policy",
+    "PolicyNotPermitted",
+    "PolicyUnsupported",
+    "capabilities",
+    "get_policy",
+    "set_policy",
+]
+# ---- end placement
+# topology (issue 3)
+from numafast.errors import InvalidGpuError, PlacementError, TopologyWarning
+from numafast.topo import Cpu, Gpu, Node, PciDevice, Topology, topology
+
+# GPU affinity planning (issue 6)
+from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan
 # ---------------------------------------------------------------- memory (issue 5)
 from numafast.errors import InvalidBufferError, InvalidSizeError, MigrationError, NodeMemoryError
-from numafast.memory import MemoryMode, empty, mbind, migrate, zeros
+from numafast.memory import empty, mbind, migrate, zeros
 from numafast.pages import PageNodes, Placement, page_nodes, placement
 
 # ---------------------------------------------------------------- end memory
@@ -33,10 +72,28 @@ __all__ = [
     "NumaError",
     "NumaUnavailable",
     "numa_available",
+    *_PLACEMENT_API,
+    # topology (issue 3)
+    "Cpu",
+    "Gpu",
+    "InvalidGpuError",
+    "Node",
+    "PciDevice",
+    "PlacementError",
+    "Topology",
+    "TopologyWarning",
+    "topology",
+    # GPU affinity planning (issue 6)
+    "AffinityMode",
+    "MemoryPolicy",
+    "Plan",
+    "RankPlan",
+    "Smt",
+    "cpus_for_gpu",
+    "plan",
     # memory (issue 5)
     "InvalidBufferError",
     "InvalidSizeError",
-    "MemoryMode",
     "MigrationError",
     "NodeMemoryError",
     "PageNodes",

@@ -90,19 +90,19 @@ def check_nodes(nodes: Iterable[object], *, need_allowed: bool = True) -> list[i
     return sorted(checked)
 
 
-def check_cpus(cpus: Iterable[object]) -> list[int]:
-    """Sorted, de-duplicated CPU ids, non-empty and all allowed for the calling thread."""
+def check_cpus(cpus: Iterable[object], allowed: set[int] | None = None) -> list[int]:
+    """Sorted, de-duplicated CPU ids, non-empty and all within ``allowed``
+    (default: the calling thread's affinity)."""
     checked: set[int] = set()
     for cpu in cpus:
         if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
             raise InvalidCpuSetError(f"cpu {cpu!r} is not a CPU id (a non-negative integer)")
         checked.add(cpu)
-    allowed = allowed_cpus()
+    if allowed is None:
+        allowed = allowed_cpus()
     if not checked:
         raise InvalidCpuSetError(f"empty CPU set; allowed CPUs: {format_ids(allowed)}")
     forbidden = checked.difference(allowed)
     if forbidden:
-        raise InvalidCpuSetError(
-            f"cpu {format_ids(forbidden)} not allowed for this thread; allowed CPUs: {format_ids(allowed)}"
-        )
+        raise InvalidCpuSetError(f"cpu {format_ids(forbidden)} not allowed; allowed CPUs: {format_ids(allowed)}")
     return sorted(checked)

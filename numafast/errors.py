@@ -9,12 +9,19 @@ __all__ = [
     "InvalidCpuSetError",
     "InvalidNodeError",
     "InvalidSizeError",
+    "InvalidWeightsError",
     "LibnumaError",
     "MigrationError",
     "NodeMemoryError",
     "NodeNotAllowedError",
     "NumaError",
     "NumaUnavailable",
+    "PolicyNotPermitted",
+    "PolicyUnsupported",
+    # topology and GPU affinity planning
+    "InvalidGpuError",
+    "PlacementError",
+    "TopologyWarning",
 ]
 
 
@@ -38,6 +45,33 @@ class InvalidCpuSetError(NumaError, ValueError):
     """An empty CPU set, or CPUs this machine does not have or this process may not use."""
 
 
+# ---------------------------------------------------------------- placement (binding, memory policy)
+
+
+class PolicyNotPermitted(NumaError, PermissionError):
+    """The kernel refused a memory policy or CPU binding with EPERM (seccomp, capabilities)."""
+
+
+class PolicyUnsupported(NumaError, OSError):
+    """This kernel or libnuma does not offer the memory policy asked for (too old, no NUMA)."""
+
+
+class InvalidWeightsError(NumaError, ValueError):
+    """Interleave weights that do not fit the nodes, or that the kernel's weights contradict."""
+# ---------------------------------------------------------------- topology and GPU affinity planning
+
+
+class TopologyWarning(UserWarning):
+    """A topology file was damaged or missing (NUL bytes, empty, no cache directory, an
+    unmatched CUDA_VISIBLE_DEVICES entry): the answer given is a best effort."""
+
+
+class InvalidGpuError(NumaError, ValueError):
+    """A CUDA device index this topology does not have, or one whose NUMA node is unknown."""
+
+
+class PlacementError(NumaError, ValueError):
+    """A CPU placement that cannot be made: e.g. more GPUs on a node than it has cores."""
 # ---------------------------------------------------------------- memory (allocation, mbind, migration)
 
 

@@ -13,7 +13,6 @@ import errno
 import math
 import time
 from collections.abc import Iterable, Sequence
-from enum import Enum
 from functools import cache
 from pathlib import Path
 
@@ -31,8 +30,9 @@ from numafast.errors import (
     NodeMemoryError,
 )
 from numafast.pages import UNTOUCHED_STATUSES, local_node
+from numafast.policy import MODE_NUMBERS, Mode
 
-__all__ = ["MemoryMode", "allocate", "empty", "mbind", "migrate", "zeros"]
+__all__ = ["allocate", "empty", "mbind", "migrate", "zeros"]
 
 THP_SIZE_FILE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
 THP_ENABLED_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -43,15 +43,8 @@ BYTES_PER_THREAD = 32 << 20
 RETRY_DELAYS_S = (0.001, 0.004, 0.016, 0.064, 0.25)
 
 
-class MemoryMode(str, Enum):
-    """How mbind places a buffer's pages (mbind(2) modes)."""
-
-    #: only on the given nodes; allocation fails rather than spill elsewhere
-    BIND = "bind"
-    #: page by page, round robin over the given nodes
-    INTERLEAVE = "interleave"
-    #: on the one given node while it has room, elsewhere after
-    PREFERRED = "preferred"
+# The set_mempolicy(2) modes that mbind(2) takes with a set of nodes.
+MBIND_MODES = (Mode.BIND, Mode.INTERLEAVE, Mode.PREFERRED, Mode.PREFERRED_MANY, Mode.WEIGHTED_INTERLEAVE)
 
 
 def empty(
@@ -110,9 +103,9 @@ def allocate(
         # Asked either way: a kernel whose THP mode is "always" backs big mappings with
         # huge pages unless told not to, which would make interleave go by 2 MiB.
         _libnuma.madvise(buffer, _libnuma.MADV_HUGEPAGE if huge else _libnuma.MADV_NOHUGEPAGE)
-    mode = MemoryMode.BIND if len(targets) == 1 else MemoryMode.INTERLEAVE
+    mode = Mode.BIND if len(targets) == 1 else Mode.INTERLEAVE
     # Bound before any page exists: each one is placed by the policy as it is faulted in.
-    _libnuma.mbind(buffer, _libnuma.MBIND_MODES[mode.value], targets, 0)
+    _libnuma.mbind(buffer, MODE_NUMBERS[mode], targets, 0)
     # Big buffers: threads pinned to the node's CPUs share the zeroing, each on memory
     # near it. Small ones: the caller faults them in at once (pages land on the target
     # all the same; a thread would cost more than the work).
@@ -131,11 +124,13 @@ def mbind(
     buf: object,
     nodes: int | Iterable[int],
     *,
-    mode: MemoryMode | str = MemoryMode.BIND,
+    mode: Mode | str = Mode.BIND,
     move: bool = True,
 ) -> None:
     """Set the memory policy of ``buf``'s pages: on ``nodes`` (one node or several) as
-    ``mode`` says; with ``move`` the pages it already has move there too.
+    ``mode`` says (a numafast.Mode, or its name: bind, interleave, preferred,
+    preferred_many on Linux 5.15+, weighted_interleave on 6.9+); with ``move`` the
+    pages it already has move there too.
 
     ``buf`` is any writable C-contiguous buffer (NumPy array, torch CPU tensor,
     bytearray, memoryview, mmap). A policy covers whole pages, so only the pages
@@ -146,16 +141,16 @@ def mbind(
     one node first). Raises MigrationError when pages stay off ``nodes`` after
     retries (locked, or shared with another process).
     """
-    try:
-        mode = MemoryMode(mode)
-    except ValueError:
-        raise ValueError(f"mode {mode!r}: choose one of {[m.value for m in MemoryMode]}") from None
+    if mode not in MBIND_MODES:
+        choices = ", ".join(m.value for m in MBIND_MODES)
+        raise ValueError(f"mode {str(getattr(mode, 'value', mode))!r}: choose one of {choices}")
+    mode = Mode(mode)
     targets = check_nodes([nodes] if isinstance(nodes, int) else nodes)
-    if mode is MemoryMode.PREFERRED and len(targets) != 1:
+    if mode is Mode.PREFERRED and len(targets) != 1:
         raise InvalidNodeError(f"mode 'preferred' takes one node, not {format_ids(targets)}")
     flat = flat_bytes(buf, writable=True)
     require_whole_pages(flat)
-    policy = _libnuma.MBIND_MODES[mode.value]
+    policy = MODE_NUMBERS[mode]
     # MPOL_MF_STRICT with MPOL_MF_MOVE: EIO when some page could not be moved.
     flags = _libnuma.MPOL_MF_MOVE | _libnuma.MPOL_MF_STRICT if move else 0
     for delay in (0.0, *RETRY_DELAYS_S):
@@ -242,15 +237,20 @@ def _check_room(nbytes: int, nodes: list[int], alignment: int) -> None:
 
 
 def _pretouch_cpus(nodes: list[int]) -> list[int]:
-    """Allowed CPUs of the target nodes; for a CPU-less (memory-only) node, those of the
-    nearest node that has some (the pages still land on the target: mbind decides)."""
+    """Allowed CPUs of the target nodes; for CPU-less (memory-only) nodes, those of the
+    nearest nodes that have some (the pages still land on the target: mbind decides)."""
     allowed = allowed_cpus()
-    by_distance = sorted(online_nodes(), key=lambda other: min(_libnuma.distance(n, other) for n in nodes))
-    for group in ([*nodes], *([other] for other in by_distance)):
-        cpus = sorted(cpu for n in group for cpu in _libnuma.node_to_cpus(n) if cpu in allowed)
-        if cpus:
-            return cpus
-    return sorted(allowed)
+
+    def usable(node: int) -> list[int]:
+        return [cpu for cpu in _libnuma.node_to_cpus(node) if cpu in allowed]
+
+    if cpus := sorted(cpu for n in nodes for cpu in usable(n)):
+        return cpus
+    distance = {other: min(_libnuma.distance(n, other) for n in nodes) for other in online_nodes() if usable(other)}
+    if not distance:
+        return sorted(allowed)
+    nearest = min(distance.values())
+    return sorted(cpu for other, d in distance.items() if d == nearest for cpu in usable(other))
 
 
 @cache

@@ -188,10 +188,18 @@ def node_to_cpus(int node) -> list[int]:
 
 
 def get_mems_allowed() -> list[int]:
-    """numa_get_mems_allowed(): the nodes this task may allocate on (its cpuset's mems)."""
+    """numa_get_mems_allowed(): the nodes this task may allocate on (its cpuset's mems).
+
+    libnuma reports a refused get_mempolicy (a seccomp filter) only on stderr and
+    returns an empty mask; a task always may use some node, so empty means refused.
+    """
     cdef bitmask *mask
     cdef int err
     with nogil:
+        libc_errno.errno = 0
         mask = numa_get_mems_allowed()
         err = libc_errno.errno
-    return _bits_and_free(mask, "numa_get_mems_allowed", err)
+    nodes = _bits_and_free(mask, "numa_get_mems_allowed", err)
+    if not nodes:
+        _fail("numa_get_mems_allowed", err, "the kernel reported no allowed node")
+    return nodes

@@ -32,8 +32,8 @@ cdef array.array _INT_ARRAY = py_array.array("i")
 cdef size_t _MOVE_BATCH = 1 << 16
 cdef char *_FORMAT_BYTES = "B"  # struct format of the exported memory: unsigned bytes
 
-# mbind modes and flags (uapi/linux/mempolicy.h) and madvise advice this module
-# uses, published under their C names (the dict: `MPOL_MF_MOVE = MPOL_MF_MOVE`
+# mbind's flags (uapi/linux/mempolicy.h; policy.pxi publishes the modes) and the
+# madvise advice this module uses, published under their C names (the dict: `MPOL_MF_MOVE = MPOL_MF_MOVE`
 # would name the C constant on both sides).
 for _name, _value in {
     "MPOL_MF_STRICT": MPOL_MF_STRICT,
@@ -45,13 +45,6 @@ for _name, _value in {
 }.items():
     globals()[_name] = _value
 del _name, _value
-
-#: mbind(2) modes by the names numafast.memory uses.
-MBIND_MODES = {
-    "bind": MPOL_BIND,
-    "interleave": MPOL_INTERLEAVE,
-    "preferred": MPOL_PREFERRED,
-}
 
 
 cdef extern from *:

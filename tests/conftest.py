@@ -2,6 +2,9 @@
 
 ``@pytest.mark.numa(nodes=4)`` needs at least 4 online NUMA nodes;
 ``@pytest.mark.numa(memory_only=True)`` needs a node with memory and no CPUs.
+``@pytest.mark.host_only("why")`` marks a test with nothing kernel-specific
+(replays of sysfs snapshots): it is skipped inside the guests, where TCG and
+the 9p root make each such test take seconds.
 Elsewhere such a test is skipped with a reason. Inside a guest booted by
 ``tests/run_suite.py`` (NUMAFAST_GUEST=1), a marked test whose needs the guest
 meets and that still ends skipped is turned into a failure: a guest run must
@@ -40,6 +43,9 @@ def _unmet_need(marker: pytest.Mark) -> str | None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        host_only = item.get_closest_marker("host_only")
+        if IN_GUEST and host_only is not None:
+            item.add_marker(pytest.mark.skip(reason=f"host only: {host_only.args[0]}"))
         marker = item.get_closest_marker("numa")
         if marker is not None and (reason := _unmet_need(marker)) is not None:
             item.add_marker(pytest.mark.skip(reason=reason))

@@ -31,18 +31,19 @@ def enter_cpuset(mems: str, cpus: str | None) -> Path:
     return group
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    # Split at "--" by hand: argparse's REMAINDER would swallow options given after MEMS.
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        sys.exit(__doc__)
+    split = argv.index("--")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mems")
     parser.add_argument("--cpus")
-    parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("no command given")
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1 :]
     enter_cpuset(args.mems, args.cpus)
     os.execvp(command[0], command)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

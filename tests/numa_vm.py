@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import ctypes
 import dataclasses
 import gzip
 import lzma
@@ -223,6 +222,8 @@ def _host(kernel: str | None = None) -> _Host:
         missing.append("busybox-static")
     if not shutil.which("modprobe", path=os.environ.get("PATH", "") + ":/sbin:/usr/sbin"):
         missing.append("kmod")
+    if not shutil.which("setpriv"):
+        missing.append("util-linux")
     kernel = kernel or _find_kernel()
     if not kernel:
         # tiny-initramfs satisfies linux-image's initramfs dependency without udev
@@ -485,10 +486,6 @@ def _clean_stale(tmpdir: str) -> None:
             pass
 
 
-def _set_pdeathsig() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class _Relay(threading.Thread):
     """Copies a FIFO to a text stream (its binary buffer when it has one),
     flushing each chunk.  Keeps draining if the sink breaks, so the guest
@@ -624,14 +621,11 @@ def run_in_guest(
         if verbose:
             _warn(f"topology: {topology.describe()}")
             _warn(f"qemu: {shlex.join(argv)}")
-        preexec: Callable[[], None] | None = None
-        if shutil.which("setpriv"):  # kill qemu if we die, even by SIGKILL
-            argv = ["setpriv", "--pdeathsig", "TERM", "--", *argv]  # setpriv execs qemu
-        else:
-            preexec = _set_pdeathsig
+        # Kill qemu if we die, even by SIGKILL: setpriv (util-linux) sets the
+        # parent-death signal, then execs qemu.
+        argv = ["setpriv", "--pdeathsig", "TERM", "--", *argv]
         with open(os.path.join(tmp, "qemu.log"), "wb") as log:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    preexec_fn=preexec)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         for r in relays:
             r.start()
         timed_out = False

@@ -94,16 +94,9 @@ def zero_page_pfn() -> int:
     with mmap.mmap(-1, PAGE_SIZE) as fresh:
         fresh[0]  # a read fault
         view = memoryview(fresh)
-        entry = _pagemap_entries(_address(view), 1)[0]
+        entry = _pagemap_entries(buffer_address(view)[0], 1)[0]
         view.release()
     return -1 if entry & _EXCLUSIVE else entry & _PFN_MASK
-
-
-def _address(view: memoryview) -> int:
-    # The one way to get a buffer's address without ctypes or numafast.
-    import numpy
-
-    return int(numpy.frombuffer(view, dtype=numpy.uint8).__array_interface__["data"][0])
 
 
 def pagemap_nodes(address: int, length: int) -> list[int | None]:
@@ -174,3 +167,75 @@ def pinned_to_one_cpu() -> Iterator[int]:
         yield next(n for n in online_nodes() if cpu in node_cpus(n))
     finally:
         os.sched_setaffinity(0, allowed)
+
+# ---------------------------------------------------------------- placement truth (issue 4)
+# Where a page is and where a thread may run, asked of the kernel: /proc files,
+# and for a page's node get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR) through the raw,
+# one-to-one mirror in numafast._libnuma (the only numafast code used here).
+
+def buffer_address(buffer: object) -> tuple[int, int]:
+    """(address, length in bytes) of a writable buffer (NumPy array, bytearray, mmap)."""
+    import numpy
+
+    view = numpy.frombuffer(buffer, dtype=numpy.uint8) if not isinstance(buffer, numpy.ndarray) else buffer
+    return view.__array_interface__["data"][0], view.nbytes
+
+
+def page_nodes(buffer: object) -> list[int]:
+    """The node of every whole page inside ``buffer``, in order (touch the pages first:
+    the query faults an untouched page in under the calling thread's policy)."""
+    from numafast import _libnuma
+
+    address, length = buffer_address(buffer)
+    first = -(-address // PAGE_SIZE) * PAGE_SIZE
+    flags = _libnuma.MPOL_F_NODE | _libnuma.MPOL_F_ADDR
+    return [_libnuma.get_mempolicy(flags, page)[0] for page in range(first, address + length - PAGE_SIZE + 1, PAGE_SIZE)]
+
+
+def thread_policy() -> tuple[int, list[int]]:
+    """The calling thread's memory policy: get_mempolicy(2)'s (mode word, nodes)."""
+    from numafast import _libnuma
+
+    return _libnuma.get_mempolicy()
+
+
+def task_status(tid: int | str = "self", pid: int | str = "self") -> dict[str, str]:
+    """/proc/PID/task/TID/status as a dict (tid 'self' means /proc/PID/status)."""
+    path = Path(f"/proc/{pid}/status") if tid == "self" else Path(f"/proc/{pid}/task/{tid}/status")
+    return dict(line.split(":\t", 1) for line in path.read_text().splitlines() if ":\t" in line)
+
+
+def thread_cpus_of_process(pid: int | str = "self") -> dict[int, list[int]]:
+    """Cpus_allowed_list of every thread of a process, from /proc/PID/task/*/status."""
+    return {
+        int(task.name): parse_list(task_status(task.name, pid)["Cpus_allowed_list"])
+        for task in Path(f"/proc/{pid}/task").iterdir()
+    }
+
+
+def nearest_cpu_nodes(node: int) -> list[int]:
+    """The nodes with CPUs at the smallest distance from ``node`` (itself if it has CPUs)."""
+    with_cpus = [n for n in online_nodes() if node_cpus(n)]
+    distances = node_distances(node)
+    nodes = online_nodes()
+    best = min(distances[nodes.index(n)] for n in with_cpus)
+    return [n for n in with_cpus if distances[nodes.index(n)] == best]
+
+
+def numa_maps_pages(address: int, length: int, pid: int | str = "self") -> dict[int, int]:
+    """{node: pages} of the mappings that overlap [address, address + length), from
+    /proc/PID/numa_maps (NumPy's madvise(MADV_HUGEPAGE) splits one malloc'd block in two)."""
+    starts = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        low, high = (int(x, 16) for x in line.split()[0].split("-"))
+        if low < address + length and address < high:
+            starts.add(low)
+    pages: dict[int, int] = {}
+    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
+        words = line.split()
+        if int(words[0], 16) in starts:
+            for word in words:
+                if word[0] == "N" and "=" in word:
+                    node, count = word[1:].split("=")
+                    pages[int(node)] = pages.get(int(node), 0) + int(count)
+    return pages

@@ -255,7 +255,7 @@ def buffers() -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize(("kind", "buf"), buffers())
-@pytest.mark.parametrize("mode", ["bind", "preferred", numafast.MemoryMode.INTERLEAVE])
+@pytest.mark.parametrize("mode", ["bind", "preferred", numafast.Mode.INTERLEAVE, "preferred_many"])
 def test_mbind_and_migrate_take_every_writable_contiguous_buffer(kind, buf, mode) -> None:  # type: ignore[no-untyped-def]
     memoryview(buf).cast("B")[:] = b"\x01" * memoryview(buf).nbytes
     numafast.mbind(buf, NODE, mode=mode)
@@ -295,8 +295,10 @@ def test_mbind_and_migrate_reject_bad_nodes_and_modes() -> None:
         numafast.mbind(buf, 4096)
     with pytest.raises(numafast.InvalidNodeError, match="node -1 does not exist"):
         numafast.migrate(buf, -1)
-    with pytest.raises(ValueError, match=r"mode 'spread': choose one of \['bind', 'interleave', 'preferred'\]"):
+    with pytest.raises(ValueError, match=r"mode 'spread': choose one of bind, interleave, preferred, preferred_many"):
         numafast.mbind(buf, NODE, mode="spread")
+    with pytest.raises(ValueError, match=r"mode 'local': choose one of"):
+        numafast.mbind(buf, NODE, mode=numafast.Mode.LOCAL)
 
 
 @pytest.mark.numa(nodes=2)

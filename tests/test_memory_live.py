@@ -15,8 +15,8 @@ import numafast
 from sysfs_truth import (
     PAGE_SIZE,
     cpuless_nodes_with_memory,
+    nearest_cpu_nodes,
     node_cpus,
-    node_distances,
     numa_maps_of,
     online_nodes,
     pagemap_nodes,
@@ -60,9 +60,8 @@ def test_memory_only_node_is_filled_from_its_nearest_cpus() -> None:
         assert not array.any()
         # Big allocations pre-touch from threads pinned to the nearest node with CPUs
         # (small ones from the caller); drive that path directly on a small mapping.
-        nearest = min((n for n in NODES if node_cpus(n)), key=lambda n: (node_distances(node)[n], n))
         cpus = numafast.memory._pretouch_cpus([node])
-        assert cpus == node_cpus(nearest)
+        assert cpus == sorted(cpu for near in nearest_cpu_nodes(node) for cpu in node_cpus(near))
         region = numafast._libnuma.mmap_anonymous(4 * MIB)
         numafast.mbind(region, node)
         numafast._libnuma.pretouch(region, cpus, 2)

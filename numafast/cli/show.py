@@ -1,49 +1,116 @@
-"""``numafast show``: the nodes, CPUs, memory and distances this machine has."""
+"""``numafast show``: nodes, distances, GPUs and NICs per node and the allowed sets,
+laid out like ``numactl -H`` followed by ``nvidia-smi topo -m``."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 
-from numafast import _libnuma, numa_available
+from numafast._validate import format_ids
+from numafast.topo import PciDevice, Topology, topology
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("show", help="print the NUMA topology")
+    parser = subparsers.add_parser("show", help="print the NUMA topology, GPUs and NICs")
+    add_topology_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print Topology.to_dict() as JSON")
     parser.set_defaults(run=run)
 
 
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    """--sysfs and --cuda-visible-devices: which topology a subcommand looks at."""
+    parser.add_argument(
+        "--sysfs", metavar="ROOT", help="read a snapshot: a directory holding a machine's sys/ and proc/"
+    )
+    parser.add_argument(
+        "--cuda-visible-devices",
+        metavar="LIST",
+        help="with --sysfs: the CUDA_VISIBLE_DEVICES to apply to the snapshot (the live machine uses the environment's)",
+    )
+
+
+def load_topology(args: argparse.Namespace) -> Topology:
+    if args.sysfs is None:
+        if args.cuda_visible_devices is not None:
+            raise ValueError("--cuda-visible-devices applies to a --sysfs snapshot; set CUDA_VISIBLE_DEVICES instead")
+        return topology()
+    return Topology.from_sysfs(args.sysfs, cuda_visible_devices=args.cuda_visible_devices)
+
+
 def run(args: argparse.Namespace) -> int:
-    if not numa_available():
-        print("NUMA is not available here (numa_available() < 0): no NUMA system calls.")
-        return 0
-    nodes = [n for n in range(_libnuma.max_node() + 1) if _node_exists(n)]
-    print(f"available: {len(nodes)} nodes ({_ranges(nodes)})")
-    for node in nodes:
-        total, free = _libnuma.node_size64(node)
-        cpus = _libnuma.node_to_cpus(node)
-        print(f"node {node} cpus: {' '.join(map(str, cpus)) or '(none)'}")
-        print(f"node {node} size: {total >> 20} MB  free: {free >> 20} MB")
-    print("node distances:")
-    print("node " + "".join(f"{n:>4}" for n in nodes))
-    for a in nodes:
-        print(f"{a:>4}:" + "".join(f"{_libnuma.distance(a, b):>4}" for b in nodes))
+    machine = load_topology(args)
+    print(machine.to_json() if args.json else "\n".join(render(machine)))
     return 0
 
 
-def _node_exists(node: int) -> bool:
-    try:
-        _libnuma.node_size64(node)
-    except OSError:
-        return False
-    return True
+def render(machine: Topology) -> Iterator[str]:
+    """The text of ``numafast show``."""
+    yield from render_nodes(machine)
+    yield ""
+    yield from render_devices(machine)
+    yield ""
+    yield f"allowed cpus: {format_ids(machine.allowed_cpus)}"
+    yield f"allowed nodes: {format_ids(machine.allowed_nodes)}"
 
 
-def _ranges(ids: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5', as the kernel writes cpulists."""
-    parts: list[str] = []
-    for i in ids:
-        if parts and i == int(parts[-1].split("-")[-1]) + 1:
-            parts[-1] = f"{parts[-1].split('-')[0]}-{i}"
-        else:
-            parts.append(str(i))
-    return ",".join(parts)
+def _megabytes(value: int | None) -> str:
+    return "unknown" if value is None else f"{value >> 20} MB"
+
+
+def render_nodes(machine: Topology) -> Iterator[str]:
+    """numactl -H: node count, each node's CPUs and memory, the distance matrix."""
+    ids = machine.node_ids
+    yield f"available: {len(ids)} nodes ({format_ids(ids)})"
+    for node in machine.nodes:
+        yield f"node {node.id} cpus: {' '.join(map(str, node.cpus))}"
+        yield f"node {node.id} size: {_megabytes(node.mem_total)}"
+        yield f"node {node.id} free: {_megabytes(node.mem_free)}"
+    if machine.cpus_without_node:
+        yield f"cpus in no node: {format_ids(machine.cpus_without_node)}"
+    yield "node distances:"
+    width = max(4, *(len(str(i)) + 1 for i in ids))
+    yield "node " + "".join(f"{i:>{width}}" for i in ids)
+    for a in ids:
+        yield f"{a:>4}:" + "".join(f"{machine.distance(a, b):>{width}}" for b in ids)
+
+
+def _nic_kind(device: PciDevice) -> str:
+    return "IB" if device.pci_class >> 8 == 0x0207 else "ETH"
+
+
+def render_devices(machine: Topology) -> Iterator[str]:
+    """nvidia-smi topo -m: GPUs and NICs against each other, with CPU and NUMA affinity.
+
+    NODE: same NUMA node; SYS: across the inter-node link; X: itself. (PCIe
+    switch levels, PIX/PXB, and NVLink are not in sysfs's node files.)
+    """
+    nics = [device for device in machine.pci if device.is_nic]
+    rows: list[tuple[str, int | None, str]] = [
+        (f"GPU{gpu.index}", gpu.node, f"{gpu.address} {gpu.uuid or ''}".rstrip()) for gpu in machine.gpus
+    ]
+    rows += [(f"NIC{i}", nic.node, f"{nic.address} {_nic_kind(nic)}") for i, nic in enumerate(nics)]
+    if not rows:
+        yield "GPUs: none; NICs: none"
+        return
+    names = [name for name, _, _ in rows]
+    width = max(5, *(len(name) + 1 for name in names))
+    yield " " * width + "".join(f"{name:>{width}}" for name in names) + "  CPU Affinity     NUMA Affinity  PCI"
+    for name, node, description in rows:
+        cells = "".join(f"{_link(name, node, other, other_node):>{width}}" for other, other_node, _ in rows)
+        cpus, numa = "unknown", "unknown"
+        if node is not None:
+            # A CPU-less node (Grace-Hopper's GPU memory) is driven from the nearest CPU node.
+            cpu_node = machine.nearest_cpu_node(node)
+            cpus = format_ids(machine.node(cpu_node).cpus)
+            numa = str(node) if cpu_node == node else f"{node} (cpus of {cpu_node})"
+        yield f"{name:<{width}}{cells}  {cpus:<16} {numa:<14} {description}"
+    yield ""
+    yield "Legend: X = self, NODE = same NUMA node, SYS = crosses the link between nodes, ? = node unknown"
+
+
+def _link(name: str, node: int | None, other: str, other_node: int | None) -> str:
+    if name == other:
+        return "X"
+    if node is None or other_node is None:
+        return "?"
+    return "NODE" if node == other_node else "SYS"

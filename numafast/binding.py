@@ -1,0 +1,366 @@
+"""Run a thread on a node's CPUs and allocate its memory there.
+
+Context managers (also usable as decorators) change the calling thread's CPU
+affinity and/or memory policy, and on exit restore exactly what was there
+before (CPU mask, policy mode, nodes and flags), also when the body raises:
+:func:`numa_local`, :func:`cpubind`, :func:`membind`, :func:`preferred`,
+:func:`preferred_many`, :func:`interleave`, :func:`local_alloc`.
+:func:`bind` and :func:`bind_process` change placement for good.
+
+Kernel semantics (see README, "Placement"): affinity and memory policy belong to
+one thread; threads and forked children inherit them when they are created; a
+context manager therefore affects only the thread that entered it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterable
+from contextlib import ContextDecorator
+from pathlib import Path
+
+from numafast import _libnuma
+from numafast._validate import check_cpus
+from numafast._validate import check_nodes as _validate_nodes
+from numafast._validate import format_ids, online_nodes, parse_ids
+from numafast.capabilities import capabilities
+from numafast.errors import (
+    InvalidCpuSetError,
+    InvalidWeightsError,
+    LibnumaError,
+    NodeNotAllowedError,
+    PolicyNotPermitted,
+    PolicyUnsupported,
+)
+from numafast.topo.allowed import from_cgroup as allowed_from_cgroup
+from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, raise_refusal, seccomp_hint, set_mempolicy
+
+__all__ = [
+    "bind",
+    "bind_process",
+    "cpubind",
+    "cpus_allowed",
+    "interleave",
+    "local_alloc",
+    "membind",
+    "numa_local",
+    "preferred",
+    "preferred_many",
+]
+
+WEIGHTS_DIR = Path("/sys/kernel/mm/mempolicy/weighted_interleave")
+
+
+# ---------------------------------------------------------------- which CPUs a node means
+
+
+def _cpus_at_start() -> set[int]:
+    """The CPUs the process (its main thread) was allowed when numafast was imported.
+
+    A launcher's taskset or numactl restriction is respected this way, as libnuma
+    does; a thread numafast binds later does not narrow it.
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Cpus_allowed_list:"):
+                return set(parse_ids(line.split(":", 1)[1]))
+    return set(os.sched_getaffinity(0))
+
+
+_CPUS_AT_START = _cpus_at_start()
+
+
+def cpus_allowed() -> set[int]:
+    """CPUs this process may be bound to: its cpuset's, within what it was started with."""
+    cpuset_cpus, _mems = allowed_from_cgroup(Path("/"))
+    return _CPUS_AT_START if cpuset_cpus is None else _CPUS_AT_START & set(cpuset_cpus)
+
+
+def _node_cpus(node: int, allowed: set[int]) -> list[int]:
+    """The allowed CPUs of ``node``; for a CPU-less node those of its nearest node(s) with CPUs."""
+    own = [cpu for cpu in _libnuma.node_to_cpus(node) if cpu in allowed]
+    if own:
+        return own
+    if _libnuma.node_to_cpus(node):
+        raise NodeNotAllowedError(
+            f"node {node}'s CPUs {format_ids(_libnuma.node_to_cpus(node))} are all outside the "
+            f"CPUs this process may use ({format_ids(allowed)})"
+        )
+    candidates = {
+        other: cpus
+        for other in online_nodes()
+        if (cpus := [cpu for cpu in _libnuma.node_to_cpus(other) if cpu in allowed])
+    }
+    if not candidates:
+        raise InvalidCpuSetError(f"no node has CPUs this process may use ({format_ids(allowed)})")
+    nearest = min(_libnuma.distance(node, other) for other in candidates)
+    return sorted(cpu for other, cpus in candidates.items() if _libnuma.distance(node, other) == nearest for cpu in cpus)
+
+
+def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[int]:
+    """The CPU list of ``cpubind``/``bind``-style arguments, validated against :func:`cpus_allowed`."""
+    if (cpus is None) == (nodes is None):
+        raise TypeError("give exactly one of cpus= or nodes=")
+    allowed = cpus_allowed()
+    if nodes is not None:
+        return sorted({cpu for node in _check_nodes(nodes) for cpu in _node_cpus(node, allowed)})
+    return check_cpus(cpus or (), allowed)
+
+
+# ---------------------------------------------------------------- the kernel calls, with refusals explained
+
+
+def _check_nodes(nodes: Iterable[object]) -> list[int]:
+    """_validate.check_nodes, with a seccomp refusal of its Mems_allowed query explained."""
+    try:
+        return _validate_nodes(nodes)
+    except LibnumaError as error:
+        if error.errno == errno.EPERM:
+            raise PolicyNotPermitted(
+                f"get_mempolicy (asking for the nodes this process may use) refused with EPERM; {seccomp_hint()}"
+            ) from error
+        raise
+
+
+def _check_node(node: object) -> int:
+    return _check_nodes([node])[0]
+
+
+def _set_affinity(tid: int, cpus: list[int]) -> None:
+    try:
+        _libnuma.sched_setaffinity(tid, cpus)
+    except LibnumaError as error:
+        if error.errno == errno.EPERM:
+            raise PolicyNotPermitted(f"sched_setaffinity(tid {tid}) refused with EPERM; {seccomp_hint()}") from error
+        if error.errno == errno.EINVAL:
+            raise InvalidCpuSetError(
+                f"cpus {format_ids(cpus)} are all outside this thread's cpuset; "
+                f"allowed CPUs: {format_ids(cpus_allowed())}"
+            ) from error
+        raise
+
+
+def _mode_word(mode: Mode, flags: Iterable[ModeFlag | str]) -> int:
+    word = MODE_NUMBERS[mode]
+    for flag in flags:
+        word |= FLAG_BITS[ModeFlag(flag)]
+    return word
+
+
+# ---------------------------------------------------------------- the context manager behind them all
+
+
+class _Entries(threading.local):
+    """Per thread: (placement, what it saved) of every block entered and not yet left."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[Placement, tuple[list[int] | None, bool, tuple[int, list[int]] | None]]] = []
+
+
+_entries = _Entries()
+
+
+# The calls every block makes, bound once (a module attribute lookup each is measurable).
+_sched_getaffinity = _libnuma.sched_getaffinity
+_sched_setaffinity = _libnuma.sched_setaffinity
+_get_mempolicy = _libnuma.get_mempolicy
+_set_mempolicy = _libnuma.set_mempolicy
+
+
+class Placement(ContextDecorator):
+    """A CPU set and/or memory policy for the calling thread, restored exactly on exit.
+
+    ``cpus`` None leaves the affinity alone, ``mode_word`` None the memory policy.
+    A placement holds no state of its own: what a ``with`` saved is kept per
+    thread, so one placement may be entered by many threads at once, nested, and
+    used as a decorator.
+    """
+
+    __slots__ = ("_cpus", "_mode_word", "_nodes")
+
+    def __init__(self, cpus: list[int] | None, mode_word: int | None, nodes: list[int]) -> None:
+        self._cpus, self._mode_word, self._nodes = cpus, mode_word, nodes
+
+    def __enter__(self) -> Placement:
+        cpus, mode_word, nodes = self._cpus, self._mode_word, self._nodes
+        saved_cpus = saved_policy = None
+        cpus_changed = False
+        # A call that would change nothing is skipped.
+        if cpus is not None:
+            saved_cpus = _sched_getaffinity(0)
+            if cpus != saved_cpus:
+                _set_affinity(0, cpus)
+                cpus_changed = True
+        if mode_word is not None:
+            try:
+                saved_policy = _get_mempolicy()
+                if saved_policy[0] != mode_word or saved_policy[1] != nodes:
+                    _set_mempolicy(mode_word, nodes)
+            except BaseException as error:
+                if cpus_changed:  # never leave half of the placement applied
+                    _sched_setaffinity(0, saved_cpus)
+                if isinstance(error, LibnumaError):
+                    raise_refusal(error, mode_word, nodes)
+                raise
+        _entries.stack.append((self, (saved_cpus, cpus_changed, saved_policy)))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        stack = _entries.stack
+        entered, saved = stack.pop()
+        if entered is not self:  # blocks left out of order (generators): find ours
+            stack.append((entered, saved))
+            index = max(i for i, (placement, _) in enumerate(stack) if placement is self)
+            saved = stack.pop(index)[1]
+        saved_cpus, cpus_changed, saved_policy = saved
+        try:
+            # The body may have changed either meanwhile; reading the CPUs is
+            # cheaper than setting them, so they are set only if they differ.
+            if saved_cpus is not None and (cpus_changed or _sched_getaffinity(0) != saved_cpus):
+                _sched_setaffinity(0, saved_cpus)
+        finally:
+            if saved_policy is not None:
+                _set_mempolicy(*saved_policy)
+
+
+# numa_local's placement per (node, strict), validated once: topology does not
+# change while a job runs, and a cpuset that changes later is still enforced by
+# the kernel (it drops forbidden CPUs, and refuses a forbidden node with EINVAL,
+# which entering turns into NodeNotAllowedError).
+_numa_local_placements: dict[tuple[int, bool], Placement] = {}
+_BIND = MODE_NUMBERS[Mode.BIND]
+_PREFERRED = MODE_NUMBERS[Mode.PREFERRED]
+
+
+def numa_local(node: int, *, strict: bool = False) -> Placement:
+    """Run on ``node``'s allowed CPUs and allocate new pages on ``node``.
+
+    ``strict=False`` prefers the node (MPOL_PREFERRED): when it is full, pages come
+    from another node rather than the OOM killer ending a data loader.
+    ``strict=True`` binds (MPOL_BIND): the node or nothing. A node without CPUs
+    (CXL or HBM memory, Grace-Hopper GPU memory) runs on its nearest CPU node(s)
+    by numa_distance and allocates on itself.
+    """
+    placement = _numa_local_placements.get((node, strict)) if type(node) is int else None
+    if placement is None:
+        checked = _check_node(node)
+        cpus = _node_cpus(checked, cpus_allowed())
+        placement = Placement(cpus, _BIND if strict is True else _PREFERRED, [checked])
+        _numa_local_placements[(checked, strict is True)] = placement
+    return placement
+
+
+def cpubind(*, cpus: Iterable[int] | None = None, nodes: Iterable[int] | None = None) -> Placement:
+    """Run only on ``cpus``, or on the allowed CPUs of ``nodes``; memory policy untouched."""
+    return Placement(_cpus_for(cpus, nodes), None, [])
+
+
+def membind(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+    """Allocate only on ``nodes`` (MPOL_BIND): when they are full, the OOM killer, not another node."""
+    return Placement(None, _mode_word(Mode.BIND, flags), _check_nodes(nodes))
+
+
+def preferred(node: int, *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+    """Allocate on ``node`` while it has free memory, elsewhere after (MPOL_PREFERRED)."""
+    return Placement(None, _mode_word(Mode.PREFERRED, flags), [_check_node(node)])
+
+
+def preferred_many(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+    """Allocate on any of ``nodes`` while they have memory (MPOL_PREFERRED_MANY, Linux 5.15+)."""
+    _require("preferred_many")
+    return Placement(None, _mode_word(Mode.PREFERRED_MANY, flags), _check_nodes(nodes))
+
+
+def interleave(
+    nodes: Iterable[int], *, weights: Iterable[int] | None = None, flags: Iterable[ModeFlag | str] = ()
+) -> Placement:
+    """Spread new pages round-robin over ``nodes`` (MPOL_INTERLEAVE).
+
+    ``weights`` (one per node, 1-255) asks for weighted interleave (Linux 6.9+):
+    node i gets weights[i] pages in turn. The kernel keeps these weights system-wide
+    in /sys/kernel/mm/mempolicy/weighted_interleave/nodeN, not per thread; numafast
+    does not rewrite a setting that every process shares, so the weights must
+    already be set there (the error says how) and are checked to match.
+    """
+    nodes = list(nodes)
+    checked = _check_nodes(nodes)
+    if weights is None:
+        return Placement(None, _mode_word(Mode.INTERLEAVE, flags), checked)
+    _require("weighted_interleave")
+    _check_weights(list(nodes), list(weights))
+    return Placement(None, _mode_word(Mode.WEIGHTED_INTERLEAVE, flags), checked)
+
+
+def local_alloc() -> Placement:
+    """Allocate on the node of the CPU that touches each page (MPOL_LOCAL)."""
+    return Placement(None, MODE_NUMBERS[Mode.LOCAL], [])
+
+
+def _require(feature: str) -> None:
+    capability = getattr(capabilities(), feature)
+    if not capability.available:
+        raise PolicyUnsupported(f"{feature} is not available here: {capability.reason}")
+
+
+def _check_weights(nodes: list[int], weights: list[int]) -> None:
+    if len(weights) != len(nodes):
+        raise InvalidWeightsError(f"{len(weights)} weights for {len(nodes)} nodes {nodes}; give one per node")
+    for weight in weights:
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= 255:
+            raise InvalidWeightsError(f"weight {weight!r} is not an integer in 1..255")
+    system = {node: int((WEIGHTS_DIR / f"node{node}").read_text()) for node in nodes}
+    wanted = dict(zip(nodes, weights))
+    if system != wanted:
+        commands = "; ".join(f"echo {w} > {WEIGHTS_DIR}/node{n}" for n, w in wanted.items())
+        raise InvalidWeightsError(
+            f"weights {wanted} differ from the kernel's system-wide weights {system}; the kernel "
+            f"has no per-thread weights: an administrator sets them ({commands})"
+        )
+
+
+# ---------------------------------------------------------------- persistent binding
+
+
+def bind(node: int, *, strict: bool = False) -> None:
+    """Bind the calling thread for good: ``node``'s CPUs, and memory there (as numa_local)."""
+    placement = numa_local(node, strict=strict)
+    placement.__enter__()
+    _entries.stack.pop()  # never exited: the change stays
+
+
+def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> list[int]:
+    """Move every thread of this process to ``node``'s CPUs; set the calling thread's policy.
+
+    The kernel offers no way to change another thread's memory policy, so only
+    the caller's is set (threads created afterwards inherit it). ``migrate=True``
+    also moves pages already touched on other nodes to ``node``. Returns the ids
+    of the threads that were moved.
+    """
+    placement = numa_local(node, strict=strict)
+    cpus, nodes = placement._cpus, placement._nodes
+    moved: dict[int, list[int]] = {}  # thread id -> its CPUs before
+    try:
+        for tid in map(int, os.listdir("/proc/self/task")):
+            try:
+                before = _libnuma.sched_getaffinity(tid)
+                _set_affinity(tid, cpus)  # type: ignore[arg-type]
+            except LibnumaError as error:
+                if error.errno != errno.ESRCH:  # ESRCH: the thread has ended meanwhile
+                    raise
+            else:
+                moved[tid] = before
+        set_mempolicy(placement._mode_word, nodes)  # type: ignore[arg-type]
+    except BaseException:
+        for tid, before in moved.items():  # never leave half of the placement applied
+            try:
+                _libnuma.sched_setaffinity(tid, before)
+            except LibnumaError:
+                pass  # that thread has ended
+        raise
+    if migrate:
+        others = [n for n in _libnuma.get_mems_allowed() if n != node]
+        if others:
+            _libnuma.migrate_pages(0, others, nodes)
+    return sorted(moved)

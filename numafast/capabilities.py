@@ -1,0 +1,140 @@
+"""What placement works on this machine, and why not: :func:`capabilities`.
+
+Containers and old kernels differ: a seccomp profile may answer set_mempolicy
+with EPERM, a kernel before 5.15 lacks MPOL_PREFERRED_MANY, one before 6.9 lacks
+MPOL_WEIGHTED_INTERLEAVE. The probes run once, in a short-lived thread of their
+own: memory policy and CPU affinity are per thread, so whatever a probe sets
+dies with that thread and the caller's placement is never touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from dataclasses import dataclass, fields
+from functools import cache
+
+from numafast import _libnuma
+from numafast.errors import LibnumaError
+from numafast.policy import seccomp_hint
+
+
+@dataclass(frozen=True)
+class Capability:
+    """Whether a feature works here; ``reason`` says why not (empty when it does)."""
+
+    available: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The result of :func:`capabilities`: one :class:`Capability` per feature."""
+
+    numa: Capability
+    """The NUMA system calls exist (libnuma's numa_available())."""
+    set_mempolicy: Capability
+    """A thread may set its memory policy (what every memory context manager needs)."""
+    preferred_many: Capability
+    """MPOL_PREFERRED_MANY (Linux 5.15+, libnuma 2.0.15+): :func:`numafast.preferred_many`."""
+    weighted_interleave: Capability
+    """MPOL_WEIGHTED_INTERLEAVE (Linux 6.9+): :func:`numafast.interleave` with ``weights=``."""
+    cpu_affinity: Capability
+    """A thread may set its CPU affinity (what numa_local and cpubind need)."""
+    kernel: str
+    """The kernel release (uname -r)."""
+
+    def __str__(self) -> str:
+        lines = [f"kernel {self.kernel}"]
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, Capability):
+                lines.append(f"{item.name:>20}: {'yes' if value.available else 'no: ' + value.reason}")
+        return "\n".join(lines)
+
+
+def _refusal(call: str, error: LibnumaError, needs: str = "") -> Capability:
+    if error.errno == errno.EPERM:
+        return Capability(False, f"{call} refused with EPERM; {seccomp_hint()}")
+    if error.errno in (errno.EINVAL, errno.ENOSYS) and needs:
+        return Capability(False, f"{call} refused ({error.strerror}): {needs}, this kernel is {os.uname().release}")
+    return Capability(False, str(error))
+
+
+def _probe_set_mempolicy(node: int) -> Capability:
+    try:
+        _libnuma.set_mempolicy(_libnuma.MPOL_PREFERRED, [node])
+    except LibnumaError as error:
+        return _refusal("set_mempolicy", error)
+    return Capability(True)
+
+
+def _probe_preferred_many(node: int) -> Capability:
+    if _libnuma.has_preferred_many() <= 0:
+        return Capability(False, "libnuma or the kernel lacks MPOL_PREFERRED_MANY (needs Linux 5.15+, libnuma 2.0.15+)")
+    try:
+        _libnuma.set_mempolicy(_libnuma.MPOL_PREFERRED_MANY, [node])
+    except LibnumaError as error:
+        return _refusal("set_mempolicy(MPOL_PREFERRED_MANY)", error, "MPOL_PREFERRED_MANY needs Linux 5.15+")
+    return Capability(True)
+
+
+def _probe_weighted_interleave(node: int) -> Capability:
+    try:
+        _libnuma.set_mempolicy(_libnuma.MPOL_WEIGHTED_INTERLEAVE, [node])
+    except LibnumaError as error:
+        return _refusal("set_mempolicy(MPOL_WEIGHTED_INTERLEAVE)", error, "MPOL_WEIGHTED_INTERLEAVE needs Linux 6.9+")
+    return Capability(True)
+
+
+def _probe_cpu_affinity() -> Capability:
+    try:
+        _libnuma.sched_setaffinity(0, _libnuma.sched_getaffinity(0))
+    except LibnumaError as error:
+        return _refusal("sched_setaffinity", error)
+    return Capability(True)
+
+
+def _probe_numa() -> Capability:
+    if _libnuma.available() < 0:
+        return Capability(False, "numa_available() < 0: the kernel has no NUMA system calls (ENOSYS)")
+    try:  # libnuma counts only ENOSYS as unavailable; a seccomp profile answers EPERM
+        _libnuma.get_mempolicy()
+    except LibnumaError as error:
+        return _refusal("get_mempolicy", error)
+    return Capability(True)
+
+
+def _probes() -> dict[str, Capability]:
+    """Every probe, in a thread of its own: whatever a probe sets ends with that thread."""
+    results: dict[str, Capability] = {}
+    failures: list[BaseException] = []
+
+    def probe() -> None:
+        try:
+            results["cpu_affinity"] = _probe_cpu_affinity()
+            results["numa"] = _probe_numa()
+            if not results["numa"].available:
+                missing = Capability(False, f"no NUMA system calls: {results['numa'].reason}")
+                results.update(set_mempolicy=missing, preferred_many=missing, weighted_interleave=missing)
+                return
+            node = _libnuma.get_mems_allowed()[0]
+            results["set_mempolicy"] = _probe_set_mempolicy(node)
+            results["preferred_many"] = _probe_preferred_many(node)
+            results["weighted_interleave"] = _probe_weighted_interleave(node)
+        except BaseException as error:  # handed to the caller below
+            failures.append(error)
+
+    thread = threading.Thread(target=probe, name="numafast-capabilities")
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
+    return results
+
+
+@cache
+def capabilities() -> Capabilities:
+    """Probe once what placement works here (cached for the life of the process)."""
+    return Capabilities(**_probes(), kernel=os.uname().release)

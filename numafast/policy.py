@@ -1,0 +1,159 @@
+"""Memory policies as typed values: :class:`Mode`, :class:`ModeFlag`, :class:`Policy`.
+
+A memory policy belongs to one thread and says where the pages that thread
+touches first will go (see set_mempolicy(2)). :func:`get_policy` reads the
+calling thread's policy from the kernel; :func:`set_policy` replaces it and turns
+the kernel's refusals into exceptions that say why.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NoReturn
+
+from numafast import _libnuma
+from numafast._validate import check_nodes, format_ids
+from numafast.errors import LibnumaError, PolicyNotPermitted, PolicyUnsupported
+
+
+class Mode(str, Enum):
+    """The modes of set_mempolicy(2)."""
+
+    DEFAULT = "default"
+    """No policy of its own: the thread falls back to the system default, local allocation."""
+    PREFERRED = "preferred"
+    """Allocate on the one node given; on other nodes when it is full (never an OOM of its own)."""
+    BIND = "bind"
+    """Allocate only on the nodes given; when they are full, reclaim, then the OOM killer."""
+    INTERLEAVE = "interleave"
+    """Spread pages round-robin over the nodes given, one page each in turn."""
+    LOCAL = "local"
+    """Allocate on the node of the CPU that touches the page (explicitly, overriding a default)."""
+    PREFERRED_MANY = "preferred_many"
+    """Allocate on any of the nodes given, elsewhere when all are full (Linux 5.15+)."""
+    WEIGHTED_INTERLEAVE = "weighted_interleave"
+    """Interleave in proportion to the system's per-node weights (Linux 6.9+)."""
+
+
+class ModeFlag(str, Enum):
+    """Mode flags, OR'd into the mode by set_mempolicy(2) and returned the same way."""
+
+    STATIC_NODES = "static_nodes"
+    """The nodes are physical ids that stay put when the cpuset's mems change."""
+    RELATIVE_NODES = "relative_nodes"
+    """The nodes are indices into the cpuset's allowed nodes, remapped when those change."""
+    NUMA_BALANCING = "numa_balancing"
+    """With BIND: let automatic NUMA balancing move pages among the bound nodes (Linux 5.12+)."""
+
+
+MODE_NUMBERS: dict[Mode, int] = {
+    Mode.DEFAULT: _libnuma.MPOL_DEFAULT,
+    Mode.PREFERRED: _libnuma.MPOL_PREFERRED,
+    Mode.BIND: _libnuma.MPOL_BIND,
+    Mode.INTERLEAVE: _libnuma.MPOL_INTERLEAVE,
+    Mode.LOCAL: _libnuma.MPOL_LOCAL,
+    Mode.PREFERRED_MANY: _libnuma.MPOL_PREFERRED_MANY,
+    Mode.WEIGHTED_INTERLEAVE: _libnuma.MPOL_WEIGHTED_INTERLEAVE,
+}
+FLAG_BITS: dict[ModeFlag, int] = {
+    ModeFlag.STATIC_NODES: _libnuma.MPOL_F_STATIC_NODES,
+    ModeFlag.RELATIVE_NODES: _libnuma.MPOL_F_RELATIVE_NODES,
+    ModeFlag.NUMA_BALANCING: _libnuma.MPOL_F_NUMA_BALANCING,
+}
+_MODES_BY_NUMBER = {number: mode for mode, number in MODE_NUMBERS.items()}
+_ALL_FLAG_BITS = sum(FLAG_BITS.values())
+# The kernel release that introduced each mode newer than the original four.
+_MODE_SINCE = {Mode.LOCAL: "3.8", Mode.PREFERRED_MANY: "5.15", Mode.WEIGHTED_INTERLEAVE: "6.9"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A thread's memory policy: the mode, its nodes (ascending) and its mode flags."""
+
+    mode: Mode
+    nodes: tuple[int, ...] = ()
+    flags: frozenset[ModeFlag] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_kernel(cls, mode_word: int, nodes: Iterable[int]) -> Policy:
+        """The policy get_mempolicy(2) reported as a mode word (flags OR'd in) and nodes."""
+        flags = frozenset(flag for flag, bit in FLAG_BITS.items() if mode_word & bit)
+        return cls(_MODES_BY_NUMBER[mode_word & ~_ALL_FLAG_BITS], tuple(sorted(nodes)), flags)
+
+    def to_kernel(self) -> tuple[int, list[int]]:
+        """(mode word with the flags OR'd in, nodes): the arguments of set_mempolicy(2)."""
+        mode_word = MODE_NUMBERS[Mode(self.mode)]
+        for flag in self.flags:
+            mode_word |= FLAG_BITS[ModeFlag(flag)]
+        return mode_word, list(self.nodes)
+
+
+def get_policy() -> Policy:
+    """The calling thread's memory policy, as the kernel reports it (get_mempolicy(2))."""
+    return Policy.from_kernel(*_libnuma.get_mempolicy())
+
+
+def set_policy(policy: Policy) -> None:
+    """Make ``policy`` the calling thread's memory policy; nodes are validated first."""
+    if policy.nodes:
+        check_nodes(policy.nodes, need_allowed=ModeFlag.RELATIVE_NODES not in policy.flags)
+    set_mempolicy(*policy.to_kernel())
+
+
+def set_mempolicy(mode_word: int, nodes: list[int]) -> None:
+    """set_mempolicy(2) with the kernel's refusals explained (raw mode word and nodes)."""
+    try:
+        _libnuma.set_mempolicy(mode_word, nodes)
+    except LibnumaError as error:
+        raise_refusal(error, mode_word, nodes)
+
+
+def raise_refusal(error: LibnumaError, mode_word: int, nodes: list[int]) -> NoReturn:
+    """Raise the exception that says why the kernel refused set_mempolicy(mode_word, nodes)."""
+    explained = explain_refusal(error, mode_word, nodes)
+    if explained is error:
+        raise error
+    raise explained from error
+
+
+def explain_refusal(error: LibnumaError, mode_word: int, nodes: list[int]) -> Exception:
+    """The exception that says why the kernel refused set_mempolicy(mode_word, nodes)
+    (``error`` itself when there is nothing to add)."""
+    policy = Policy.from_kernel(mode_word, nodes)
+    what = f"{error.call}({policy.mode.value}, nodes {format_ids(nodes)})"
+    if error.errno == errno.EPERM:
+        return PolicyNotPermitted(f"{what} refused with EPERM; {seccomp_hint()}")
+    if error.errno == errno.ENOSYS:
+        return PolicyUnsupported(f"{what} failed with ENOSYS: this kernel has no NUMA support (CONFIG_NUMA)")
+    if error.errno == errno.EINVAL:
+        if nodes:
+            # Raises InvalidNodeError or NodeNotAllowedError when a node is the cause.
+            check_nodes(nodes, need_allowed=ModeFlag.RELATIVE_NODES not in policy.flags)
+        since = _MODE_SINCE.get(policy.mode)
+        if since:
+            return PolicyUnsupported(
+                f"{what} refused with EINVAL: the {policy.mode.value} mode needs Linux {since}+, "
+                f"this kernel is {os.uname().release}"
+            )
+    return error
+
+
+def seccomp_hint() -> str:
+    """Why a NUMA system call gets EPERM here and what lifts it."""
+    state = "unknown"
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Seccomp:"):
+                    state = {"0": "off", "1": "strict", "2": "filter active"}.get(line.split()[1], "?")
+    except OSError:
+        pass
+    return (
+        f"a container's seccomp profile or missing capability blocks it (seccomp: {state}); "
+        "Docker's default profile allows get_mempolicy, set_mempolicy and mbind only to "
+        "containers with CAP_SYS_NICE: run with --cap-add SYS_NICE, or a seccomp profile that allows them"
+    )

@@ -1,0 +1,103 @@
+"""Logical CPUs from ``sys/devices/system/cpu``: which are online, their package,
+SMT siblings and last-level-cache group."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from numafast._validate import format_ids
+from numafast.topo.files import read_id_list, read_int, read_text, subdirs, warn
+from numafast.topo.model import Cpu
+
+CPU_DIR = Path("sys/devices/system/cpu")
+# Cache types whose sharing says which CPUs compete for data (not Instruction caches).
+DATA_CACHE_TYPES = ("Unified", "Data")
+
+
+def online_cpus(root: Path) -> list[int]:
+    """CPUs the kernel has online: ``cpu/online``, else every ``cpuN`` directory.
+
+    An offline CPU keeps its directory (to be onlined again) but runs nothing, so
+    it is no CPU of the topology.
+    """
+    online = read_id_list(root / CPU_DIR / "online")
+    if online:
+        return online
+    present = [number for number, _ in subdirs(root / CPU_DIR, "cpu")]
+    fallback = "taking every cpuN directory as online" if present else "and no cpuN directory: no CPUs"
+    warn(f"{root / CPU_DIR / 'online'}: missing or empty; {fallback}")
+    return present
+
+
+def package_of(root: Path, cpu: int) -> int | None:
+    """``cpuN/topology/physical_package_id``: the socket."""
+    return read_int(root / CPU_DIR / f"cpu{cpu}" / "topology" / "physical_package_id")
+
+
+def smt_siblings(root: Path, cpu: int) -> list[int] | None:
+    """``cpuN/topology/thread_siblings_list`` (core_cpus_list on newer kernels): one physical core."""
+    topology = root / CPU_DIR / f"cpu{cpu}" / "topology"
+    siblings = read_id_list(topology / "thread_siblings_list")
+    if siblings is None:
+        siblings = read_id_list(topology / "core_cpus_list")
+    return siblings
+
+
+def last_level_cache(root: Path, cpu: int) -> list[int] | None:
+    """CPUs sharing ``cpu``'s highest-level Unified or Data cache (``cpuN/cache/indexM``).
+
+    On an EPYC this is one CCX's L3 (several per node); on a Xeon the socket's L3.
+    None when the cache directory is missing.
+    """
+    best_level = -1
+    shared: list[int] | None = None
+    for _, index in subdirs(root / CPU_DIR / f"cpu{cpu}" / "cache", "index"):
+        if read_text(index / "type") not in DATA_CACHE_TYPES:
+            continue
+        level = read_int(index / "level")
+        if level is None or level <= best_level:
+            continue
+        cpus = read_id_list(index / "shared_cpu_list")
+        if cpus:
+            best_level, shared = level, cpus
+    return shared
+
+
+def read_cpus(root: Path, online: list[int], node_of: Mapping[int, int]) -> list[Cpu]:
+    """Each of the ``online`` CPUs with its node (None if no node lists it), package, core
+    and LLC group.
+
+    Damage is reported once per kind, naming the CPUs, rather than once per CPU.
+    """
+    online_set = set(online)
+    no_package: list[int] = []
+    no_siblings: list[int] = []
+    no_cache: list[int] = []
+    cpus: list[Cpu] = []
+    for cpu in online:
+        package = package_of(root, cpu)
+        if package is None:
+            no_package.append(cpu)
+        listed_siblings = smt_siblings(root, cpu)
+        if listed_siblings is None:
+            no_siblings.append(cpu)
+        siblings = sorted(online_set.intersection(listed_siblings or ()) | {cpu})
+        llc_cpus = last_level_cache(root, cpu)
+        if llc_cpus is None:
+            no_cache.append(cpu)
+            # Every level of a core's cache is shared by its SMT siblings at least.
+            llc = siblings
+        else:
+            llc = sorted(online_set.intersection(llc_cpus) | {cpu})
+        cpus.append(Cpu(cpu, node_of.get(cpu), package, siblings[0], tuple(siblings), tuple(llc)))
+    if no_package:
+        warn(f"cpu {format_ids(no_package)}: no topology/physical_package_id; package unknown")
+    if no_siblings:
+        warn(f"cpu {format_ids(no_siblings)}: no topology/thread_siblings_list; each taken as its own core")
+    if no_cache:
+        warn(
+            f"cpu {format_ids(no_cache)}: no cache/index*/ with a Unified or Data cache; "
+            "last-level-cache group taken as the CPU's SMT siblings"
+        )
+    return cpus

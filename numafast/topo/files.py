@@ -1,0 +1,132 @@
+"""Readers of the kernel's sysfs and procfs files, one function per kind of file.
+
+Every reader takes the file's full path (under whatever root a snapshot lives in),
+returns None when the file is missing, and on damage (NUL bytes, an empty file,
+text that does not parse) warns with :class:`TopologyWarning` and returns what
+it could read: a topology that is partly known beats a crash in a launcher.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from numafast._validate import parse_ids
+from numafast.errors import TopologyWarning
+
+
+def warn(message: str) -> None:
+    """Report damage in the files a topology was read from."""
+    warnings.warn(message, TopologyWarning, stacklevel=3)
+
+
+def read_text(path: Path) -> str | None:
+    """The file's text without surrounding whitespace; None if it is missing or unreadable.
+
+    Real sysfs files end in a newline, so a file of zero bytes is a truncated copy.
+    Some firmware-backed attributes end in NUL bytes: the text before the first NUL
+    is kept.
+    """
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:
+        warn(f"{path}: unreadable ({error.strerror}); treated as missing")
+        return None
+    if not data:
+        warn(f"{path}: empty file; treated as holding nothing")
+        return ""
+    if b"\x00" in data:
+        warn(f"{path}: contains NUL bytes; reading only what precedes the first one")
+        data = data.split(b"\x00", 1)[0]
+    return data.decode("utf-8", errors="replace").strip()
+
+
+def read_int(path: Path, *, base: int = 10) -> int | None:
+    """A file holding one integer ('0\\n', '-1\\n', or '0x10de\\n' with base=16)."""
+    text = read_text(path)
+    if not text:
+        return None
+    try:
+        return int(text, base)
+    except ValueError:
+        warn(f"{path}: {text[:40]!r} is not an integer; treated as unknown")
+        return None
+
+
+def read_id_list(path: Path) -> list[int] | None:
+    """A kernel list file (cpulist, nodelist, shared_cpu_list: '0-3,8'); None if missing."""
+    text = read_text(path)
+    if text is None:
+        return None
+    try:
+        return sorted(set(parse_ids(text)))
+    except ValueError:
+        warn(f"{path}: {text[:40]!r} is not a list of ids; treated as empty")
+        return []
+
+
+def read_int_row(path: Path) -> list[int] | None:
+    """A file of space-separated integers: a node's ``distance`` row ('10 21 21 10')."""
+    text = read_text(path)
+    if text is None:
+        return None
+    try:
+        return [int(word) for word in text.split()]
+    except ValueError:
+        warn(f"{path}: {text[:40]!r} is not a row of integers; treated as missing")
+        return None
+
+
+def read_meminfo(path: Path) -> dict[str, int] | None:
+    """A meminfo file as bytes per field.
+
+    Reads both a node's ``meminfo`` ('Node 0 MemTotal:  4810956 kB') and
+    ``/proc/meminfo`` ('MemTotal:  4810956 kB').
+    """
+    fields = read_fields(path)
+    if fields is None:
+        return None
+    sizes: dict[str, int] = {}
+    for name, value in fields.items():
+        words = value.split()
+        if name and words and words[0].isdigit():
+            sizes[name.split()[-1]] = int(words[0]) * (1024 if words[-1] == "kB" else 1)
+    if "MemTotal" not in sizes:
+        warn(f"{path}: no MemTotal field; memory treated as unknown")
+    return sizes
+
+
+def read_fields(path: Path) -> dict[str, str] | None:
+    """A 'Name: value' file as a dict: ``/proc/PID/status`` ('Cpus_allowed_list' -> '0-3'),
+    NVIDIA's ``/proc/driver/nvidia/gpus/ADDR/information`` ('GPU UUID' -> 'GPU-...')."""
+    text = read_text(path)
+    if text is None:
+        return None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep:
+            fields[name.strip()] = value.strip()
+    return fields
+
+
+def read_lines(path: Path) -> list[str] | None:
+    """A file's lines (``/proc/mounts``, ``/proc/self/cgroup``)."""
+    text = read_text(path)
+    return None if text is None else text.splitlines()
+
+
+def subdirs(path: Path, prefix: str) -> list[tuple[int, Path]]:
+    """(number, path) of the entries ``prefixN`` of a directory (node3, cpu12, index2), by number."""
+    try:
+        entries = list(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    numbered = [
+        (int(entry.name[len(prefix) :]), entry)
+        for entry in entries
+        if entry.name.startswith(prefix) and entry.name[len(prefix) :].isdecimal()
+    ]
+    return sorted(numbered)
