@@ -55,6 +55,12 @@ from numafast.topo import Cpu, Gpu, Node, PciDevice, Topology, topology
 
 # GPU affinity planning (issue 6)
 from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan
+# ---------------------------------------------------------------- memory (issue 5)
+from numafast.errors import InvalidBufferError, InvalidSizeError, MigrationError, NodeMemoryError
+from numafast.memory import empty, mbind, migrate, zeros
+from numafast.pages import PageNodes, Placement, page_nodes, placement
+
+# ---------------------------------------------------------------- end memory
 
 __version__ = "0.1.0"
 
@@ -85,6 +91,19 @@ __all__ = [
     "Smt",
     "cpus_for_gpu",
     "plan",
+    # memory (issue 5)
+    "InvalidBufferError",
+    "InvalidSizeError",
+    "MigrationError",
+    "NodeMemoryError",
+    "PageNodes",
+    "Placement",
+    "empty",
+    "mbind",
+    "migrate",
+    "page_nodes",
+    "placement",
+    "zeros",
 ]
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 from numafast._libnuma import LibnumaError
 
 __all__ = [
+    "InvalidBufferError",
     "InvalidCpuSetError",
     "InvalidNodeError",
+    "InvalidSizeError",
     "InvalidWeightsError",
     "LibnumaError",
+    "MigrationError",
+    "NodeMemoryError",
     "NodeNotAllowedError",
     "NumaError",
     "NumaUnavailable",
@@ -68,3 +72,29 @@ class InvalidGpuError(NumaError, ValueError):
 
 class PlacementError(NumaError, ValueError):
     """A CPU placement that cannot be made: e.g. more GPUs on a node than it has cores."""
+# ---------------------------------------------------------------- memory (allocation, mbind, migration)
+
+
+class InvalidSizeError(NumaError, ValueError):
+    """A size or shape that allocates nothing (0 bytes) or is negative."""
+
+
+class InvalidBufferError(NumaError, ValueError):
+    """A buffer numafast cannot place or query: not contiguous, read-only, empty, already
+    freed, not in host memory, or holding no whole page."""
+
+
+class NodeMemoryError(NumaError, MemoryError):
+    """A node has too little free memory for a request; the message names the node and its free bytes."""
+
+
+class MigrationError(NumaError, OSError):
+    """Pages the kernel would not move (still busy after retries, shared, no room on the node).
+
+    ``moved`` is how many pages did move; ``stuck`` counts the others by reason.
+    """
+
+    def __init__(self, message: str, moved: int, stuck: dict[str, int]):
+        super().__init__(message)
+        self.moved = moved
+        self.stuck = stuck

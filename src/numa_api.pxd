@@ -143,3 +143,38 @@ cdef extern from "<sys/syscall.h>" nogil:
 
 cdef extern from "<sched.h>" nogil:
     int sched_getcpu()
+
+
+# ---------------------------------------------------------------- memory (src/memory.pxi)
+# Anonymous mappings, their advice, and the threads of the parallel pre-touch.
+
+cdef extern from "<sys/mman.h>" nogil:
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void *addr, size_t length)
+    int madvise(void *addr, size_t length, int advice)
+    void *MAP_FAILED
+    enum:
+        PROT_READ
+        PROT_WRITE
+        MAP_PRIVATE
+        MAP_ANONYMOUS
+        MADV_HUGEPAGE
+        MADV_NOHUGEPAGE
+
+cdef extern from *:
+    """
+    /* Linux 5.14 (uapi/asm-generic/mman-common.h); older headers lack it. */
+    #ifndef MADV_POPULATE_WRITE
+    #define MADV_POPULATE_WRITE 23
+    #endif
+    """
+    enum:
+        MADV_POPULATE_WRITE
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    ctypedef struct pthread_attr_t:
+        pass
+    int pthread_create(pthread_t *thread, const pthread_attr_t *attr,
+                       void *(*start_routine)(void *) noexcept nogil, void *arg)
+    int pthread_join(pthread_t thread, void **retval)
