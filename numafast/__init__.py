@@ -6,18 +6,8 @@ function; this package adds validation, policy and typed objects on top.
 
 from __future__ import annotations
 
-from numafast import _libnuma
-from numafast.errors import (
-    InvalidCpuSetError,
-    InvalidNodeError,
-    LibnumaError,
-    NodeNotAllowedError,
-    NumaError,
-    NumaUnavailable,
-)
-
-# ---- placement (issue 4): binding, memory policies, capabilities
-from numafast import binding
+from numafast import _libnuma, binding
+from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan
 from numafast.binding import (
     bind,
     bind_process,
@@ -31,59 +21,77 @@ from numafast.binding import (
     preferred_many,
 )
 from numafast.capabilities import Capabilities, Capability, capabilities
-from numafast.errors import InvalidWeightsError, PolicyNotPermitted, PolicyUnsupported
-from numafast.policy import Mode, ModeFlag, Policy, get_policy, set_policy
-
-_PLACEMENT_API = [
-    *binding.__all__,
-    "Capabilities",
-    "Capability",
-    "InvalidWeightsError",
-    "Mode",
-    "ModeFlag",
-    "Policy",
-    "PolicyNotPermitted",
-    "PolicyUnsupported",
-    "capabilities",
-    "get_policy",
-    "set_policy",
-]
-# ---- end placement
-# topology (issue 3)
-from numafast.errors import InvalidGpuError, PlacementError, TopologyWarning
-from numafast.topo import Cpu, Gpu, Node, PciDevice, Topology, topology
-
-# GPU affinity planning (issue 6)
-from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan
-# ---------------------------------------------------------------- memory (issue 5)
-from numafast.errors import InvalidBufferError, InvalidSizeError, MigrationError, NodeMemoryError
+from numafast.errors import (
+    InvalidBufferError,
+    InvalidCpuSetError,
+    InvalidGpuError,
+    InvalidNodeError,
+    InvalidSizeError,
+    InvalidWeightsError,
+    LibnumaError,
+    MigrationError,
+    NodeMemoryError,
+    NodeNotAllowedError,
+    NumaError,
+    NumaUnavailable,
+    PlacementError,
+    PolicyNotPermitted,
+    PolicyUnsupported,
+    TopologyWarning,
+)
 from numafast.memory import empty, mbind, migrate, zeros
-from numafast.pages import PageNodes, Placement, page_nodes, placement
-
-# ---------------------------------------------------------------- end memory
+from numafast.pages import PageNodes, PlacementReport, page_nodes, placement
+from numafast.policy import Mode, ModeFlag, Policy, get_policy, set_policy
+from numafast.topo import Cpu, Gpu, Node, PciDevice, Topology, topology
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # errors
+    "InvalidBufferError",
     "InvalidCpuSetError",
+    "InvalidGpuError",
     "InvalidNodeError",
+    "InvalidSizeError",
+    "InvalidWeightsError",
     "LibnumaError",
+    "MigrationError",
+    "NodeMemoryError",
     "NodeNotAllowedError",
     "NumaError",
     "NumaUnavailable",
+    "PlacementError",
+    "PolicyNotPermitted",
+    "PolicyUnsupported",
+    "TopologyWarning",
     "numa_available",
-    *_PLACEMENT_API,
-    # topology (issue 3)
+    # topology
     "Cpu",
     "Gpu",
-    "InvalidGpuError",
     "Node",
     "PciDevice",
-    "PlacementError",
     "Topology",
-    "TopologyWarning",
     "topology",
-    # GPU affinity planning (issue 6)
+    # placement: CPU binding and memory policy
+    *binding.__all__,
+    "Capabilities",
+    "Capability",
+    "Mode",
+    "ModeFlag",
+    "Policy",
+    "capabilities",
+    "get_policy",
+    "set_policy",
+    # node-local memory
+    "PageNodes",
+    "PlacementReport",
+    "empty",
+    "mbind",
+    "migrate",
+    "page_nodes",
+    "placement",
+    "zeros",
+    # GPU affinity: planning and launching
     "AffinityMode",
     "MemoryPolicy",
     "Plan",
@@ -91,19 +99,6 @@ __all__ = [
     "Smt",
     "cpus_for_gpu",
     "plan",
-    # memory (issue 5)
-    "InvalidBufferError",
-    "InvalidSizeError",
-    "MigrationError",
-    "NodeMemoryError",
-    "PageNodes",
-    "Placement",
-    "empty",
-    "mbind",
-    "migrate",
-    "page_nodes",
-    "placement",
-    "zeros",
 ]
 
 

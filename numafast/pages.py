@@ -18,7 +18,7 @@ from numafast._buffers import Span, flat_bytes
 from numafast._validate import allowed_cpus, check_node
 from numafast.errors import InvalidBufferError, LibnumaError
 
-__all__ = ["PageNodes", "Placement", "local_node", "page_nodes", "placement", "count_statuses"]
+__all__ = ["PageNodes", "PlacementReport", "local_node", "page_nodes", "placement", "count_statuses"]
 
 # Page statuses of a move_pages(2) query for pages with no frame of their own yet:
 # never touched (-ENOENT) or only read, so backed by the shared zero page (-EFAULT).
@@ -87,7 +87,7 @@ def local_node() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
+class PlacementReport:
     """Where a batch's memory is: pages per node over all its buffers, and the share of
     the touched pages that is remote from ``node``."""
 
@@ -115,7 +115,7 @@ class Placement:
         return "\n".join(lines)
 
 
-def placement(obj: object, node: int | None = None) -> Placement:
+def placement(obj: object, node: int | None = None) -> PlacementReport:
     """One report of where ``obj``'s memory is: an array, a tensor, or a nested batch of
     dicts, lists, tuples and dataclasses of them.
 
@@ -143,7 +143,7 @@ def placement(obj: object, node: int | None = None) -> Placement:
             for n, pages in counts.items():
                 total[n] = total.get(n, 0) + pages
             untouched += counts.untouched
-    return Placement(target, PageNodes(total, untouched), leaves, skipped)
+    return PlacementReport(target, PageNodes(total, untouched), leaves, skipped)
 
 
 def _is_buffer(obj: object) -> bool:

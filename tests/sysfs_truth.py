@@ -125,21 +125,27 @@ def vma_of(address: int) -> tuple[int, int] | None:
     return None
 
 
+def numa_maps(pid: int | str = "self") -> dict[int, tuple[str, dict[int, int]]]:
+    """{mapping start: (policy, {node: pages})} from /proc/PID/numa_maps."""
+    mappings: dict[int, tuple[str, dict[int, int]]] = {}
+    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
+        words = line.split()
+        counts = {
+            int(word[1 : word.index("=")]): int(word.partition("=")[2])
+            for word in words[2:]
+            if word[0] == "N" and word[1].isdigit()
+        }
+        mappings[int(words[0], 16)] = (words[1], counts)
+    return mappings
+
+
 def numa_maps_of(address: int) -> tuple[str, dict[int, int]]:
     """(policy, {node: pages}) of the mapping holding ``address``, from /proc/self/numa_maps."""
     vma = vma_of(address)
     assert vma is not None, f"{address:#x} is not mapped"
-    with open("/proc/self/numa_maps") as numa_maps:
-        for line in numa_maps:
-            words = line.split()
-            if int(words[0], 16) == vma[0]:
-                counts = {
-                    int(word[1 : word.index("=")]): int(word.partition("=")[2])
-                    for word in words[2:]
-                    if word[0] == "N" and word[1].isdigit()
-                }
-                return words[1], counts
-    raise AssertionError(f"no numa_maps line for the mapping at {vma[0]:#x}")
+    mapping = numa_maps().get(vma[0])
+    assert mapping is not None, f"no numa_maps line for the mapping at {vma[0]:#x}"
+    return mapping
 
 
 def anon_huge_bytes(address: int) -> int:
@@ -231,11 +237,8 @@ def numa_maps_pages(address: int, length: int, pid: int | str = "self") -> dict[
         if low < address + length and address < high:
             starts.add(low)
     pages: dict[int, int] = {}
-    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
-        words = line.split()
-        if int(words[0], 16) in starts:
-            for word in words:
-                if word[0] == "N" and "=" in word:
-                    node, count = word[1:].split("=")
-                    pages[int(node)] = pages.get(int(node), 0) + int(count)
+    for start, (_policy, counts) in numa_maps(pid).items():
+        if start in starts:
+            for node, count in counts.items():
+                pages[node] = pages.get(node, 0) + count
     return pages
