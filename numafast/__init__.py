@@ -56,6 +56,10 @@ from numafast.topo import Cpu, Gpu, Node, PciDevice, Topology, topology
 # GPU affinity planning (issue 6)
 from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan
 
+# applying GPU affinity (issue 6)
+from numafast.affinity import bind_rank, local_rank_from_environment, plan_rank
+from numafast.errors import AffinityWarning, LocalRankError
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -85,6 +89,12 @@ __all__ = [
     "Smt",
     "cpus_for_gpu",
     "plan",
+    # applying GPU affinity (issue 6)
+    "AffinityWarning",
+    "LocalRankError",
+    "bind_rank",
+    "local_rank_from_environment",
+    "plan_rank",
 ]
 
 

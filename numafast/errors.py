@@ -18,6 +18,9 @@ __all__ = [
     "InvalidGpuError",
     "PlacementError",
     "TopologyWarning",
+    # applying GPU affinity
+    "AffinityWarning",
+    "LocalRankError",
 ]
 
 
@@ -68,3 +71,12 @@ class InvalidGpuError(NumaError, ValueError):
 
 class PlacementError(NumaError, ValueError):
     """A CPU placement that cannot be made: e.g. more GPUs on a node than it has cores."""
+# ---------------------------------------------------------------- applying GPU affinity (issue 6: bind_rank)
+
+
+class LocalRankError(NumaError, ValueError):
+    """No local rank: none given and no launcher variable set, or one that is not a rank."""
+
+
+class AffinityWarning(UserWarning):
+    """Something in the environment (OpenMP's own pinning) will undo or fight a binding."""
