@@ -69,6 +69,8 @@ def test_the_launchers_local_size_is_the_number_of_ranks(monkeypatch: pytest.Mon
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # GPUs 0-2: 3 + 3 + 2 cores
     assert plan_rank(mode="exclusive", topology=DGX).cpus == (3, 4, 5, 19, 20, 21)
     assert plan_rank(1, mode="exclusive", topology=DGX, nproc_per_node=2).cpus == (4, 5, 6, 7, 20, 21, 22, 23)
+    # An explicit rank means CUDA device `rank` among all of them, whatever the launcher says.
+    assert plan_rank(1, mode="exclusive", topology=DGX).cpus == (2, 3, 18, 19)
     assert local_rank_from_environment() == (1, "LOCAL_RANK", 3)
 
 

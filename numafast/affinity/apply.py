@@ -43,7 +43,12 @@ OPENMP_AFFINITY_VARIABLES: dict[str, tuple[str, ...]] = {
     "GOMP_CPU_AFFINITY": (),
 }
 
-_MODES = {MemoryPolicy.PREFERRED: Mode.PREFERRED, MemoryPolicy.BIND: Mode.BIND, MemoryPolicy.INTERLEAVE: Mode.INTERLEAVE}
+# The set_mempolicy(2) mode of each memory policy a plan can ask for (NONE sets none).
+_MODES = {
+    MemoryPolicy.PREFERRED: Mode.PREFERRED,
+    MemoryPolicy.BIND: Mode.BIND,
+    MemoryPolicy.INTERLEAVE: Mode.INTERLEAVE,
+}
 
 
 def local_rank_from_environment() -> tuple[int, str, int | None]:
@@ -80,13 +85,14 @@ def bind_rank(
     max_cores: int | None = None,
 ) -> RankPlan:
     """Bind every thread of this process to the CPUs of local rank ``local_rank``'s GPU,
-    and the calling thread's memory policy to its node; return the rank's plan.
+    and the calling thread's memory policy to the rank's memory nodes; return the rank's plan.
 
     ``local_rank`` defaults to the launcher's (LOCAL_RANK, SLURM_LOCALID,
-    OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PMI_LOCAL_RANK, first one set);
-    ``nproc_per_node`` to the launcher's local size variable next to it
-    (LOCAL_WORLD_SIZE, ...), else one rank per GPU. Rank r drives CUDA device r of
-    ``topology`` (default: this machine's, numbered as CUDA_VISIBLE_DEVICES says).
+    OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PMI_LOCAL_RANK, first one set),
+    and then ``nproc_per_node`` to the launcher's local size variable next to it
+    (LOCAL_WORLD_SIZE, ...); otherwise there is one rank per GPU. Rank r drives CUDA
+    device r of ``topology`` (default: this machine's, numbered as
+    CUDA_VISIBLE_DEVICES says).
     ``mode``, ``smt``, ``balanced``, ``min_cores`` and ``max_cores`` are as for
     :func:`numafast.cpus_for_gpu`; ``memory`` is a :class:`MemoryPolicy`.
 
@@ -127,14 +133,14 @@ def plan_rank(
 ) -> RankPlan:
     """What :func:`bind_rank` would apply, with the same arguments; changes nothing."""
     if local_rank is None:
-        local_rank, source, environment_size = local_rank_from_environment()
-        source = f"{source}={local_rank}"
+        local_rank, variable, environment_size = local_rank_from_environment()
+        source = f"{variable}={local_rank}"
+        if nproc_per_node is None:
+            nproc_per_node = environment_size
+    elif isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
+        raise LocalRankError(f"local_rank must be an integer >= 0, not {local_rank!r}")
     else:
-        if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
-            raise LocalRankError(f"local_rank must be an integer >= 0, not {local_rank!r}")
-        source, environment_size = f"local rank {local_rank}", _environment_size()
-    if nproc_per_node is None:
-        nproc_per_node = environment_size
+        source = f"local rank {local_rank}"
     result = plan(
         nproc_per_node, mode=mode, topology=topology, smt=smt, balanced=balanced,
         min_cores=min_cores, max_cores=max_cores, memory=memory,
@@ -145,14 +151,6 @@ def plan_rank(
         gpus = format_ids(r.gpu for r in result.ranks)
         raise InvalidGpuError(f"{source} has no GPU: the job's {len(result.ranks)} ranks drive CUDA devices {gpus}")
     return result.ranks[local_rank]
-
-
-def _environment_size() -> int | None:
-    """The launcher's local size, when a launcher's local rank variable is set too."""
-    try:
-        return local_rank_from_environment()[2]
-    except LocalRankError:
-        return None
 
 
 def _warn_about_openmp_pinning(rank_plan: RankPlan) -> None:

@@ -46,7 +46,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("pids", metavar="PID", nargs="+", type=int)
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--node", type=int, help="the node every thread and page should be on")
-    where.add_argument("--gpu", type=int, metavar="I", help="CUDA device I's node, as numafast plan places it")
+    where.add_argument(
+        "--gpu", type=int, metavar="I",
+        help="CUDA device I's node, as numafast plan places it (numbered per CUDA_VISIBLE_DEVICES here)",
+    )
     parser.add_argument("--max-remote", type=float, default=0.1, metavar="SHARE",
                         help="largest share of pages allowed on other nodes (default 0.1)")  # fmt: skip
     add_topology_arguments(parser)

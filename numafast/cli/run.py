@@ -33,14 +33,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     memory.add_argument("--interleave", metavar="NODES", help="interleave pages over these nodes")
     memory.add_argument("--localalloc", action="store_true", help="allocate on the node of the touching CPU")
     gpu = parser.add_argument_group("binding for a GPU (instead of --cpunodebind/--physcpubind)")
-    gpu.add_argument("--gpu", metavar="I|auto",
-                     help="bind as planned for CUDA device I; auto: the local rank's (LOCAL_RANK, SLURM_LOCALID, ...)")
-    gpu.add_argument("--mode", choices=[m.value for m in AffinityMode], help="with --gpu: how CPUs are chosen (default: node)")
-    gpu.add_argument("--memory", choices=[p.value for p in MemoryPolicy],
-                     help="with --gpu: memory policy on the GPU's node (default: preferred; "
-                     "an explicit --membind/--preferred/--interleave/--localalloc replaces it)")
-    gpu.add_argument("--nproc-per-node", type=int, metavar="N",
-                     help="with --gpu: ranks on this machine (default: LOCAL_WORLD_SIZE or the like, else one per GPU)")
+    gpu.add_argument(
+        "--gpu", metavar="I|auto",
+        help="bind as planned for CUDA device I; auto: the local rank's (LOCAL_RANK, SLURM_LOCALID, ...)",
+    )
+    gpu.add_argument(
+        "--mode", choices=[m.value for m in AffinityMode], help="with --gpu: how CPUs are chosen (default: node)"
+    )
+    gpu.add_argument(
+        "--memory", choices=[p.value for p in MemoryPolicy],
+        help="with --gpu: memory policy on the GPU's node (default: preferred; an explicit "
+        "--membind/--preferred/--interleave/--localalloc replaces it)",
+    )
+    gpu.add_argument(
+        "--nproc-per-node", type=int, metavar="N",
+        help="with --gpu: ranks on this machine (default: with auto, LOCAL_WORLD_SIZE or the like; else one per GPU)",
+    )
     add_topology_arguments(gpu)
     parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command and its arguments")
     parser.set_defaults(run=run)
@@ -72,13 +80,15 @@ def bind_for_gpu(args: argparse.Namespace) -> None:
     for name in ("cpunodebind", "physcpubind"):
         if getattr(args, name) is not None:
             raise ValueError(f"--gpu chooses the CPUs itself; drop --{name} (or --gpu)")
-    explicit_memory = args.membind is not None or args.preferred is not None or args.interleave is not None or args.localalloc
+    explicit_memory = args.localalloc or any(v is not None for v in (args.membind, args.preferred, args.interleave))
     if explicit_memory and args.memory is not None:
-        raise ValueError("--memory and an explicit --membind/--preferred/--interleave/--localalloc contradict; give one")
+        raise ValueError(
+            "--memory and an explicit --membind/--preferred/--interleave/--localalloc contradict; give one"
+        )
     if args.gpu == "auto":
         local_rank = None
     elif args.gpu.isdecimal():
-        local_rank = int(args.gpu)  # rank r drives CUDA device r
+        local_rank = int(args.gpu)  # rank r drives CUDA device r, among all of them
     else:
         raise ValueError(f"--gpu {args.gpu!r} is neither a CUDA device index nor 'auto'")
     bind_rank(
@@ -94,13 +104,14 @@ def run(args: argparse.Namespace) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         raise ValueError("no command given: numafast run [OPTIONS] -- COMMAND [ARGS...]")
+    chosen = placements(args)  # validated before anything is bound
     if args.gpu is not None:
         bind_for_gpu(args)
     else:
         given = [name for name in GPU_ONLY_OPTIONS if getattr(args, name) is not None]
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} applies only with --gpu")
-    for placement in placements(args):
+    for placement in chosen:
         placement.__enter__()  # never exited: the command inherits the placement
     try:
         os.execvp(command[0], command)
