@@ -109,7 +109,7 @@ def test_gpu_with_unknown_node(tmp_path: Path) -> None:
         ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, {}, InvalidGpuError,
          "LOCAL_RANK=2 has no GPU: the job's 2 ranks drive CUDA devices 0-1"),
         ({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "9"}, {}, InvalidGpuError,
-         "nproc_per_node=9 but this topology has 8 CUDA devices"),
+         "LOCAL_WORLD_SIZE=9 ranks on this machine, but it has 8 CUDA devices (0-7)"),
         ({}, {"local_rank": 0, "mode": "numa"}, ValueError, "mode='numa' is not one of 'node', 'socket'"),
         ({}, {"local_rank": 0, "memory": "local"}, ValueError,
          "memory='local' is not one of 'preferred', 'bind', 'interleave', 'none'"),

@@ -15,7 +15,7 @@ import warnings
 
 from numafast import _libnuma
 from numafast._validate import check_cpus, format_ids
-from numafast.affinity.modes import AffinityMode, Smt
+from numafast.affinity.modes import AffinityMode, Smt, resolve_topology
 from numafast.affinity.planning import MemoryPolicy, RankPlan, plan
 from numafast.binding import _set_affinity, cpus_allowed
 from numafast.errors import AffinityWarning, InvalidGpuError, LibnumaError, LocalRankError
@@ -132,17 +132,25 @@ def plan_rank(
     max_cores: int | None = None,
 ) -> RankPlan:
     """What :func:`bind_rank` would apply, with the same arguments; changes nothing."""
+    launcher_size: tuple[str, int] | None = None  # (variable, value) when the launcher sets nproc_per_node
     if local_rank is None:
         local_rank, variable, environment_size = local_rank_from_environment()
         source = f"{variable}={local_rank}"
-        if nproc_per_node is None:
+        if nproc_per_node is None and environment_size is not None:
             nproc_per_node = environment_size
+            launcher_size = (dict(LOCAL_RANK_VARIABLES)[variable], environment_size)
     elif isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise LocalRankError(f"local_rank must be an integer >= 0, not {local_rank!r}")
     else:
         source = f"local rank {local_rank}"
+    machine = resolve_topology(topology)
+    if launcher_size is not None and launcher_size[1] > len(machine.gpus):
+        raise InvalidGpuError(
+            f"{launcher_size[0]}={launcher_size[1]} ranks on this machine, but it has {len(machine.gpus)} CUDA devices "
+            f"({format_ids(gpu.index for gpu in machine.gpus)})"
+        )
     result = plan(
-        nproc_per_node, mode=mode, topology=topology, smt=smt, balanced=balanced,
+        nproc_per_node, mode=mode, topology=machine, smt=smt, balanced=balanced,
         min_cores=min_cores, max_cores=max_cores, memory=memory,
     )  # fmt: skip
     if local_rank >= len(result.ranks):

@@ -1,7 +1,8 @@
 """``numafast check PID...``: audit where running processes execute and keep their memory.
 
 For each process: every thread's allowed CPUs and the nodes they belong to
-(/proc/PID/task/TID/status), and its pages per node (/proc/PID/numa_maps).
+(/proc/PID/task/TID/status), and the pages of its own memory (anonymous and
+shared memory, not the page cache of mapped files) per node (/proc/PID/numa_maps).
 Placement is wrong when threads may run on more than one node (or on another
 node than ``--node``, or than the node that drives ``--gpu``), or when more than
 ``--max-remote`` of the pages lie on other nodes (for a GPU on a CPU-less node,
@@ -68,11 +69,29 @@ def thread_cpus(pid: int) -> dict[int, list[int]]:
     return cpus
 
 
+# Shared memory shows in numa_maps as a file: POSIX shm, memfd, System V segments.
+SHARED_MEMORY_FILES = ("/dev/shm/", "/memfd:", "/SYSV")
+
+
+def is_own_memory(words: list[str]) -> bool:
+    """Whether a numa_maps mapping holds the process's own data: anonymous memory or shared
+    memory (DataLoader workers pass tensors through /dev/shm or memfd).
+
+    Mapped files (the Python binary, libtorch, NumPy's libraries) live in the page cache on
+    whichever node first read them and are shared by every process: no binding of this
+    process places them, so they say nothing about its placement.
+    """
+    file = next((word[len("file=") :] for word in words if word.startswith("file=")), None)
+    return file is None or file.startswith(SHARED_MEMORY_FILES)
+
+
 def pages_per_node(pid: int) -> dict[int, int]:
-    """Pages of every mapping per node, in base pages, from /proc/PID/numa_maps."""
+    """Pages of the process's own memory per node, in base pages, from /proc/PID/numa_maps."""
     pages: dict[int, int] = {}
     for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
         words = line.split()
+        if not is_own_memory(words):
+            continue
         page_kb = next((int(w.split("=")[1]) for w in words if w.startswith("kernelpagesize_kB=")), 4)
         for word in words:
             if word[0] == "N" and "=" in word:
