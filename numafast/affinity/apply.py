@@ -22,7 +22,7 @@ from numafast.errors import AffinityWarning, InvalidGpuError, LibnumaError, Loca
 from numafast.policy import Mode, Policy, get_policy, set_mempolicy, set_policy
 from numafast.topo import Topology
 
-__all__ = ["LOCAL_RANK_VARIABLES", "bind_rank", "local_rank_from_environment"]
+__all__ = ["LOCAL_RANK_VARIABLES", "bind_rank", "local_rank_from_environment", "plan_rank"]
 
 # Each launcher's local rank and local size variables, innermost launcher first:
 # torchrun started by srun sees LOCAL_RANK and also SLURM_LOCALID (0 for every
