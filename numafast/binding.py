@@ -34,6 +34,7 @@ from numafast.errors import (
     PolicyNotPermitted,
     PolicyUnsupported,
 )
+from numafast.topo.allowed import from_cgroup as allowed_from_cgroup
 from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, raise_refusal, seccomp_hint, set_mempolicy
 
 __all__ = [
@@ -55,27 +56,6 @@ WEIGHTS_DIR = Path("/sys/kernel/mm/mempolicy/weighted_interleave")
 # ---------------------------------------------------------------- which CPUs a node means
 
 
-def _cpuset_effective_cpus() -> set[int] | None:
-    """The CPUs of this process's cpuset cgroup (v2 or v1), or None where it is not visible."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            candidate = Path("/sys/fs/cgroup", path.lstrip("/"), "cpuset.cpus.effective")
-        elif "cpuset" in controllers.split(","):
-            candidate = Path("/sys/fs/cgroup/cpuset", path.lstrip("/"), "cpuset.effective_cpus")
-        else:
-            continue
-        try:
-            return set(parse_ids(candidate.read_text()))
-        except OSError:
-            continue
-    return None
-
-
 def _cpus_at_start() -> set[int]:
     """The CPUs the process (its main thread) was allowed when numafast was imported.
 
@@ -94,8 +74,8 @@ _CPUS_AT_START = _cpus_at_start()
 
 def cpus_allowed() -> set[int]:
     """CPUs this process may be bound to: its cpuset's, within what it was started with."""
-    cpuset = _cpuset_effective_cpus()
-    return _CPUS_AT_START if cpuset is None else _CPUS_AT_START & cpuset
+    cpuset_cpus, _mems = allowed_from_cgroup(Path("/"))
+    return _CPUS_AT_START if cpuset_cpus is None else _CPUS_AT_START & set(cpuset_cpus)
 
 
 def _node_cpus(node: int, allowed: set[int]) -> list[int]:
