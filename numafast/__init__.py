@@ -7,7 +7,18 @@ function; this package adds validation, policy and typed objects on top.
 from __future__ import annotations
 
 from numafast import _libnuma, binding
-from numafast.affinity import AffinityMode, MemoryPolicy, Plan, RankPlan, Smt, cpus_for_gpu, plan
+from numafast.affinity import (
+    AffinityMode,
+    MemoryPolicy,
+    Plan,
+    RankPlan,
+    Smt,
+    bind_rank,
+    cpus_for_gpu,
+    local_rank_from_environment,
+    plan,
+    plan_rank,
+)
 from numafast.binding import (
     bind,
     bind_process,
@@ -22,6 +33,7 @@ from numafast.binding import (
 )
 from numafast.capabilities import Capabilities, Capability, capabilities
 from numafast.errors import (
+    AffinityWarning,
     InvalidBufferError,
     InvalidCpuSetError,
     InvalidGpuError,
@@ -29,6 +41,7 @@ from numafast.errors import (
     InvalidSizeError,
     InvalidWeightsError,
     LibnumaError,
+    LocalRankError,
     MigrationError,
     NodeMemoryError,
     NodeNotAllowedError,
@@ -99,6 +112,11 @@ __all__ = [
     "Smt",
     "cpus_for_gpu",
     "plan",
+    "AffinityWarning",
+    "LocalRankError",
+    "bind_rank",
+    "local_rank_from_environment",
+    "plan_rank",
 ]
 
 

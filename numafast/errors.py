@@ -22,6 +22,9 @@ __all__ = [
     "InvalidGpuError",
     "PlacementError",
     "TopologyWarning",
+    # applying GPU affinity
+    "AffinityWarning",
+    "LocalRankError",
 ]
 
 
@@ -72,6 +75,8 @@ class InvalidGpuError(NumaError, ValueError):
 
 class PlacementError(NumaError, ValueError):
     """A CPU placement that cannot be made: e.g. more GPUs on a node than it has cores."""
+
+
 # ---------------------------------------------------------------- memory (allocation, mbind, migration)
 
 
@@ -98,3 +103,14 @@ class MigrationError(NumaError, OSError):
         super().__init__(message)
         self.moved = moved
         self.stuck = stuck
+
+
+# ---------------------------------------------------------------- applying GPU affinity
+
+
+class LocalRankError(NumaError, ValueError):
+    """No local rank: none given and no launcher variable set, or one that is not a rank."""
+
+
+class AffinityWarning(UserWarning):
+    """Something in the environment (OpenMP's own pinning) will undo or fight a binding."""

@@ -1,10 +1,13 @@
 """``numafast check PID...``: audit where running processes execute and keep their memory.
 
 For each process: every thread's allowed CPUs and the nodes they belong to
-(/proc/PID/task/TID/status), and its pages per node (/proc/PID/numa_maps).
+(/proc/PID/task/TID/status), and the pages of its own memory (anonymous and
+shared memory, not the page cache of mapped files) per node (/proc/PID/numa_maps).
 Placement is wrong when threads may run on more than one node (or on another
-node than ``--node``), or when more than ``--max-remote`` of the pages lie on
-other nodes. The exit status is non-zero then, so this serves as a health check.
+node than ``--node``, or than the node that drives ``--gpu``), or when more than
+``--max-remote`` of the pages lie on other nodes (for a GPU on a CPU-less node,
+as on Grace-Hopper, pages on the GPU's own memory node count as local too). The
+exit status is non-zero then, so this serves as a health check.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 
 from numafast import _libnuma
 from numafast._validate import check_node, format_ids, parse_ids
+from numafast.affinity.modes import site_of
+from numafast.cli.show import add_topology_arguments, load_topology
 
 
 @dataclass
@@ -26,18 +31,29 @@ class Audit:
     pages: dict[int, int]
     node: int | None
     problems: list[str]
+    local_nodes: tuple[int, ...] = ()
+    """Nodes whose pages count as local besides ``node`` (a GPU's own memory node)."""
 
     def remote_share(self) -> float:
         total = sum(self.pages.values())
-        return 0.0 if self.node is None or total == 0 else 1 - self.pages.get(self.node, 0) / total
+        if self.node is None or total == 0:
+            return 0.0
+        local = sum(self.pages.get(node, 0) for node in {self.node, *self.local_nodes})
+        return 1 - local / total
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("check", help="audit the CPU and memory placement of running processes")
     parser.add_argument("pids", metavar="PID", nargs="+", type=int)
-    parser.add_argument("--node", type=int, help="the node every thread and page should be on")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--node", type=int, help="the node every thread and page should be on")
+    where.add_argument(
+        "--gpu", type=int, metavar="I",
+        help="CUDA device I's node, as numafast plan places it (numbered per CUDA_VISIBLE_DEVICES here)",
+    )
     parser.add_argument("--max-remote", type=float, default=0.1, metavar="SHARE",
                         help="largest share of pages allowed on other nodes (default 0.1)")  # fmt: skip
+    add_topology_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -53,11 +69,29 @@ def thread_cpus(pid: int) -> dict[int, list[int]]:
     return cpus
 
 
+# Shared memory shows in numa_maps as a file: POSIX shm, memfd, System V segments.
+SHARED_MEMORY_FILES = ("/dev/shm/", "/memfd:", "/SYSV")
+
+
+def is_own_memory(words: list[str]) -> bool:
+    """Whether a numa_maps mapping holds the process's own data: anonymous memory or shared
+    memory (DataLoader workers pass tensors through /dev/shm or memfd).
+
+    Mapped files (the Python binary, libtorch, NumPy's libraries) live in the page cache on
+    whichever node first read them and are shared by every process: no binding of this
+    process places them, so they say nothing about its placement.
+    """
+    file = next((word[len("file=") :] for word in words if word.startswith("file=")), None)
+    return file is None or file.startswith(SHARED_MEMORY_FILES)
+
+
 def pages_per_node(pid: int) -> dict[int, int]:
-    """Pages of every mapping per node, in base pages, from /proc/PID/numa_maps."""
+    """Pages of the process's own memory per node, in base pages, from /proc/PID/numa_maps."""
     pages: dict[int, int] = {}
     for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
         words = line.split()
+        if not is_own_memory(words):
+            continue
         page_kb = next((int(w.split("=")[1]) for w in words if w.startswith("kernelpagesize_kB=")), 4)
         for word in words:
             if word[0] == "N" and "=" in word:
@@ -66,7 +100,7 @@ def pages_per_node(pid: int) -> dict[int, int]:
     return pages
 
 
-def audit(pid: int, node: int | None, max_remote: float) -> Audit:
+def audit(pid: int, node: int | None, max_remote: float, local_nodes: tuple[int, ...] = ()) -> Audit:
     cpus = thread_cpus(pid)
     nodes_of_threads = {tid: sorted({_libnuma.node_of_cpu(cpu) for cpu in c}) for tid, c in cpus.items()}
     spanned = sorted({n for nodes in nodes_of_threads.values() for n in nodes})
@@ -76,19 +110,32 @@ def audit(pid: int, node: int | None, max_remote: float) -> Audit:
     for tid, nodes in sorted(nodes_of_threads.items()):
         if node is None or nodes != [node]:
             problems.append(f"thread {tid} may run on CPUs {format_ids(cpus[tid])} (nodes {format_ids(nodes)})")
-    result = Audit(pid, cpus, pages_per_node(pid), node, problems)
+    result = Audit(pid, cpus, pages_per_node(pid), node, problems, local_nodes)
     if node is not None and result.remote_share() > max_remote:
-        problems.append(f"{result.remote_share():.0%} of the pages are on nodes other than {node}")
+        local = format_ids({node, *local_nodes})
+        problems.append(f"{result.remote_share():.0%} of the pages are on nodes other than {local}")
     return result
 
 
+def gpu_nodes(args: argparse.Namespace) -> tuple[int, tuple[int, ...]]:
+    """(the CPU node that drives --gpu, the GPU's own memory node) in the chosen topology."""
+    machine = load_topology(args)
+    site = site_of(machine, machine.gpu(args.gpu))
+    return site.cpu_node, (site.node,)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.node is not None:
-        check_node(args.node, need_allowed=False)
+    node, local_nodes = args.node, ()
+    if args.gpu is not None:
+        node, local_nodes = gpu_nodes(args)
+    elif args.sysfs is not None or args.cuda_visible_devices is not None:
+        raise ValueError("--sysfs and --cuda-visible-devices apply only with --gpu")
+    if node is not None:
+        check_node(node, need_allowed=False)
     wrong = 0
     for pid in args.pids:
         try:
-            result = audit(pid, args.node, args.max_remote)
+            result = audit(pid, node, args.max_remote, local_nodes)
         except FileNotFoundError:
             print(f"pid {pid}: no such process")
             wrong += 1
@@ -96,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         pages = ", ".join(f"node {n}: {p}" for n, p in sorted(result.pages.items())) or "none"
         verdict = "wrong" if result.problems else "ok"
         where = "unbound" if result.node is None else f"node {result.node}"
+        if args.gpu is not None:
+            where = f"GPU {args.gpu} on {where}"
         print(f"pid {pid}: {verdict} ({where}; {len(result.thread_cpus)} threads; pages {pages}; "
               f"remote {result.remote_share():.0%})")  # fmt: skip
         for problem in result.problems:
