@@ -330,6 +330,38 @@ def bind(node: int, *, strict: bool = False) -> None:
     _entries.stack.pop()  # never exited: the change stays
 
 
+def move_every_thread(cpus: list[int]) -> dict[int, list[int]]:
+    """Set every thread's CPU affinity to ``cpus``; return {thread id: its CPUs before}.
+
+    Threads are listed in /proc/self/task; one that ends meanwhile (ESRCH) is
+    skipped. On failure the threads already moved are put back before raising.
+    """
+    moved: dict[int, list[int]] = {}
+    try:
+        for tid in map(int, os.listdir("/proc/self/task")):
+            try:
+                before = _libnuma.sched_getaffinity(tid)
+                _set_affinity(tid, cpus)
+            except LibnumaError as error:
+                if error.errno != errno.ESRCH:
+                    raise
+            else:
+                moved[tid] = before
+    except BaseException:
+        restore_thread_cpus(moved)
+        raise
+    return moved
+
+
+def restore_thread_cpus(moved: dict[int, list[int]]) -> None:
+    """Put back the CPUs :func:`move_every_thread` recorded (threads that ended are skipped)."""
+    for tid, before in moved.items():
+        try:
+            _libnuma.sched_setaffinity(tid, before)
+        except LibnumaError:
+            pass
+
+
 def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> list[int]:
     """Move every thread of this process to ``node``'s CPUs; set the calling thread's policy.
 
@@ -340,24 +372,11 @@ def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> l
     """
     placement = numa_local(node, strict=strict)
     cpus, nodes = placement._cpus, placement._nodes
-    moved: dict[int, list[int]] = {}  # thread id -> its CPUs before
+    moved = move_every_thread(cpus)  # type: ignore[arg-type]
     try:
-        for tid in map(int, os.listdir("/proc/self/task")):
-            try:
-                before = _libnuma.sched_getaffinity(tid)
-                _set_affinity(tid, cpus)  # type: ignore[arg-type]
-            except LibnumaError as error:
-                if error.errno != errno.ESRCH:  # ESRCH: the thread has ended meanwhile
-                    raise
-            else:
-                moved[tid] = before
         set_mempolicy(placement._mode_word, nodes)  # type: ignore[arg-type]
     except BaseException:
-        for tid, before in moved.items():  # never leave half of the placement applied
-            try:
-                _libnuma.sched_setaffinity(tid, before)
-            except LibnumaError:
-                pass  # that thread has ended
+        restore_thread_cpus(moved)  # never leave half of the placement applied
         raise
     if migrate:
         others = [n for n in _libnuma.get_mems_allowed() if n != node]

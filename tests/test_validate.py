@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from numafast import InvalidCpuSetError, InvalidNodeError, NodeNotAllowedError
+from numafast import InvalidCpuSetError, InvalidNodeError
 from numafast._validate import check_cpus, check_node, check_nodes, format_ids, parse_ids
 from sysfs_truth import online_nodes
 

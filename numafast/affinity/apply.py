@@ -9,16 +9,14 @@ the launcher's environment, the GPU is CUDA device ``local_rank`` (as
 
 from __future__ import annotations
 
-import errno
 import os
 import warnings
 
-from numafast import _libnuma
 from numafast._validate import check_cpus, format_ids
 from numafast.affinity.modes import AffinityMode, Smt, resolve_topology
 from numafast.affinity.planning import MemoryPolicy, RankPlan, plan
-from numafast.binding import _set_affinity, cpus_allowed
-from numafast.errors import AffinityWarning, InvalidGpuError, LibnumaError, LocalRankError
+from numafast.binding import cpus_allowed, move_every_thread
+from numafast.errors import AffinityWarning, InvalidGpuError, LocalRankError
 from numafast.policy import Mode, Policy, get_policy, set_mempolicy, set_policy
 from numafast.topo import Topology
 
@@ -112,7 +110,7 @@ def bind_rank(
     if rank_plan.memory_policy is not MemoryPolicy.NONE:
         set_policy(Policy(_MODES[rank_plan.memory_policy], rank_plan.memory_nodes))
     try:
-        _move_every_thread(cpus)
+        move_every_thread(cpus)
     except BaseException:
         set_mempolicy(*policy_before.to_kernel())
         raise
@@ -171,25 +169,3 @@ def _warn_about_openmp_pinning(rank_plan: RankPlan) -> None:
                 AffinityWarning,
                 stacklevel=3,
             )
-
-
-def _move_every_thread(cpus: list[int]) -> None:
-    """Set every thread's CPU affinity to ``cpus``; on failure put back those already moved."""
-    moved: dict[int, list[int]] = {}  # thread id -> its CPUs before
-    try:
-        for tid in map(int, os.listdir("/proc/self/task")):
-            try:
-                before = _libnuma.sched_getaffinity(tid)
-                _set_affinity(tid, cpus)
-            except LibnumaError as error:
-                if error.errno != errno.ESRCH:  # ESRCH: the thread has ended meanwhile
-                    raise
-            else:
-                moved[tid] = before
-    except BaseException:
-        for tid, before in moved.items():
-            try:
-                _libnuma.sched_setaffinity(tid, before)
-            except LibnumaError:
-                pass  # that thread has ended
-        raise

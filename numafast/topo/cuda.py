@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from numafast.topo.files import read_fields, subdirs, warn
+from numafast.topo.files import read_fields, warn
 from numafast.topo.model import AMD, AMD_COMPUTE_CLASSES, NVIDIA, Gpu, PciDevice
 
 NVIDIA_GPU_INFO = Path("proc/driver/nvidia/gpus")
