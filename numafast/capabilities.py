@@ -1,7 +1,7 @@
 """What placement works on this machine, and why not: :func:`capabilities`.
 
-Containers and old kernels differ: a seccomp profile may answer set_mempolicy
-with EPERM, a kernel before 5.15 lacks MPOL_PREFERRED_MANY, one before 6.9 lacks
+Containers and old kernels differ: a seccomp profile may answer set_mempolicy,
+mbind or move_pages with EPERM, a kernel before 5.15 lacks MPOL_PREFERRED_MANY, one before 6.9 lacks
 MPOL_WEIGHTED_INTERLEAVE. The probes run once, in a short-lived thread of their
 own: memory policy and CPU affinity are per thread, so whatever a probe sets
 dies with that thread and the caller's placement is never touched.
@@ -42,6 +42,10 @@ class Capabilities:
     """MPOL_WEIGHTED_INTERLEAVE (Linux 6.9+): :func:`numafast.interleave` with ``weights=``."""
     cpu_affinity: Capability
     """A thread may set its CPU affinity (what numa_local and cpubind need)."""
+    mbind: Capability
+    """A range of memory may get its own policy (what :func:`numafast.empty` and :func:`numafast.mbind` need)."""
+    move_pages: Capability
+    """The kernel says where each page is (:func:`numafast.page_nodes`, :func:`numafast.migrate`)."""
     kernel: str
     """The kernel release (uname -r)."""
 
@@ -96,6 +100,26 @@ def _probe_cpu_affinity() -> Capability:
     return Capability(True)
 
 
+def _probe_mbind_and_move_pages(node: int) -> tuple[Capability, Capability]:
+    """mbind a fresh one-page mapping to ``node``, touch it, and ask move_pages where it is."""
+    page = _libnuma.mmap_anonymous(_libnuma.pagesize())
+    try:
+        try:
+            _libnuma.mbind(page, _libnuma.MPOL_PREFERRED, [node])
+            mbind = Capability(True)
+        except LibnumaError as error:
+            mbind = _refusal("mbind", error)
+        memoryview(page)[0] = 1  # first touch: the page now exists
+        try:
+            _libnuma.move_pages(page)
+            move_pages = Capability(True)
+        except LibnumaError as error:
+            move_pages = _refusal("move_pages", error)
+    finally:
+        page.free()
+    return mbind, move_pages
+
+
 def _probe_numa() -> Capability:
     if _libnuma.available() < 0:
         return Capability(False, "numa_available() < 0: the kernel has no NUMA system calls (ENOSYS)")
@@ -117,12 +141,16 @@ def _probes() -> dict[str, Capability]:
             results["numa"] = _probe_numa()
             if not results["numa"].available:
                 missing = Capability(False, f"no NUMA system calls: {results['numa'].reason}")
-                results.update(set_mempolicy=missing, preferred_many=missing, weighted_interleave=missing)
+                results.update(
+                    set_mempolicy=missing, preferred_many=missing, weighted_interleave=missing,
+                    mbind=missing, move_pages=missing,
+                )  # fmt: skip
                 return
             node = _libnuma.get_mems_allowed()[0]
             results["set_mempolicy"] = _probe_set_mempolicy(node)
             results["preferred_many"] = _probe_preferred_many(node)
             results["weighted_interleave"] = _probe_weighted_interleave(node)
+            results["mbind"], results["move_pages"] = _probe_mbind_and_move_pages(node)
         except BaseException as error:  # handed to the caller below
             failures.append(error)
 

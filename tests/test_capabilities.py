@@ -22,6 +22,7 @@ def test_capabilities_match_this_kernel() -> None:
     found = numafast.capabilities()
     assert found.kernel == os.uname().release
     assert found.numa.available and found.set_mempolicy.available and found.cpu_affinity.available
+    assert found.mbind.available and found.move_pages.available
     assert found.preferred_many.available == (kernel_at_least(5, 15) and _libnuma.has_preferred_many() > 0)
     assert found.weighted_interleave.available == kernel_at_least(6, 9)
     if not found.weighted_interleave.available:

@@ -82,3 +82,13 @@ def test_blocked_get_mempolicy_refuses_a_block_before_it_changes_anything(under_
     refused, restored, _ = result.stdout.splitlines()
     assert refused.startswith("refused: get_mempolicy (asking for the nodes this process may use) refused with EPERM")
     assert restored == "restored"
+
+
+def test_blocked_mbind_and_move_pages_are_reported_with_the_cause(under_seccomp) -> None:  # type: ignore[no-untyped-def]
+    code = "import numafast; c = numafast.capabilities()\nfor item in (c.set_mempolicy, c.mbind, c.move_pages): print(item.available, item.reason)"
+    result = under_seccomp("mbind,move_pages", code)
+    assert result.returncode == 0, result.stderr
+    set_mempolicy, mbind, move_pages = result.stdout.splitlines()
+    assert set_mempolicy == "True "
+    assert mbind.startswith("False mbind refused with EPERM; ") and "SYS_NICE" in mbind
+    assert move_pages.startswith("False move_pages refused with EPERM; ")
