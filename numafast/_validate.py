@@ -62,6 +62,24 @@ def allowed_cpus() -> set[int]:
     return os.sched_getaffinity(0)
 
 
+def cpus_near(nodes: Iterable[int], allowed: set[int]) -> list[int]:
+    """The allowed CPUs of ``nodes``; where those have none (CPU-less HBM, CXL or GPU
+    memory nodes), the allowed CPUs of the nodes with some at the smallest
+    numa_distance from any of them (all ties). Empty when no node has an allowed CPU."""
+    nodes = list(nodes)
+
+    def usable(node: int) -> list[int]:
+        return [cpu for cpu in _libnuma.node_to_cpus(node) if cpu in allowed]
+
+    if own := sorted(cpu for node in nodes for cpu in usable(node)):
+        return own
+    distance = {other: min(_libnuma.distance(n, other) for n in nodes) for other in online_nodes() if usable(other)}
+    if not distance:
+        return []
+    nearest = min(distance.values())
+    return sorted(cpu for other, d in distance.items() if d == nearest for cpu in usable(other))
+
+
 def check_node(node: object, *, need_allowed: bool = True) -> int:
     """``node`` as an int, if it is an online node (and allowed, unless told otherwise)."""
     return check_nodes([node], need_allowed=need_allowed)[0]

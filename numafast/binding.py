@@ -22,9 +22,9 @@ from contextlib import ContextDecorator
 from pathlib import Path
 
 from numafast import _libnuma
-from numafast._validate import check_cpus
+from numafast._validate import check_cpus, cpus_near
 from numafast._validate import check_nodes as _validate_nodes
-from numafast._validate import format_ids, online_nodes, parse_ids
+from numafast._validate import format_ids, parse_ids
 from numafast.capabilities import capabilities
 from numafast.errors import (
     InvalidCpuSetError,
@@ -35,6 +35,7 @@ from numafast.errors import (
     PolicyUnsupported,
 )
 from numafast.topo.allowed import from_cgroup as allowed_from_cgroup
+from numafast.topo.files import read_fields
 from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, raise_refusal, seccomp_hint, set_mempolicy
 
 __all__ = [
@@ -62,10 +63,9 @@ def _cpus_at_start() -> set[int]:
     A launcher's taskset or numactl restriction is respected this way, as libnuma
     does; a thread numafast binds later does not narrow it.
     """
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("Cpus_allowed_list:"):
-                return set(parse_ids(line.split(":", 1)[1]))
+    fields = read_fields(Path("/proc/self/status")) or {}
+    if "Cpus_allowed_list" in fields:
+        return set(parse_ids(fields["Cpus_allowed_list"]))
     return set(os.sched_getaffinity(0))
 
 
@@ -80,23 +80,15 @@ def cpus_allowed() -> set[int]:
 
 def _node_cpus(node: int, allowed: set[int]) -> list[int]:
     """The allowed CPUs of ``node``; for a CPU-less node those of its nearest node(s) with CPUs."""
-    own = [cpu for cpu in _libnuma.node_to_cpus(node) if cpu in allowed]
-    if own:
-        return own
-    if _libnuma.node_to_cpus(node):
+    own = _libnuma.node_to_cpus(node)
+    cpus = cpus_near([node], allowed)
+    if own and not set(own) & allowed:
         raise NodeNotAllowedError(
-            f"node {node}'s CPUs {format_ids(_libnuma.node_to_cpus(node))} are all outside the "
-            f"CPUs this process may use ({format_ids(allowed)})"
+            f"node {node}'s CPUs {format_ids(own)} are all outside the CPUs this process may use ({format_ids(allowed)})"
         )
-    candidates = {
-        other: cpus
-        for other in online_nodes()
-        if (cpus := [cpu for cpu in _libnuma.node_to_cpus(other) if cpu in allowed])
-    }
-    if not candidates:
+    if not cpus:
         raise InvalidCpuSetError(f"no node has CPUs this process may use ({format_ids(allowed)})")
-    nearest = min(_libnuma.distance(node, other) for other in candidates)
-    return sorted(cpu for other, cpus in candidates.items() if _libnuma.distance(node, other) == nearest for cpu in cpus)
+    return cpus
 
 
 def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[int]:

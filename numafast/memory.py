@@ -21,7 +21,7 @@ from numpy.typing import DTypeLike
 
 from numafast import _libnuma
 from numafast._buffers import PAGE_SIZE, flat_bytes, require_whole_pages
-from numafast._validate import allowed_cpus, check_node, check_nodes, format_ids, online_nodes
+from numafast._validate import allowed_cpus, check_node, check_nodes, cpus_near, format_ids
 from numafast.errors import (
     InvalidNodeError,
     InvalidSizeError,
@@ -240,17 +240,7 @@ def _pretouch_cpus(nodes: list[int]) -> list[int]:
     """Allowed CPUs of the target nodes; for CPU-less (memory-only) nodes, those of the
     nearest nodes that have some (the pages still land on the target: mbind decides)."""
     allowed = allowed_cpus()
-
-    def usable(node: int) -> list[int]:
-        return [cpu for cpu in _libnuma.node_to_cpus(node) if cpu in allowed]
-
-    if cpus := sorted(cpu for n in nodes for cpu in usable(n)):
-        return cpus
-    distance = {other: min(_libnuma.distance(n, other) for n in nodes) for other in online_nodes() if usable(other)}
-    if not distance:
-        return sorted(allowed)
-    nearest = min(distance.values())
-    return sorted(cpu for other, d in distance.items() if d == nearest for cpu in usable(other))
+    return cpus_near(nodes, allowed) or sorted(allowed)
 
 
 @cache

@@ -20,6 +20,7 @@ from numafast import _libnuma
 from numafast._validate import check_node, format_ids, parse_ids
 from numafast.affinity.modes import site_of
 from numafast.cli.show import add_topology_arguments, load_topology
+from numafast.topo.files import read_fields
 
 
 @dataclass
@@ -60,12 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def thread_cpus(pid: int) -> dict[int, list[int]]:
     cpus: dict[int, list[int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            for line in (task / "status").read_text().splitlines():
-                if line.startswith("Cpus_allowed_list:"):
-                    cpus[int(task.name)] = parse_ids(line.split(":", 1)[1])
-        except FileNotFoundError:  # the thread ended while we looked
-            continue
+        fields = read_fields(task / "status")  # None: the thread ended while we looked
+        if fields is not None and "Cpus_allowed_list" in fields:
+            cpus[int(task.name)] = parse_ids(fields["Cpus_allowed_list"])
     return cpus
 
 
