@@ -93,6 +93,7 @@ cdef class MappedBuffer:
     cdef size_t size          # bytes exported
     cdef size_t mapped        # bytes mapped: size rounded up to whole pages
     cdef bint from_libnuma    # numa_alloc_onnode's memory goes back through numa_free
+    cdef pid_t parent_only    # keep_out_of_children() was called by this process; 0: never
     cdef Py_ssize_t exports
     cdef Py_ssize_t shape[1]
     cdef Py_ssize_t strides[1]
@@ -134,6 +135,8 @@ cdef class MappedBuffer:
     def __getbuffer__(self, Py_buffer *view, int flags):
         if self.address == NULL:
             raise ValueError("this MappedBuffer was already freed")
+        if self.parent_only and self.parent_only != getpid():
+            raise BufferError("this memory is not mapped in a forked child (MADV_DONTFORK)")
         view.buf = self.address
         view.obj = self
         view.len = <Py_ssize_t>self.size
@@ -162,6 +165,20 @@ cdef class MappedBuffer:
         if err:
             _fail("munmap", err, f"{self.mapped} bytes at {address:#x}")
 
+    def keep_out_of_children(self) -> None:
+        """madvise(MADV_DONTFORK) over the whole mapping: a forked child gets no copy of
+        it at all (no copy-on-write of locked or DMA-pinned pages). In such a child this
+        object exports nothing and never unmaps: that address range may hold the
+        child's own memory by then."""
+        cdef int rc, err
+        with nogil:
+            libc_errno.errno = 0
+            rc = numa_api.madvise(self.address, self.mapped, MADV_DONTFORK)
+            err = libc_errno.errno
+        if rc != 0:
+            _fail("madvise", err, f"MADV_DONTFORK of {self.mapped} bytes at {<uintptr_t>self.address:#x}")
+        self.parent_only = getpid()
+
     cdef int _unmap(self) noexcept:
         """Give the memory back once, GIL released (freeing gigabytes takes a while);
         0, or the errno of a failed munmap."""
@@ -170,6 +187,8 @@ cdef class MappedBuffer:
         if address == NULL:
             return 0
         self.address = NULL
+        if self.parent_only and self.parent_only != getpid():
+            return 0  # a forked child's copy of a mapping the child never got
         with nogil:
             if self.from_libnuma:
                 numa_free(address, self.mapped)
