@@ -126,13 +126,17 @@ class _Resources:
     the slots, which outlive a closed pool, hold no reference to it."""
 
     def __init__(self, region: _libnuma.MappedBuffer) -> None:
+        self.owner_pid = os.getpid()
         self.region = region
         self.locked = False
         self.registration: _Registration | None = None
         self.lock = threading.Lock()
 
     def unpin(self) -> None:
-        """Unregister and unlock (the memory stays mapped and valid)."""
+        """Unregister and unlock (the memory stays mapped and valid); nothing in a
+        forked child, which has neither the mapping nor the registration."""
+        if os.getpid() != self.owner_pid:
+            return
         with self.lock:
             registration, self.registration = self.registration, None
             if registration is not None:
@@ -241,7 +245,7 @@ class PinnedPool:
         try:
             # Forked DataLoader workers must not share (or copy-on-write) locked,
             # registered pages: the child gets no mapping at all.
-            _libnuma.madvise(region, _libnuma.MADV_DONTFORK)
+            region.keep_out_of_children()
             self._lock_note = self._lock(lock_mode, register_next=cuda is not None)
             self._lock_possible = not self._lock_note
             fence = None
@@ -250,6 +254,9 @@ class PinnedPool:
                 fence = _StreamFences(slots, cuda.SlotEvents(slots))
             self._fences = fence
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
+            self._acquire_slot = self._slots.acquire
+            self._slot_bytes = slot_bytes
+            self._wait = -1.0 if self._timeout is None else self._timeout  # SlotPool's "as long as it takes"
         except BaseException:
             self._resources.release()
             raise
@@ -289,10 +296,14 @@ class PinnedPool:
         (``numpy.asarray(slot)``, ``torch.frombuffer(slot, dtype=...)``). ``timeout``
         overrides the pool's own (see the class); O(1), no allocation.
         """
-        size = self._slot_bytes_of(nbytes)
-        wait = self._timeout if timeout is _WAIT else _check_timeout(timeout)  # type: ignore[arg-type]
+        if nbytes is None and timeout is _WAIT:  # the hot path: no checks to make
+            size, wait = self._slot_bytes, self._wait
+        else:
+            size = self._slot_bytes_of(nbytes)
+            given = self._timeout if timeout is _WAIT else _check_timeout(timeout)
+            wait = -1.0 if given is None else given
         try:
-            return self._slots.acquire(size, -1.0 if wait is None else wait)
+            return self._acquire_slot(size, wait)
         except TimeoutError:
             slots = self._slots
             raise PoolExhaustedError(
@@ -304,9 +315,9 @@ class PinnedPool:
             raise self._state_error() from None
 
     def _slot_bytes_of(self, nbytes: int | None) -> int:
-        slot_bytes = self._slots.slot_bytes
+        slot_bytes = self._slot_bytes
         if nbytes is None:
-            return slot_bytes  # type: ignore[no-any-return]
+            return slot_bytes
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidSizeError(f"nbytes must be a non-negative integer, not {nbytes!r}")
         if nbytes > slot_bytes:

@@ -282,6 +282,7 @@ kept = numpy.asarray(pool.acquire()) if sys.argv[1:] == ["keep"] else None
 """
 
 
+@pytest.mark.host_only("a Python child per case: the exit path is the same on any kernel")
 @pytest.mark.parametrize(("keep", "expected"), [(False, "locked 0 mapped False"), (True, "locked 0 mapped True")])
 def test_interpreter_exit_releases_a_pool_left_open(keep: bool, expected: str) -> None:
     result = run_child(EXIT_CHECK, *(["keep"] if keep else []))
@@ -319,6 +320,35 @@ def test_a_forked_child_cannot_touch_the_parents_pool() -> None:
         assert pool.stats().in_use == 1
 
 
+def test_a_forked_child_never_unmaps_its_own_memory_where_the_parents_pool_was() -> None:
+    """The child has no copy of the pool's range (MADV_DONTFORK), so its own mmap may
+    land there; the child's copies of the pool objects must not unmap it when they go."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    map_fixed_noreplace, map_private_anonymous, read_write = 0x100000, 0x22, 0x3
+    pool = numafast.PinnedPool(NODES[0], 4096, 4)
+    start, length = pool_range(pool)
+    pid = os.fork()
+    if pid == 0:
+        status = 3
+        try:
+            mine = libc.mmap(start, length, read_write, map_fixed_noreplace | map_private_anonymous, -1, 0)
+            status = 2 if mine != start else 1
+            if mine == start:
+                ctypes.memset(start, 42, length)
+                del pool
+                gc.collect()  # the child's copies of SlotPool and MappedBuffer go
+                status = 0 if ctypes.string_at(start, 1) == b"*" else 1
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child ended with wait status {status:#x}"
+    pool.close()
+
+
 # ---------------------------------------------------------------- page-locking limits
 
 MEMLOCK_CHILD = """
@@ -339,6 +369,10 @@ else:
 WITHOUT_IPC_LOCK = ("setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock")
 
 
+MEMLOCK_HOST_ONLY = pytest.mark.host_only("a Python child per case: RLIMIT_MEMLOCK is not NUMA-specific")
+
+
+@MEMLOCK_HOST_ONLY
 @pytest.mark.parametrize("mode", ["required", "auto"])
 def test_locking_beyond_the_limit_names_the_limit_and_the_fix(mode: str) -> None:
     result = run_child(MEMLOCK_CHILD, mode, prefix=WITHOUT_IPC_LOCK)
@@ -349,6 +383,7 @@ def test_locking_beyond_the_limit_names_the_limit_and_the_fix(mode: str) -> None
     assert "ulimit -l unlimited" in message and "--ulimit memlock=-1" in message and "best-effort" in message
 
 
+@MEMLOCK_HOST_ONLY
 def test_best_effort_locking_warns_once_and_goes_on_unlocked() -> None:
     result = run_child(MEMLOCK_CHILD, "best-effort", prefix=WITHOUT_IPC_LOCK)
     assert result.returncode == 0, result.stderr
@@ -382,10 +417,11 @@ def test_bad_pool_arguments_are_refused_by_name(args: tuple, kwargs: dict, error
 
 
 def test_register_required_without_cuda_says_why() -> None:
-    code = "import numafast\ntry:\n    numafast.PinnedPool(0, 4096, 1, register='required')\nexcept numafast.CudaUnavailable as e:\n    print(e)"
-    result = run_child(code)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("register='required'"), result.stdout
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: registration is tested in test_pool_cuda.py")
+    with pytest.raises(numafast.CudaUnavailable, match="register='required', but CUDA is not usable here"):
+        numafast.PinnedPool(NODES[0], 4096, 1, register="required")
 
 
 def test_bad_acquire_arguments_are_refused_by_name() -> None:
