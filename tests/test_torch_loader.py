@@ -38,6 +38,9 @@ import numafast.torch  # noqa: E402
 
 NODES = online_nodes()
 CPU_NODES = [node for node in NODES if node_cpus(node)]
+# The loader's semantics (same batches, exceptions, shutting down) are the same on any
+# kernel; the guests run only the placement tests, each DataLoader costing seconds there.
+SEMANTICS = pytest.mark.host_only("loader semantics, the same on any kernel; worker processes cost seconds under TCG")
 
 
 class Numbers(Dataset):  # type: ignore[type-arg]
@@ -114,6 +117,7 @@ def pin_threads() -> list[threading.Thread]:
 # ---------------------------------------------------------------- the same batches
 
 
+@SEMANTICS
 def test_yields_the_stock_loaders_batches_in_order_pinned_on_the_node() -> None:
     dataset = Numbers(20)
     stock = list(make_loader(dataset))
@@ -131,6 +135,7 @@ def test_yields_the_stock_loaders_batches_in_order_pinned_on_the_node() -> None:
     assert sum(s.in_use for s in stats) == 0 and sum(s.acquired for s in stats) == 7
 
 
+@SEMANTICS
 def test_a_consumer_that_keeps_random_earlier_batches_sees_them_unchanged() -> None:
     dataset = Numbers(60, size=2048)
     stock = list(make_loader(dataset))
@@ -146,6 +151,7 @@ def test_a_consumer_that_keeps_random_earlier_batches_sees_them_unchanged() -> N
     assert loader.pools.grown > 0  # more batches kept than slots: the pools grew instead of stalling
 
 
+@SEMANTICS
 def test_persistent_workers_give_the_same_batches_every_epoch() -> None:
     dataset = Numbers(9)
     stock = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True)
@@ -155,6 +161,7 @@ def test_persistent_workers_give_the_same_batches_every_epoch() -> None:
         assert all(map(same, expected, list(loader)))
 
 
+@SEMANTICS
 def test_the_datasets_exceptions_come_out_in_their_place_and_iteration_goes_on() -> None:
     dataset = Numbers(15, fail_at=frozenset({4, 11}))
     stock = outcomes(make_loader(dataset, shuffle=False))
@@ -168,6 +175,7 @@ def test_the_datasets_exceptions_come_out_in_their_place_and_iteration_goes_on()
             assert same(left, right)
 
 
+@SEMANTICS
 def test_a_single_process_loader_works_too() -> None:
     dataset = Numbers(7)
     stock = list(DataLoader(dataset, batch_size=2))
@@ -177,6 +185,7 @@ def test_a_single_process_loader_works_too() -> None:
 # ---------------------------------------------------------------- shutting down
 
 
+@SEMANTICS
 def test_an_early_break_stops_the_pin_thread_and_the_workers() -> None:
     loader = numafast.torch.NumaLoader(make_loader(Numbers(300), num_workers=2))
     workers = set()
@@ -191,6 +200,7 @@ def test_an_early_break_stops_the_pin_thread_and_the_workers() -> None:
     assert sum(s.in_use for s in loader.stats()) == 0  # the queued batches were let go
 
 
+@SEMANTICS
 def test_dropping_a_half_read_loader_cleans_up() -> None:
     iterator = iter(numafast.torch.NumaLoader(make_loader(Numbers(300))))
     first = next(iterator)
