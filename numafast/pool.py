@@ -480,7 +480,7 @@ def _memlock_message(nbytes: int, node: int, error: LibnumaError) -> str:
         return "unlimited" if value == resource.RLIM_INFINITY else f"{value // 1024} KiB"
 
     return (
-        f"page-locking the {nbytes}-byte pool on node {node} failed (mlock: {os.strerror(error.errno)}): RLIMIT_MEMLOCK is "
+        f"page-locking the {nbytes}-byte pool on node {node} failed (mlock: {os.strerror(error.errno or 0)}): RLIMIT_MEMLOCK is "
         f"{limit(soft)} (hard {limit(hard)}), this process already locks {locked}, and it "
         f"{'has' if capable else 'lacks'} CAP_IPC_LOCK. Raise the limit by at least {need_kib} KiB: "
         "`ulimit -l unlimited` in the shell that starts the job, `docker run --ulimit memlock=-1`, "

@@ -84,9 +84,9 @@ def _rebuild(item: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(item, Mapping):
         values = {key: _rebuild(value, replace) for key, value in item.items()}
         if isinstance(item, MutableMapping):
-            clone = copy.copy(item)  # keeps the mapping's type and extra attributes
-            clone.update(values)
-            return clone
+            mapping = copy.copy(item)  # keeps the mapping's type and extra attributes
+            mapping.update(values)
+            return mapping
         try:
             return type(item)(values)  # type: ignore[call-arg]
         except TypeError:
@@ -95,10 +95,10 @@ def _rebuild(item: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         parts = [_rebuild(part, replace) for part in item]
         return type(item)(*parts) if hasattr(item, "_fields") else type(item)(parts)
     if isinstance(item, MutableSequence):
-        clone = copy.copy(item)
+        sequence = copy.copy(item)
         for index, part in enumerate(item):
-            clone[index] = _rebuild(part, replace)
-        return clone
+            sequence[index] = _rebuild(part, replace)
+        return sequence
     if isinstance(item, Sequence) and not isinstance(item, range):
         parts = [_rebuild(part, replace) for part in item]
         try:
@@ -106,10 +106,10 @@ def _rebuild(item: Any, replace: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         except TypeError:
             return parts
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
-        clone = copy.copy(item)
+        instance = copy.copy(item)
         for field in dataclasses.fields(item):
-            object.__setattr__(clone, field.name, _rebuild(getattr(item, field.name), replace))  # frozen ones too
-        return clone
+            object.__setattr__(instance, field.name, _rebuild(getattr(item, field.name), replace))  # frozen ones too
+        return instance
     return item
 
 

@@ -8,7 +8,7 @@ Nothing here runs without a usable CUDA device; everything that calls in checks
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,11 @@ __all__ = ["CopyStream", "Registration", "SlotEvents", "hand_over", "usable", "w
 # cudaHostRegisterPortable: the memory counts as pinned in every CUDA context of the
 # process, not only the current device's (as torch/cuda/_pin_memory_utils.py does).
 HOST_REGISTER_PORTABLE = 1
+
+# torch.cuda's constructors and cudart, as the typed callables they are (torch leaves them unannotated).
+_cudart: Callable[[], Any] = torch.cuda.cudart
+_Event: Callable[[], Any] = torch.cuda.Event
+_Stream: Callable[[torch.device], Any] = torch.cuda.Stream
 
 
 def usable() -> bool:
@@ -41,7 +46,7 @@ def with_index(device: torch.device) -> torch.device:
 
 
 def _error_text(code: int) -> str:
-    describe = getattr(torch.cuda.cudart(), "cudaGetErrorString", None)
+    describe = getattr(_cudart(), "cudaGetErrorString", None)
     return f"cudaError {code}" + (f": {describe(code)}" if describe is not None else "")
 
 
@@ -51,7 +56,7 @@ class Registration:
     longer migrate: register only memory that is already where it should be."""
 
     def __init__(self, address: int, nbytes: int) -> None:
-        code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE))
+        code = int(_cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE))
         if code != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: {_error_text(code)}")
         self.address: int | None = address
@@ -60,7 +65,7 @@ class Registration:
         """cudaHostUnregister, once."""
         address, self.address = self.address, None
         if address is not None:
-            code = int(torch.cuda.cudart().cudaHostUnregister(address))
+            code = int(_cudart().cudaHostUnregister(address))
             if code != 0:
                 raise RuntimeError(f"cudaHostUnregister at {address:#x} failed: {_error_text(code)}")
 
@@ -102,7 +107,7 @@ class SlotEvents:
             key = (stream.device, position)
             event = owned.get(key)
             if event is None:
-                event = owned[key] = torch.cuda.Event()
+                event = owned[key] = _Event()
             event.record(stream)
             events.append(event)
         return _Fence(events)
@@ -114,14 +119,14 @@ class CopyStream:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.stream = _Stream(device)
 
     def to_device(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         """Queue copies of ``tensors`` (pinned host memory) on the side stream; returns
         the device tensors and an event that fires when all of them have arrived."""
         with torch.cuda.stream(self.stream):
             copies = [tensor.to(self.device, non_blocking=True) for tensor in tensors]
-            ready = torch.cuda.Event()
+            ready = _Event()
             ready.record(self.stream)
         return copies, ready
 

@@ -70,7 +70,9 @@ def resolve_device(device: object) -> torch.device | None:
     """
     if device is None:
         return None
-    resolved = torch.device(f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else device)  # type: ignore[arg-type]
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device {device!r}: give a CUDA device ('cuda:0', 0, torch.device) or None")
+    resolved = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     if resolved.type == "cpu":
         return None
     if resolved.type != "cuda":
