@@ -239,7 +239,7 @@ class PinnedPool:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
         cuda = _cuda_module(register_mode)
         stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
-        self._cpus = cpus_near([self._node], allowed_cpus())
+        self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
         region = allocate(stride * slots, node=self._node, hugepages=hugepages)
         self._resources = _Resources(region)
         try:
@@ -402,16 +402,16 @@ class PinnedPool:
 
     @property
     def slot_bytes(self) -> int:
-        return int(self._slots.slot_bytes)
+        return self._slot_bytes
 
     @property
     def slots(self) -> int:
         return int(self._slots.count)
 
     @property
-    def cpus(self) -> list[int]:
+    def cpus(self) -> tuple[int, ...]:
         """The allowed CPUs nearest the pool's memory: where copies into it should run."""
-        return list(self._cpus)
+        return self._cpus
 
     @property
     def closed(self) -> bool:

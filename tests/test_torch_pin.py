@@ -225,3 +225,22 @@ def test_pinned_batches_land_on_every_node() -> None:
             pinned = numafast.torch.pin(batch, pool)
             assert tensors_equal(batch, pinned)
             assert nodes_of(pinned["x"]) == {node} and nodes_of(pinned["y"]) == {node}
+
+
+@pytest.mark.host_only("10^4 batches: nothing kernel-specific, seconds under TCG")
+def test_ten_thousand_pinned_batches_grow_nothing() -> None:
+    from test_pool import _process_footprint
+
+    batch = {"images": torch.rand(4, 3, 32, 32), "labels": torch.arange(4), "names": ["a", "b", "c", "d"]}
+    with numafast.PinnedPool(NODES[0], 64 << 10, 3) as pool:
+        for _ in range(100):
+            numafast.torch.pin(batch, pool)
+        before = _process_footprint()
+        for _ in range(10_000):
+            pinned = numafast.torch.pin(batch, pool)
+        after = _process_footprint()
+        del pinned
+        stats = pool.stats()
+    assert stats.acquired == 10_100 and stats.in_use == 0 and stats.peak_in_use == 2
+    assert after[1:] == before[1:], (before, after)  # mappings, locked bytes
+    assert after[0] - before[0] < 4 * MIB, (before, after)  # resident memory
