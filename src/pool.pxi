@@ -269,19 +269,26 @@ cdef class SlotPool:
 
     cdef int _reap_fences(self, bint block_on_oldest) except -1:
         """Free the fenced slots whose GPU work is done; with ``block_on_oldest`` and
-        none done, wait for the oldest (the fence releases the GIL while it waits)."""
-        cdef list still = []
+        none free, wait for the oldest first (the fence releases the GIL meanwhile,
+        so another thread may reap the same slots: each is freed by one of them)."""
         cdef Py_ssize_t index
+        cdef object fence
         if block_on_oldest and not self.free_count and self.fence_order:
-            self.fences[self.fence_order[0]].synchronize()
-        for index in self.fence_order:
-            if self.fences[index].query():
-                self.fences[index] = None
-                self._make_free(index, _FENCED)
-            else:
-                still.append(index)
-        self.fence_order = still
+            fence = self.fences[self.fence_order[0]]
+            if fence is not None:
+                fence.synchronize()
+        for index in list(self.fence_order):
+            fence = self.fences[index]
+            if fence is not None and fence.query():
+                self._unfence(index, fence)
         return 0
+
+    cdef void _unfence(self, Py_ssize_t index, object fence):
+        """Free a fenced slot whose fence is done, unless another thread just did."""
+        if self.fences[index] is fence:
+            self.fences[index] = None
+            self.fence_order.remove(index)
+            self._make_free(index, _FENCED)
 
     cdef void _make_free(self, Py_ssize_t index, _SlotState was) noexcept:
         pthread_mutex_lock(&self.mutex)
@@ -333,11 +340,12 @@ cdef class SlotPool:
     cdef int _settle_fences(self) except -1:
         """Wait for every fenced slot's GPU work and free it."""
         cdef Py_ssize_t index
-        for index in self.fence_order:
-            self.fences[index].synchronize()
-            self.fences[index] = None
-            self._make_free(index, _FENCED)
-        self.fence_order = []
+        cdef object fence
+        for index in list(self.fence_order):
+            fence = self.fences[index]
+            if fence is not None:
+                fence.synchronize()
+                self._unfence(index, fence)
         return 0
 
     cdef int _drain(self) except -1:

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -214,6 +215,55 @@ def test_a_fenced_slot_is_reused_only_once_its_fence_is_done() -> None:
     fences[2].done.set()
     slots.close()  # settles the remaining fences before the memory may go
     assert slots.fenced == 0 and drained == [True]
+
+
+def test_a_failing_fence_surfaces_from_acquire_and_leaves_the_pool_usable() -> None:
+    class Broken(Fence):
+        calls = 0
+
+        def query(self) -> bool:
+            Broken.calls += 1
+            if Broken.calls == 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    region = _libnuma.mmap_anonymous(PAGE_SIZE)
+    slots = _libnuma.SlotPool(region, PAGE_SIZE, 1, lambda index: Broken())
+    slots.acquire(PAGE_SIZE, 0)  # handed out and given back at once: fenced
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        slots.acquire(PAGE_SIZE, 0)
+    again = slots.acquire(PAGE_SIZE, 0)  # the next look finds it done
+    assert again.index == 0 and slots.fenced == 0 and slots.in_use == 1
+
+
+def test_threads_waiting_on_the_same_fences_each_get_a_slot_once() -> None:
+    fences: list[Fence] = []
+
+    def fence(index: int) -> Fence:
+        fences.append(Fence())
+        return fences[-1]
+
+    region = _libnuma.mmap_anonymous(4 * PAGE_SIZE)
+    slots = _libnuma.SlotPool(region, PAGE_SIZE, 4, fence)
+    for held in [slots.acquire(PAGE_SIZE) for _ in range(4)]:
+        del held
+    taken: list[Any] = []
+    waiters = [threading.Thread(target=lambda: taken.append(slots.acquire(PAGE_SIZE, 30))) for _ in range(4)]
+    for waiter in waiters:
+        waiter.start()
+    for done in fences:
+        time.sleep(0.02)
+        done.done.set()
+    for waiter in waiters:
+        waiter.join(30)
+    assert sorted(slot.index for slot in taken) == [0, 1, 2, 3]
+    assert (slots.fenced, slots.in_use, slots.free_slots) == (0, 4, 0)
+    taken.clear()  # given back, fenced again: let those fences be done
+    for done in fences:
+        done.done.set()
 
 
 # ---------------------------------------------------------------- closing, exit, fork
