@@ -43,7 +43,7 @@ class Audit:
         return 1 - local / total
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("check", help="audit the CPU and memory placement of running processes")
     parser.add_argument("pids", metavar="PID", nargs="+", type=int)
     where = parser.add_mutually_exclusive_group()
@@ -123,6 +123,7 @@ def gpu_nodes(args: argparse.Namespace) -> tuple[int, tuple[int, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    local_nodes: tuple[int, ...]
     node, local_nodes = args.node, ()
     if args.gpu is not None:
         node, local_nodes = gpu_nodes(args)
