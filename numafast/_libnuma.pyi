@@ -84,7 +84,7 @@ MADV_HUGEPAGE: int
 MADV_NOHUGEPAGE: int
 MADV_POPULATE_WRITE: int
 
-@disjoint_base  # a C struct with fields of its own: no class can also derive from another such
+@disjoint_base  # each cdef class is a C struct of its own: no class can derive from two
 class MappedBuffer:
     """Memory mmap_anonymous / alloc_onnode mapped; unmapped when the last export is gone."""
     @property
@@ -127,6 +127,7 @@ MADV_DOFORK: int
 def mlock(buf: _BufferLike) -> None: ...
 def munlock(buf: _BufferLike) -> None: ...
 
+@disjoint_base
 class SlotPool:
     """Equal slots of one mapping, handed out in O(1); a slot comes back when its Slot is gone."""
     slot_bytes: int
@@ -141,14 +142,15 @@ class SlotPool:
     waited_seconds: float
     owner_pid: int
     closed: bool
-    def __init__(
-        self,
+    # Built by __cinit__, so at run time the arguments go to __new__.
+    def __new__(
+        cls,
         region: MappedBuffer,
         slot_bytes: int,
         count: int,
         fence: Callable[[int], Any] | None = None,
         on_drained: Callable[[], object] | None = None,
-    ) -> None: ...
+    ) -> SlotPool: ...
     @property
     def address(self) -> int: ...
     @property
@@ -159,6 +161,7 @@ class SlotPool:
     def close(self) -> None: ...
     def index_of(self, address: int) -> int: ...
 
+@disjoint_base
 class Slot:
     """One slot of a SlotPool, exported as writable bytes."""
     index: int
