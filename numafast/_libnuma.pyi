@@ -96,3 +96,24 @@ def move_pages(
     buf: _Buffer, node: int | None = None, flags: int = 0, whole_pages_only: bool = False, pid: int = 0
 ) -> _array[int]: ...
 def pretouch(buf: _Buffer, cpus: _Iterable[int], threads: int, alignment: int = 0) -> str: ...
+
+
+# ---------------------------------------------------------------- bench (src/bench.pxi)
+
+# Per timing thread: (its CPU, sched_getcpu() before and after the repetitions,
+# whether sched_getaffinity said exactly that CPU).
+_ThreadPlacement = tuple[int, int, int, bool]
+
+def time_read(
+    buf: _Buffer, cpus: _Iterable[int], repetitions: int
+) -> tuple[list[float], list[_ThreadPlacement]]: ...
+def time_copy(
+    source: _Buffer, destination: _Buffer, cpus: _Iterable[int], repetitions: int
+) -> tuple[list[float], list[_ThreadPlacement]]: ...
+def time_memcpy(
+    source: _Buffer, destination: _Buffer, cpus: _Iterable[int], repetitions: int
+) -> tuple[list[float], list[_ThreadPlacement]]: ...
+def time_chase(
+    buf: _Buffer, cpu: int, steps: int, repetitions: int
+) -> tuple[list[float], list[_ThreadPlacement]]: ...
+def chase_links(buf: _Buffer, stride: int, seed: int) -> int: ...

@@ -8,9 +8,11 @@ validation and friendly errors belong to the pure-Python layer in ``numafast``.
 
 The module is built from several include files, one per concern, so that each
 stays small: core (topology queries, bitmask conversion), policy (CPU binding
-and memory policy) and memory (allocation, mbind, page queries).
+and memory policy), memory (allocation, mbind, page queries) and bench (the
+timed loops of `numafast bench`, on pinned threads).
 """
 
 include "core.pxi"
 include "policy.pxi"
 include "memory.pxi"
+include "bench.pxi"

@@ -178,3 +178,44 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_create(pthread_t *thread, const pthread_attr_t *attr,
                        void *(*start_routine)(void *) noexcept nogil, void *arg)
     int pthread_join(pthread_t thread, void **retval)
+
+
+# ---------------------------------------------------------------- bench (src/bench.pxi)
+# The pinned timing threads of `numafast bench`: a gate that opens once every
+# thread has pinned itself (mutex + condition), a barrier that starts each
+# repetition on all threads at once, and the monotonic clock.
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_mutexattr_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef struct pthread_condattr_t:
+        pass
+    ctypedef struct pthread_barrier_t:
+        pass
+    ctypedef struct pthread_barrierattr_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *mutex, const pthread_mutexattr_t *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mutex)
+    int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_unlock(pthread_mutex_t *mutex)
+    int pthread_cond_init(pthread_cond_t *cond, const pthread_condattr_t *attr)
+    int pthread_cond_destroy(pthread_cond_t *cond)
+    int pthread_cond_wait(pthread_cond_t *cond, pthread_mutex_t *mutex)
+    int pthread_cond_broadcast(pthread_cond_t *cond)
+    int pthread_barrier_init(pthread_barrier_t *barrier, const pthread_barrierattr_t *attr, unsigned count)
+    int pthread_barrier_destroy(pthread_barrier_t *barrier)
+    int pthread_barrier_wait(pthread_barrier_t *barrier)
+
+cdef extern from "<time.h>" nogil:
+    ctypedef int clockid_t
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(clockid_t clock, timespec *now)
+    enum:
+        CLOCK_MONOTONIC
