@@ -24,7 +24,7 @@ from numafast.cli.bench.health import h2d_failures, local_ratio_failures
 from numafast.cli.bench.run import check_threads
 from numafast.cli.bench.result import MATRICES, SCHEMA, BenchResult, check_document
 from numafast.cli.bench.table import render
-from sysfs_truth import node_cpus, online_nodes
+from sysfs_truth import node_cpus, node_meminfo, online_nodes
 
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": f"{TESTS.parent}:{TESTS}"}
@@ -111,6 +111,15 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "size"), [("134217728", 1 << 27), ("128M", 1 << 27), ("128MiB", 1 << 27), ("1g", 1 << 30), ("64KB", 1 << 16)])
 def test_sizes_parse_in_powers_of_1024(text: str, size: int) -> None:
     assert parse_size(text) == size
+
+
+def test_buffers_no_node_can_hold_leave_every_cell_explained_and_fail(capsys: pytest.CaptureFixture[str]) -> None:
+    too_big = 2 * max(node_meminfo(n)["MemTotal"] for n in online_nodes())
+    code, out, err = bench_cli(capsys, "--matrix", "read_gbps", "--size", str(too_big))
+    assert code == 1
+    assert f"  [a] node {online_nodes()[0]}: node {online_nodes()[0]} has " in out
+    assert "bytes free" in out and f"{too_big} bytes asked for" in out
+    assert err == "numafast bench: FAILED no cell could be measured (the reasons are in the output)\n"
 
 
 def test_threads_that_left_their_cpu_fail_the_placement_check() -> None:

@@ -115,26 +115,29 @@ def check_before_measuring(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     progress = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
     try:
-        check_before_measuring(args)
-        result = bench(
-            nodes=args.nodes, matrices=args.matrix, threads=args.threads, size=args.size,
-            repetitions=args.repetitions, quick=args.quick, copy_by=args.copy_by, progress=progress,
-        )  # fmt: skip
+        try:
+            check_before_measuring(args)
+            result = bench(
+                nodes=args.nodes, matrices=args.matrix, threads=args.threads, size=args.size,
+                repetitions=args.repetitions, quick=args.quick, copy_by=args.copy_by, progress=progress,
+            )  # fmt: skip
+        finally:
+            if progress is not None:
+                progress.clear()
     except ImportError as error:
         print(f"numafast bench: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nnumafast bench: interrupted; every buffer was freed", file=sys.stderr)
+        print("numafast bench: interrupted; every buffer was freed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:
-        if progress is not None:
-            progress.clear()
     print(result.to_json() if args.json else "\n".join(render(result)), flush=True)
     if args.plot is not None:
         from numafast.cli.bench.plot import draw
 
         draw(result, args.plot)
     failures = result.placement_failures
+    if not any(value is not None for m in result.matrices.values() for line in m.values for value in line):
+        failures.append("no cell could be measured (the reasons are in the output)")
     if args.expect_local_ratio is not None:
         failures += local_ratio_failures(result, args.expect_local_ratio)
     if args.expect_h2d is not None:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from numafast.cli.bench.result import BenchResult, Matrix
-from numafast.cli.bench.table import AXIS_NAMES
 
 MISSING_COLOR = "#d9d9d9"
 
@@ -53,8 +52,8 @@ def _heat_map(axes: Any, matrix: Matrix) -> None:
     image = axes.imshow(np.ma.masked_invalid(grid), cmap=colormap)
     axes.set_xticks(range(len(matrix.cols)), [str(c) for c in matrix.cols])
     axes.set_yticks(range(len(matrix.rows)), [str(r) for r in matrix.rows])
-    axes.set_xlabel(f"{AXIS_NAMES[kind.col_kind]} ({kind.col_kind.replace('_', ' ')})")
-    axes.set_ylabel(f"{AXIS_NAMES[kind.row_kind]} ({kind.row_kind.replace('_', ' ')})")
+    axes.set_xlabel(kind.col_kind.replace("_", " "))
+    axes.set_ylabel(kind.row_kind.replace("_", " "))
     axes.set_title(f"{matrix.name}\n{kind.unit}, {kind.better} is better", fontsize=10)
     finite = grid[np.isfinite(grid)]
     middle = (finite.min() + finite.max()) / 2 if finite.size else 0.0
@@ -76,7 +75,7 @@ def draw(result: BenchResult, path: str | os.PathLike[str]) -> None:
     from matplotlib.figure import Figure
 
     matrices = list(result.matrices.values())
-    figure = Figure(figsize=(3.4 * max(len(matrices), 1), 3.6), dpi=100, layout="constrained")
+    figure = Figure(figsize=(3.4 * max(len(matrices), 1), 3.6), dpi=90, layout="constrained")
     for index, matrix in enumerate(matrices):
         _heat_map(figure.add_subplot(1, len(matrices), index + 1), matrix)
     machine = result.machine
