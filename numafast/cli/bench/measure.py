@@ -21,13 +21,13 @@ from typing import Any
 from numafast import _libnuma
 from numafast.cli.bench import machine as machine_summary
 from numafast.cli.bench.result import MATRICES, BenchResult, Matrix, cell_key
-from numafast.cli.bench.run import Run, Unmeasurable, check_pages, check_threads
+from numafast.cli.bench.run import Run, Timings, Unmeasurable, check_pages, check_threads
 from numafast.cli.bench.settings import WARMUP, gpu_problem, resolve_settings
 from numafast.topo import Topology
 from numafast.topo.read import read_topology
 
 # time_copy (STREAM's loop) or time_memcpy: (source, destination, cpus, repetitions) -> timings.
-Timer = Callable[[Any, Any, list[int], int], tuple[list[float], list[tuple[int, int, int, bool]]]]
+Timer = Callable[[Any, Any, list[int], int], Timings]
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Cell:
 def _timed_cell(
     name: str,
     cpu_node: int,
-    timed: tuple[list[float], list[tuple[int, int, int, bool]]],
+    timed: Timings,
     buffers: dict[str, Any],
     per_repetition: int,
 ) -> Cell:

@@ -33,6 +33,12 @@ CHASE_STRIDE = 64  # one link per cache line
 CHASE_STEPS_MAX = 1 << 21  # dependent loads per repetition: a lap, at most ~0.2 s of loads
 CHASE_SEED = 0x6E756D61
 
+# What a timing thread reports from inside (src/bench.pxi): the CPU it pinned itself
+# to, sched_getcpu() before and after the timed loops, and whether sched_getaffinity
+# said exactly that CPU; and a timed call's seconds per repetition with those reports.
+ThreadPlacement = tuple[int, int, int, bool]
+Timings = tuple[list[float], list[ThreadPlacement]]
+
 
 class Unmeasurable(Exception):
     """A cell that cannot be measured here; the message says why (it goes to ``missing``)."""
@@ -133,13 +139,8 @@ def check_pages(buffer: object, node: int, role: str) -> dict[str, Any]:
     return {"node": node, "pages": {str(node): counts[node]}}
 
 
-def check_threads(placed: list[tuple[int, int, int, bool]], node: int) -> list[int]:
-    """The CPUs the timing threads ran on, if each stayed on its CPU and that CPU is ``node``'s.
-
-    ``placed`` is what each thread reported from inside: (the CPU it pinned itself
-    to, sched_getcpu() before and after the timed loops, whether sched_getaffinity
-    said exactly that CPU).
-    """
+def check_threads(placed: list[ThreadPlacement], node: int) -> list[int]:
+    """The CPUs the timing threads ran on, if each stayed on its CPU and that CPU is ``node``'s."""
     node_cpus = set(_libnuma.node_to_cpus(node))
     for cpu, before, after, exact in placed:
         if not exact or before != cpu or after != cpu:
