@@ -124,7 +124,7 @@ def test_a_buffer_on_another_node_fails_the_page_check() -> None:
 def test_nodes_the_cpuset_forbids_are_explained() -> None:
     """Node 3's CPU and node 2's memory forbidden by a cgroup cpuset (4-node guest: node i has CPU i)."""
     cpuset = (sys.executable, str(TESTS / "cpuset_exec.py"), "--cpus", "0-2", "0-1,3", "--")
-    document = bench_json("--matrix", "latency_ns", "--matrix", "node_copy_gbps", prefix=cpuset)
+    document = bench_json("--matrix", "latency_ns", "--matrix", "node_copy_gbps", "--repetitions", "1", prefix=cpuset)
     cpus_forbidden = "node 3's CPUs 3 are all outside the CPUs this process may use (0-2: its affinity and cpuset)"
     memory_forbidden = "node 2 is outside the memory nodes this process may use (0-1,3: its cpuset's mems)"
     for name, matrix in document["matrices"].items():
