@@ -21,7 +21,8 @@ import numafast
 from numafast.cli import main
 from numafast.cli.bench import parse_size
 from numafast.cli.bench.health import h2d_failures, local_ratio_failures
-from numafast.cli.bench.run import check_threads
+from numafast.cli.bench.run import Run, Unmeasurable, check_threads
+from numafast.cli.bench.settings import Settings
 from numafast.cli.bench.result import MATRICES, SCHEMA, BenchResult, check_document
 from numafast.cli.bench.table import render
 from sysfs_truth import node_cpus, node_meminfo, online_nodes
@@ -133,6 +134,26 @@ def test_threads_that_left_their_cpu_fail_the_placement_check() -> None:
         with pytest.raises(Exception, match="placement check failed: ") as raised:
             check_threads([placed], node)
         assert why in str(raised.value)
+
+
+@pytest.mark.host_only("replays sysfs snapshots")
+def test_rows_and_columns_that_cannot_be_measured_say_why() -> None:
+    fixtures = TESTS / "fixtures"
+    settings = Settings(nodes=[0], matrices=["latency_ns"], size=8 << 20, threads=None, repetitions=None,
+                        quick=True, copy_by="destination")  # fmt: skip
+    # sparse-nodes: node 5 has CPUs and no memory, node 252 memory and no CPUs; the process may use CPUs 0-7.
+    with Run(settings, numafast.Topology.from_sysfs(fixtures / "sparse-nodes"), None) as run:
+        assert run.memory_problem(5) == "node 5 has no memory"
+        assert run.memory_problem(252) is None and run.cpus_of(4) == [4, 5]
+        with pytest.raises(Unmeasurable, match="^node 252 has no CPUs$"):
+            run.cpus_of(252)
+    # container-cgroup1: a cpuset with CPUs 0-1,8-9 (node 0's) and memory on node 0 only.
+    container = numafast.Topology.from_sysfs(fixtures / "container-cgroup1")
+    with Run(settings, container, None) as run:
+        assert run.memory_problem(1) == "node 1 is outside the memory nodes this process may use (0: its cpuset's mems)"
+        with pytest.raises(Unmeasurable, match=r"^node 1's CPUs 4-7,12-15 are all outside the CPUs this process may use \(0-1,8-9: "):
+            run.cpus_of(1)
+        assert run.cpus_of(0) == [0, 1, 8, 9]
 
 
 # ---------------------------------------------------------------- a real run on this host, through the API

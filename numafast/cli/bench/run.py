@@ -21,7 +21,6 @@ from typing import Any
 
 from numafast import _libnuma
 from numafast._validate import format_ids
-from numafast.binding import cpus_allowed
 from numafast.cli.bench.result import PLACEMENT_FAILED
 from numafast.cli.bench.settings import Settings
 from numafast.errors import NodeMemoryError
@@ -51,7 +50,7 @@ class Run(AbstractContextManager["Run"]):
     def __init__(self, settings: Settings, machine: Topology, progress: Callable[[int, int, str], None] | None):
         self.settings = settings
         self.machine = machine
-        self.allowed_cpus = cpus_allowed()
+        self.allowed_cpus = set(machine.allowed_cpus)
         self.progress = progress
         self.cells_done = 0
         self.cells_total = len(settings.matrices) * len(settings.nodes) ** 2
