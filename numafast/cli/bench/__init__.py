@@ -26,6 +26,7 @@ import re
 import sys
 from typing import TextIO
 
+from numafast._validate import parse_ids
 from numafast.cli.bench.health import check_local_ratio, h2d_failures, local_ratio_failures
 from numafast.cli.bench.measure import bench, cuda_problem
 from numafast.cli.bench.result import MATRICES, BenchResult
@@ -47,8 +48,6 @@ def parse_size(text: str) -> int:
 
 
 def parse_nodes(text: str) -> list[int]:
-    from numafast._validate import parse_ids
-
     try:
         return parse_ids(text)
     except ValueError:
