@@ -21,6 +21,7 @@ import numafast
 from numafast.cli import main
 from numafast.cli.bench import parse_size
 from numafast.cli.bench.health import h2d_failures, local_ratio_failures
+from numafast.cli.bench.table import render_matrix
 from numafast.cli.bench.run import Run, Unmeasurable, check_threads
 from numafast.cli.bench.settings import Settings
 from numafast.cli.bench.result import MATRICES, SCHEMA, BenchResult, check_document
@@ -299,6 +300,13 @@ def test_h2d_check_reads_the_documented_matrix() -> None:
         "h2d_gbps[0,1]: 11.00 GB/s from node 0 to GPU 1, below the expected 20 GB/s",
         "h2d_gbps[1,0]: 12.00 GB/s from node 1 to GPU 0, below the expected 20 GB/s",
     ]
+    # Each row is compared with each GPU's own node, from the machine summary.
+    document["machine"]["gpus"] = [{"index": 0, "address": "0000:3b:00.0", "node": 0},
+                                   {"index": 1, "address": "0000:af:00.0", "node": 1}]  # fmt: skip
+    lines = [line.rstrip() for line in render_matrix(BenchResult.from_dict(document).matrices["h2d_gbps"],
+                                                     {0: 0, 1: 1})]  # fmt: skip
+    assert lines[0].startswith("h2d_gbps (GB/s, higher is better): 1 thread per cell, 1 stream, median of")
+    assert lines[2].endswith("0.47") and lines[3].endswith("0.50") and lines[4].endswith("0.92-0.94"), lines
 
 
 # ---------------------------------------------------------------- Ctrl-C

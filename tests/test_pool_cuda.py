@@ -107,3 +107,17 @@ def test_the_hook_pins_in_pytorchs_own_pin_thread() -> None:
         assert any(pool.contains(batch["image"].data_ptr()) for pool in hook.pools.pools)
         assert bool((batch["image"][0] == 4 * index).all())
     hook.remove()
+
+
+def test_bench_measures_every_node_to_every_gpu_from_pinned_node_local_buffers() -> None:
+    result = numafast.bench(matrices=["h2d_gbps", "d2h_concurrent_gbps"], quick=True)
+    gpus = list(range(torch.cuda.device_count()))
+    for name, streams in (("h2d_gbps", 1), ("d2h_concurrent_gbps", 4)):
+        matrix = result.matrices[name]
+        assert matrix.cols == gpus and matrix.streams == streams and matrix.statistic == "median"
+        for row, values in zip(matrix.rows, matrix.values):
+            for col, value in zip(matrix.cols, values):
+                key = f"{row},{col}"
+                assert (value is not None and value > 0) or key in matrix.missing
+                if value is not None:
+                    assert matrix.placement[key]["buffers"]["host"]["node"] == row

@@ -13,7 +13,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["CopyStream", "Registration", "SlotEvents", "hand_over", "usable", "why_not_usable", "with_index"]
+__all__ = [
+    "CopyStream",
+    "Registration",
+    "SlotEvents",
+    "device_count",
+    "hand_over",
+    "transfer_gbps",
+    "usable",
+    "why_not_usable",
+    "with_index",
+]
 
 # cudaHostRegisterPortable: the memory counts as pinned in every CUDA context of the
 # process, not only the current device's (as torch/cuda/_pin_memory_utils.py does).
@@ -21,7 +31,7 @@ HOST_REGISTER_PORTABLE = 1
 
 # torch.cuda's constructors and cudart, as the typed callables they are (torch leaves them unannotated).
 _cudart: Callable[[], Any] = torch.cuda.cudart
-_Event: Callable[[], Any] = torch.cuda.Event
+_Event: Callable[..., Any] = torch.cuda.Event
 _Stream: Callable[[torch.device], Any] = torch.cuda.Stream
 
 
@@ -141,3 +151,42 @@ def hand_over(copies: Sequence[torch.Tensor], ready: Any) -> None:
     consumer.wait_event(ready)
     for tensor in copies:
         tensor.record_stream(consumer)
+
+
+def device_count() -> int:
+    return int(torch.cuda.device_count())
+
+
+def transfer_gbps(host: Any, device: int, *, to_device: bool, streams: int, repetitions: int, warmup: int = 2) -> list[float]:
+    """GB/s of each of ``repetitions`` copies between the page-locked buffer ``host``
+    and CUDA device ``device`` (host to device, or back), timed with CUDA events.
+
+    With ``streams`` > 1 the buffer is cut into that many parts copied on as many
+    streams at once: one big copy can hide what several concurrent ones show.
+    """
+    pinned = torch.frombuffer(host, dtype=torch.uint8)
+    nbytes = pinned.numel()
+    target = torch.device("cuda", device)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    bounds = [nbytes * part // streams for part in range(streams + 1)]
+    with torch.cuda.device(target):
+        lanes = [_Stream(target) for _ in range(streams)]
+        main = torch.cuda.current_stream(target)
+        results = []
+        for round_ in range(warmup + repetitions):
+            start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+            start.record(main)
+            for lane, low, high in zip(lanes, bounds, bounds[1:]):
+                lane.wait_stream(main)
+                with torch.cuda.stream(lane):
+                    if to_device:
+                        on_device[low:high].copy_(pinned[low:high], non_blocking=True)
+                    else:
+                        pinned[low:high].copy_(on_device[low:high], non_blocking=True)
+            for lane in lanes:
+                main.wait_stream(lane)
+            end.record(main)
+            end.synchronize()
+            if round_ >= warmup:
+                results.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return results

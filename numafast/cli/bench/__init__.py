@@ -8,7 +8,8 @@ Matrices (rows x columns; see result.py for the JSON schema, numafast.bench/1):
   of the row node, or ``--threads N``; STREAM's rules);
 * ``node_copy_gbps``: GB/s of memcpy from a buffer on node s to one on node d,
   by the CPUs of d (``--copy-by source``: of s);
-* ``h2d_gbps``, ``d2h_gbps``: host <-> GPU, once CUDA is usable (see measure.py).
+* ``h2d_gbps``, ``d2h_gbps`` and their ``*_concurrent_gbps`` twins: GB/s between a
+  page-locked buffer on each node and each CUDA device, where PyTorch sees one (gpu.py).
 
 Every cell is checked against the kernel before it is kept (its buffers' pages,
 its threads' CPUs); a cell that cannot be measured is shown with its reason.

@@ -19,10 +19,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from numafast import _libnuma
+from numafast.cli.bench import gpu
 from numafast.cli.bench import machine as machine_summary
 from numafast.cli.bench.result import MATRICES, BenchResult, Matrix, cell_key
 from numafast.cli.bench.run import Run, Timings, Unmeasurable, check_pages, check_threads
-from numafast.cli.bench.settings import WARMUP, gpu_problem, resolve_settings
+from numafast.cli.bench.settings import WARMUP, resolve_settings
 from numafast.topo import Topology
 from numafast.topo.read import read_topology
 
@@ -139,11 +140,8 @@ def measure_cells(run: Run, name: str, cell: Callable[[Run, int, int], Cell]) ->
 
 
 # The matrices a run can measure, in the order it measures them: name -> what
-# measures the whole matrix. The GPU x host-node matrices (GPU_MATRICES: h2d_gbps,
-# d2h_gbps; see result.py for their rows, columns and counting) are added to this
-# table by numafast/torch/cuda.py, the one module that touches torch.cuda, as
-# functions of the same shape (Run -> Matrix); gpu_problem() says why they are
-# absent until then, and what --expect-h2d answers without CUDA.
+# measures the whole matrix. The GPU x host-node matrices (gpu.MEASURERS; see
+# result.py for their rows, columns and counting) join them where CUDA is usable.
 MEASURERS: dict[str, Callable[[Run], Matrix]] = {
     "latency_ns": lambda run: measure_cells(run, "latency_ns", latency_cell),
     "read_gbps": lambda run: measure_cells(run, "read_gbps", read_cell),
@@ -154,7 +152,7 @@ MEASURERS: dict[str, Callable[[Run], Matrix]] = {
 
 def cuda_problem() -> str | None:
     """Why this machine's GPU x host-node matrices cannot be measured; None when they can."""
-    return gpu_problem(live_topology(), MEASURERS)
+    return gpu.unavailable(live_topology())
 
 
 def live_topology() -> Topology:
@@ -176,7 +174,8 @@ def bench(
     """Measure latency and bandwidth between every pair of ``nodes`` (default: all).
 
     ``matrices``: names among latency_ns, read_gbps, copy_gbps, node_copy_gbps (and
-    h2d_gbps, d2h_gbps with CUDA); default: all that can be measured here.
+    h2d_gbps, d2h_gbps, h2d_concurrent_gbps, d2h_concurrent_gbps with CUDA);
+    default: all that can be measured here.
     ``threads``: at most this many threads per cell (default: every allowed CPU of the
     node; latency always uses one). ``size``: bytes per buffer (default: 4x the
     largest last-level cache, at least 64 MiB; a smaller one is refused unless
@@ -195,12 +194,14 @@ def bench(
     created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     machine = live_topology()
     summary = machine_summary.describe(machine)
+    gpu_problem = gpu.unavailable(machine)
+    measurers = MEASURERS if gpu_problem else {**MEASURERS, **gpu.MEASURERS}
     settings = resolve_settings(
-        machine, summary, MEASURERS, nodes=nodes, matrices=matrices, threads=threads, size=size,
+        machine, summary, gpu_problem, nodes=nodes, matrices=matrices, threads=threads, size=size,
         repetitions=repetitions, quick=quick, copy_by=copy_by,
     )  # fmt: skip
     with Run(settings, machine, progress) as run:
         if progress is not None:
             progress(0, run.cells_total, "allocating")
-        measured = {name: MEASURERS[name](run) for name in settings.matrices}
+        measured = {name: measurers[name](run) for name in settings.matrices}
     return BenchResult(__version__, created, settings.to_dict(), summary, measured)

@@ -51,11 +51,13 @@ The JSON document (``numafast bench --json``, ``BenchResult.to_json()``)::
 
 Matrices (NAME), as :data:`MATRICES` describes them: ``latency_ns``,
 ``read_gbps``, ``copy_gbps``, ``node_copy_gbps``, and with a usable CUDA device
-``h2d_gbps`` / ``d2h_gbps`` (rows: the node of a page-locked host buffer; columns:
-CUDA devices; bytes counted once per copy, as nvbandwidth counts them; the
-median of the repetitions; an optional ``"streams"`` field gives the number of
-concurrent CUDA streams). A run measures a subset; every null value has its
-reason in ``missing``.
+``h2d_gbps`` / ``d2h_gbps`` and ``h2d_concurrent_gbps`` / ``d2h_concurrent_gbps``
+(rows: the node of a page-locked, CUDA-registered host buffer; columns: CUDA
+devices; bytes counted once per copy, as nvbandwidth counts them; the median of
+the repetitions; ``"streams"`` gives the number of concurrent CUDA streams that
+share each copy: 1, or 4 for the concurrent ones; ``placement`` gives the
+``cuda_device`` and the kernel's count of the host buffer's pages). A run
+measures a subset; every null value has its reason in ``missing``.
 """
 
 from __future__ import annotations
@@ -106,6 +108,14 @@ MATRICES: dict[str, MatrixKind] = {
     "d2h_gbps": MatrixKind(
         "GB/s", "higher", "memory_node", "cuda_device",
         "device-to-host copies from the column's CUDA device to a page-locked buffer on the row node",
+    ),
+    "h2d_concurrent_gbps": MatrixKind(
+        "GB/s", "higher", "memory_node", "cuda_device",
+        "host-to-device copies as h2d_gbps, the buffer cut into shares copied on concurrent CUDA streams",
+    ),
+    "d2h_concurrent_gbps": MatrixKind(
+        "GB/s", "higher", "memory_node", "cuda_device",
+        "device-to-host copies as d2h_gbps, the buffer cut into shares copied on concurrent CUDA streams",
     ),
 }  # fmt: skip
 

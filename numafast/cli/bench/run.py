@@ -21,10 +21,11 @@ from typing import Any
 
 from numafast import _libnuma
 from numafast._validate import format_ids
-from numafast.cli.bench.result import PLACEMENT_FAILED
+from numafast.cli.bench.result import MATRICES, PLACEMENT_FAILED
 from numafast.cli.bench.settings import Settings
-from numafast.errors import NodeMemoryError
+from numafast.errors import MemlockError, NodeMemoryError
 from numafast.memory import allocate
+from numafast.pool import PinnedPool, Slot
 from numafast.pages import page_nodes
 from numafast.topo import Topology
 
@@ -53,12 +54,20 @@ class Run(AbstractContextManager["Run"]):
         self.allowed_cpus = set(machine.allowed_cpus)
         self.progress = progress
         self.cells_done = 0
-        self.cells_total = len(settings.matrices) * len(settings.nodes) ** 2
+        columns = {"cuda_device": len(machine.gpus)}
+        self.cells_total = sum(
+            len(settings.nodes) * columns.get(MATRICES[name].col_kind, len(settings.nodes)) for name in settings.matrices
+        )
         self._buffers: dict[tuple[int, str], _libnuma.MappedBuffer] = {}
+        self._pinned: dict[int, tuple[PinnedPool, Slot]] = {}
         self._chained: set[int] = set()
         self._memory_problems: dict[int, str] = {}
 
     def __exit__(self, *exc_info: object) -> None:
+        pinned, self._pinned = self._pinned, {}
+        for pool, _slot in pinned.values():
+            pool.close()  # released as its slot goes, with the dict
+        del pinned
         buffers, self._buffers = self._buffers, {}
         for buffer in buffers.values():
             try:
@@ -113,6 +122,21 @@ class Run(AbstractContextManager["Run"]):
                 self._memory_problems[node] = f"node {node}: {error}"
                 raise Unmeasurable(self._memory_problems[node]) from None
         return self._buffers[node, role]
+
+    def pinned(self, node: int, nbytes: int) -> Slot:
+        """A page-locked, CUDA-registered buffer of ``nbytes`` on ``node`` (the GPU
+        matrices' host side), made on first use: one slot of a PinnedPool."""
+        problem = self.memory_problem(node)
+        if problem:
+            raise Unmeasurable(problem)
+        if node not in self._pinned:
+            try:
+                pool = PinnedPool(node, nbytes, 1, register="required")
+            except (NodeMemoryError, MemlockError) as error:
+                self._memory_problems[node] = f"node {node}: {error}"
+                raise Unmeasurable(self._memory_problems[node]) from None
+            self._pinned[node] = (pool, pool.acquire())
+        return self._pinned[node][1]
 
     def chain(self, node: int) -> _libnuma.MappedBuffer:
         """The source buffer of ``node`` holding the chase's chain of links."""

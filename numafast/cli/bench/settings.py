@@ -4,7 +4,7 @@ without CUDA)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +23,12 @@ SMALLEST_SIZE = 1 * MIB
 QUICK_SIZE = 8 * MIB
 WARMUP = 1
 REPETITIONS = {"latency_ns": 5, "read_gbps": 10, "copy_gbps": 10, "node_copy_gbps": 10}
+GPU_REPETITIONS = 7  # each GPU matrix: the median of these
 QUICK_REPETITIONS = 2
 COPY_BY = ("destination", "source")
 
 CPU_MATRICES = ("latency_ns", "read_gbps", "copy_gbps", "node_copy_gbps")
-GPU_MATRICES = ("h2d_gbps", "d2h_gbps")
+GPU_MATRICES = ("h2d_gbps", "d2h_gbps", "h2d_concurrent_gbps", "d2h_concurrent_gbps")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Settings:
     def repetitions_of(self, name: str) -> int:
         if self.repetitions is not None:
             return self.repetitions
-        return QUICK_REPETITIONS if self.quick else REPETITIONS[name]
+        return QUICK_REPETITIONS if self.quick else REPETITIONS.get(name, GPU_REPETITIONS)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,15 +57,6 @@ class Settings:
             "quick": self.quick,
             "copy_by": self.copy_by,
         }
-
-
-def gpu_problem(machine: Topology, measurable: Collection[str]) -> str | None:
-    """Why the GPU x host-node matrices cannot be measured here; None when they can."""
-    if not machine.gpus:
-        return "no CUDA device here (no GPU in /sys/bus/pci, or CUDA_VISIBLE_DEVICES hides them all)"
-    if not any(name in measurable for name in GPU_MATRICES):
-        return "this numafast has no GPU measurer yet (numafast.torch.cuda adds it)"
-    return None
 
 
 def _positive(name: str, value: object) -> int | None:
@@ -78,7 +70,7 @@ def _positive(name: str, value: object) -> int | None:
 def resolve_settings(
     machine: Topology,
     summary: dict[str, Any],
-    measurable: Collection[str],
+    gpu_problem: str | None,
     *,
     nodes: Iterable[int] | None,
     matrices: Iterable[str] | None,
@@ -88,19 +80,19 @@ def resolve_settings(
     quick: bool,
     copy_by: str,
 ) -> Settings:
-    """Settings from :func:`numafast.bench`'s arguments (``measurable``: the matrices this
-    numafast has a measurer for); an exception naming the bad value and the allowed ones."""
+    """Settings from :func:`numafast.bench`'s arguments (``gpu_problem``: why the GPU
+    matrices cannot be measured here, None when they can); an exception naming the
+    bad value and the allowed ones."""
     chosen_nodes = check_nodes(machine.node_ids if nodes is None else list(nodes), need_allowed=False)
-    problem = gpu_problem(machine, measurable)
     if matrices is None:
-        names = list(CPU_MATRICES) + ([] if problem else [m for m in GPU_MATRICES if m in measurable])
+        names = list(CPU_MATRICES) + ([] if gpu_problem else list(GPU_MATRICES))
     else:
         names = list(dict.fromkeys(matrices))
         for name in names:
             if name not in MATRICES:
                 raise ValueError(f"matrix {name!r}: choose among {', '.join(MATRICES)}")
-            if name in GPU_MATRICES and problem:
-                raise ValueError(f"{name} needs CUDA: {problem}")
+            if name in GPU_MATRICES and gpu_problem:
+                raise ValueError(f"{name} needs CUDA: {gpu_problem}")
         if not names:
             raise ValueError(f"no matrix chosen; choose among {', '.join(MATRICES)}")
     if copy_by not in COPY_BY:

@@ -35,9 +35,10 @@ def render(result: BenchResult) -> Iterator[str]:
     )
     quick = "; --quick: small buffers, figures indicative only" if settings["quick"] else ""
     yield f"nodes {format_ids(settings['nodes'])}, buffers of {_mib(settings['size'])}{quick}"
+    gpu_nodes = {gpu["index"]: gpu["node"] for gpu in machine.get("gpus", [])}
     for matrix in result.matrices.values():
         yield ""
-        yield from render_matrix(matrix)
+        yield from render_matrix(matrix, gpu_nodes)
     failures = result.placement_failures
     if failures:
         yield ""
@@ -57,12 +58,17 @@ def _format(value: float, unit: str) -> str:
     return f"{value:.1f}" if unit == "ns" else f"{value:.2f}"
 
 
-def render_matrix(matrix: Matrix) -> Iterator[str]:
-    """One matrix: title line, the table with a remote/local column, the reasons for empty cells."""
+def render_matrix(matrix: Matrix, gpu_nodes: dict[int, int | None] | None = None) -> Iterator[str]:
+    """One matrix: title line, the table with a remote/local column, the reasons for empty cells.
+
+    For a GPU matrix (columns: CUDA devices, ``gpu_nodes`` their nodes) a row's ratios
+    compare it with each GPU's own node's row.
+    """
     kind = matrix.kind
+    streams = f", {matrix.streams} stream{'s' if matrix.streams != 1 else ''}" if matrix.streams else ""
     yield (
-        f"{matrix.name} ({kind.unit}, {kind.better} is better): {_threads_text(matrix)}, "
-        f"best of {matrix.repetitions} after {matrix.warmup} warm-up"
+        f"{matrix.name} ({kind.unit}, {kind.better} is better): {_threads_text(matrix)}{streams}, "
+        f"{matrix.statistic} of {matrix.repetitions} after {matrix.warmup} warm-up"
     )
     labels: dict[str, str] = {}  # reason -> "[a]"
     for reason in matrix.missing.values():
@@ -80,14 +86,27 @@ def render_matrix(matrix: Matrix) -> Iterator[str]:
     yield f"  {corner:>{first}}" + "".join(f"{col:>{width}}" for col in matrix.cols) + "   remote/local"
     for row, line in zip(matrix.rows, cells, strict=True):
         cells_text = "".join(f"{text:>{width}}" for text in line)
-        yield f"  {row:>{first}}{cells_text}   {_ratio_text(matrix, row)}".rstrip()
+        ratios = _gpu_ratios(matrix, row, gpu_nodes or {}) if kind.col_kind == "cuda_device" else matrix.remote_over_local(row)
+        yield f"  {row:>{first}}{cells_text}   {_range_text([ratio for _, ratio in ratios])}".rstrip()
     for reason, label in labels.items():
         where = " ".join(key for key, why in matrix.missing.items() if why == reason)
         yield f"  {label} {reason} (cells {where})"
 
 
-def _ratio_text(matrix: Matrix, row: int) -> str:
-    ratios = [ratio for _, ratio in matrix.remote_over_local(row)]
+def _gpu_ratios(matrix: Matrix, row: int, gpu_nodes: dict[int, int | None]) -> list[tuple[int, float]]:
+    """(GPU, value / the value from the GPU's own node) for each GPU that is not on ``row``."""
+    ratios = []
+    for col, value in zip(matrix.cols, matrix.values[matrix.rows.index(row)], strict=True):
+        own = gpu_nodes.get(col)
+        if value is None or own is None or own == row or own not in matrix.rows:
+            continue
+        local = matrix.value(own, col)
+        if local:
+            ratios.append((col, value / local))
+    return ratios
+
+
+def _range_text(ratios: list[float]) -> str:
     if not ratios:
         return ""
     low, high = min(ratios), max(ratios)

@@ -1,0 +1,96 @@
+"""The GPU x host-node matrices of ``numafast bench``: ``h2d_gbps``, ``d2h_gbps`` and their
+concurrent-stream twins ``h2d_concurrent_gbps``, ``d2h_concurrent_gbps``.
+
+Rows are host memory nodes, columns CUDA devices. Each row gets one page-locked,
+CUDA-registered buffer on its node (a :class:`numafast.PinnedPool` slot, whose pages
+are checked against the kernel before any timing); a cell is the median GB/s of
+several copies of the whole buffer, timed with CUDA events by
+:mod:`numafast.torch.cuda`, the one module that touches ``torch.cuda``. One big copy
+on one stream can hide a NUMA penalty that several concurrent copies show, hence
+the concurrent matrices (:data:`CONCURRENT_STREAMS` streams, each a share of the buffer).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from numafast.cli.bench.result import Matrix, cell_key
+from numafast.cli.bench.run import Run, Unmeasurable, check_pages
+from numafast.cli.bench.settings import WARMUP
+from numafast.topo import Topology
+
+MIB = 1 << 20
+TRANSFER_BYTES = 256 * MIB  # "a few hundred MiB": what a loader's batch copies are like
+QUICK_TRANSFER_BYTES = 16 * MIB
+CONCURRENT_STREAMS = 4
+NO_GPU = "no CUDA device here (no GPU in /sys/bus/pci, or CUDA_VISIBLE_DEVICES hides them all)"
+
+
+def unavailable(machine: Topology) -> str | None:
+    """Why the GPU matrices cannot be measured on ``machine``; None when they can.
+
+    PyTorch is imported only where sysfs shows a GPU: it is what times the copies.
+    """
+    if not machine.gpus:
+        return NO_GPU
+    try:
+        from numafast.torch import cuda
+    except ImportError as error:
+        return f"the GPU matrices need PyTorch with CUDA (pip install numafast[torch]): {error}"
+    if not cuda.usable():
+        return cuda.why_not_usable()
+    return None
+
+
+def transfer_bytes(run: Run) -> int:
+    return QUICK_TRANSFER_BYTES if run.settings.quick else TRANSFER_BYTES
+
+
+def measure(run: Run, name: str) -> Matrix:
+    """One GPU x host-node matrix, cell by cell; a cell that cannot be measured says why."""
+    from numafast.torch import cuda
+
+    to_device = name.startswith("h2d")
+    streams = CONCURRENT_STREAMS if "concurrent" in name else 1
+    nbytes = transfer_bytes(run)
+    repetitions = run.settings.repetitions_of(name)
+    nodes, gpus = list(run.settings.nodes), list(range(cuda.device_count()))
+    values: list[list[float | None]] = []
+    threads: list[list[int]] = []
+    missing: dict[str, str] = {}
+    placement: dict[str, dict[str, Any]] = {}
+    for node in nodes:
+        values.append([])
+        threads.append([])
+        try:
+            host = run.pinned(node, nbytes)
+            pages = check_pages(host, node, "host")
+            problem = None
+        except Unmeasurable as reason:
+            problem = str(reason)
+        for gpu in gpus:
+            key = cell_key(node, gpu)
+            if problem is not None:
+                values[-1].append(None)
+                threads[-1].append(0)
+                missing[key] = problem
+            else:
+                rates = cuda.transfer_gbps(host, gpu, to_device=to_device, streams=streams,
+                                           repetitions=repetitions, warmup=WARMUP)  # fmt: skip
+                values[-1].append(statistics.median(rates))
+                threads[-1].append(1)  # one host thread queues the copies; the copy engines do them
+                placement[key] = {"cuda_device": gpu, "buffers": {"host": pages}}
+            run.tick(f"{name} {key}")
+    return Matrix(
+        name=name, rows=nodes, cols=gpus, values=values, missing=missing, threads=threads, bytes=nbytes,
+        repetitions=repetitions, warmup=WARMUP, statistic="median", per_repetition=nbytes,
+        per_repetition_unit="bytes", placement=placement, streams=streams,
+    )  # fmt: skip
+
+
+MEASURERS: dict[str, Callable[[Run], Matrix]] = {
+    name: partial(measure, name=name) for name in ("h2d_gbps", "d2h_gbps", "h2d_concurrent_gbps", "d2h_concurrent_gbps")
+}
