@@ -170,10 +170,10 @@ def visible_gpus(
                 warn(f"CUDA_VISIBLE_DEVICES entry {entry!r} (position {position}) {problem}; {stop}")
                 break
             uuid = matches[0]
-            device = by_address.get(uuids[uuid])
-            if device is None:
+            if uuids[uuid] not in by_address:
                 warn(f"CUDA_VISIBLE_DEVICES entry {entry!r}: its PCI device {uuids[uuid]} is not in sysfs; {stop}")
                 break
+            device = by_address[uuids[uuid]]
         else:
             if entry or position:
                 warn(f"CUDA_VISIBLE_DEVICES entry {entry!r} (position {position}) is not a device; {stop}")
