@@ -4,6 +4,7 @@ descriptions, not computed by numafast."""
 
 from __future__ import annotations
 
+import ast
 import filecmp
 import json
 import shutil
@@ -465,6 +466,35 @@ def test_a_cache_reported_shared_across_packages_is_taken_as_the_package() -> No
         "cpu 0-7: the last-level cache is reported shared with CPUs of another package, which no cache is; "
         "taken as the package's CPUs"
     ]
+
+
+# ---------------------------------------------------------------- the package's shape
+
+
+def test_topology_package_reads_one_way_files_parts_model() -> None:
+    """model.py imports no other module of numafast.topo (it does no I/O: the reading side
+    builds topologies and registers Topology.from_sysfs), and topo's imports have no cycle."""
+    package = Path(numafast.topo.__file__).parent
+    imports: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        imports[path.stem] = {name.rpartition(".")[2] for name in names if name.startswith("numafast.topo.")}
+    assert imports["model"] == set()
+    assert imports["files"] == set()
+    model = ast.walk(ast.parse((package / "model.py").read_text()))
+    names_in_model = {getattr(node, "id", getattr(node, "attr", None)) for node in model}
+    assert not {"open", "Path", "read_text", "read_bytes", "iterdir"} & names_in_model
+    done: set[str] = set()
+    while len(done) < len(imports):  # peel off modules whose imports are all done: fails on a cycle
+        ready = {module for module, needs in imports.items() if module not in done and needs <= done}
+        assert ready, f"import cycle among {sorted(set(imports) - done)}"
+        done |= ready
+    assert Topology.from_sysfs(FIXTURES / "xeon-2s-smt").node_ids == (0, 1)
 
 
 # ---------------------------------------------------------------- numafast show
