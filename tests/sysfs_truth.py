@@ -242,3 +242,15 @@ def numa_maps_pages(address: int, length: int, pid: int | str = "self") -> dict[
             for node, count in counts.items():
                 pages[node] = pages.get(node, 0) + count
     return pages
+
+
+@cache
+def transparent_huge_page_size() -> int:
+    """The PMD huge page size the kernel backs anonymous memory with; 0 when THP is off."""
+    base = Path("/sys/kernel/mm/transparent_hugepage")
+    try:
+        if "[never]" in (base / "enabled").read_text():
+            return 0
+        return int((base / "hpage_pmd_size").read_text())
+    except OSError:
+        return 0
