@@ -114,8 +114,15 @@ def id_set(list_text: str | None, mask_text: str | None, list_source: str, mask_
 
 def read_id_set(list_path: Path, mask_path: Path) -> list[int] | None:
     """:func:`id_set` of two sysfs files (``cpulist`` and ``cpumap``, ``thread_siblings_list``
-    and ``thread_siblings``...); None when both are missing."""
-    return id_set(read_text(list_path), read_text(mask_path), str(list_path), mask_path.name)
+    and ``thread_siblings``...); None when both are missing.
+
+    The running kernel's own /sys prints both forms from one bitmap, so there the
+    mask is read only when the list is missing (a cold topology() reads no file twice).
+    """
+    list_text = read_text(list_path)
+    if list_text is not None and list_path.parts[:2] == ("/", "sys"):
+        return id_set(list_text, None, str(list_path), mask_path.name)
+    return id_set(list_text, read_text(mask_path), str(list_path), mask_path.name)
 
 
 def _parsed(text: str | None, parse: Callable[[str], list[int]], source: str, form: str) -> list[int] | None:
