@@ -34,6 +34,7 @@ from numafast.binding import (
 from numafast.capabilities import Capabilities, Capability, capabilities
 from numafast.errors import (
     AffinityWarning,
+    CudaUnavailable,
     InvalidBufferError,
     InvalidCpuSetError,
     InvalidGpuError,
@@ -42,6 +43,8 @@ from numafast.errors import (
     InvalidWeightsError,
     LibnumaError,
     LocalRankError,
+    MemlockError,
+    MemlockWarning,
     MigrationError,
     NodeMemoryError,
     NodeNotAllowedError,
@@ -50,10 +53,15 @@ from numafast.errors import (
     PlacementError,
     PolicyNotPermitted,
     PolicyUnsupported,
+    PoolClosedError,
+    PoolExhaustedError,
+    PoolForkedError,
+    SlotTooSmallError,
     TopologyWarning,
 )
 from numafast.memory import empty, mbind, migrate, zeros
 from numafast.pages import PageNodes, PlacementReport, page_nodes, placement
+from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode
 from numafast.policy import Mode, ModeFlag, Policy, get_policy, set_policy
 from numafast.topo import Cpu, Gpu, Node, PciDevice, Topology, topology
 
@@ -104,6 +112,18 @@ __all__ = [
     "page_nodes",
     "placement",
     "zeros",
+    # pinned pools
+    "CudaUnavailable",
+    "LockMode",
+    "MemlockError",
+    "MemlockWarning",
+    "PinnedPool",
+    "PoolClosedError",
+    "PoolExhaustedError",
+    "PoolForkedError",
+    "PoolStats",
+    "RegisterMode",
+    "SlotTooSmallError",
     # GPU affinity: planning and launching
     "AffinityMode",
     "MemoryPolicy",

@@ -85,6 +85,7 @@ class MappedBuffer:
     @property
     def exports(self) -> int: ...
     def free(self) -> None: ...
+    def keep_out_of_children(self) -> None: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
@@ -96,3 +97,64 @@ def move_pages(
     buf: _Buffer, node: int | None = None, flags: int = 0, whole_pages_only: bool = False, pid: int = 0
 ) -> _array[int]: ...
 def pretouch(buf: _Buffer, cpus: _Iterable[int], threads: int, alignment: int = 0) -> str: ...
+
+# ---------------------------------------------------------------- copy (src/copy.pxi)
+
+def gather_copy(
+    target: _Buffer, offsets: _Iterable[int], sources: _Iterable[_Buffer], cpus: _Iterable[int] = (), threads: int = 1
+) -> int: ...
+
+# ---------------------------------------------------------------- pinned pools (src/pool.pxi)
+
+from collections.abc import Callable as _Callable
+from typing import Any as _Any
+
+MADV_DONTFORK: int
+MADV_DOFORK: int
+
+def mlock(buf: _Buffer) -> None: ...
+def munlock(buf: _Buffer) -> None: ...
+
+class SlotPool:
+    """Equal slots of one mapping, handed out in O(1); a slot comes back when its Slot is gone."""
+    slot_bytes: int
+    stride: int
+    count: int
+    in_use: int
+    peak: int
+    fenced: int
+    lost: int
+    acquired: int
+    waits: int
+    waited_seconds: float
+    owner_pid: int
+    closed: bool
+    def __init__(
+        self,
+        region: MappedBuffer,
+        slot_bytes: int,
+        count: int,
+        fence: _Callable[[int], _Any] | None = None,
+        on_drained: _Callable[[], object] | None = None,
+    ) -> None: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def free_slots(self) -> int: ...
+    @property
+    def drained(self) -> bool: ...
+    def acquire(self, nbytes: int, timeout: float = -1.0) -> Slot: ...
+    def close(self) -> None: ...
+    def index_of(self, address: int) -> int: ...
+
+class Slot:
+    """One slot of a SlotPool, exported as writable bytes."""
+    index: int
+    nbytes: int
+    exports: int
+    @property
+    def address(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...

@@ -25,6 +25,14 @@ __all__ = [
     # applying GPU affinity
     "AffinityWarning",
     "LocalRankError",
+    # pinned pools
+    "CudaUnavailable",
+    "MemlockError",
+    "MemlockWarning",
+    "PoolClosedError",
+    "PoolExhaustedError",
+    "PoolForkedError",
+    "SlotTooSmallError",
 ]
 
 
@@ -114,3 +122,36 @@ class LocalRankError(NumaError, ValueError):
 
 class AffinityWarning(UserWarning):
     """Something in the environment (OpenMP's own pinning) will undo or fight a binding."""
+
+
+# ---------------------------------------------------------------- pinned pools
+
+
+class PoolClosedError(NumaError, RuntimeError):
+    """A pinned pool used after close() (or its context) ended."""
+
+
+class PoolForkedError(NumaError, RuntimeError):
+    """A pinned pool used in a forked child: its memory belongs to the parent and is
+    not mapped in the child (MADV_DONTFORK)."""
+
+
+class PoolExhaustedError(NumaError, TimeoutError):
+    """Every slot of a pinned pool is in use and none came back in time."""
+
+
+class SlotTooSmallError(NumaError, ValueError):
+    """A request or a batch larger than a pool slot; the message names both sizes."""
+
+
+class MemlockError(NumaError, MemoryError):
+    """The kernel refused to page-lock memory (RLIMIT_MEMLOCK without CAP_IPC_LOCK);
+    the message names the limit and how to raise it."""
+
+
+class MemlockWarning(UserWarning):
+    """A pool asked to lock on a best-effort basis could not: it goes on with unlocked memory."""
+
+
+class CudaUnavailable(NumaError, RuntimeError):
+    """CUDA was asked for (a CUDA device, register='required') but PyTorch with a usable GPU is not here."""

@@ -8,9 +8,12 @@ validation and friendly errors belong to the pure-Python layer in ``numafast``.
 
 The module is built from several include files, one per concern, so that each
 stays small: core (topology queries, bitmask conversion), policy (CPU binding
-and memory policy) and memory (allocation, mbind, page queries).
+and memory policy), memory (allocation, mbind, page queries), copy (the
+GIL-free gather copy into pinned memory) and pool (page locking, pool slots).
 """
 
 include "core.pxi"
 include "policy.pxi"
 include "memory.pxi"
+include "copy.pxi"
+include "pool.pxi"

@@ -93,6 +93,7 @@ cdef class MappedBuffer:
     cdef size_t size          # bytes exported
     cdef size_t mapped        # bytes mapped: size rounded up to whole pages
     cdef bint from_libnuma    # numa_alloc_onnode's memory goes back through numa_free
+    cdef pid_t parent_only    # keep_out_of_children() was called by this process; 0: never
     cdef Py_ssize_t exports
     cdef Py_ssize_t shape[1]
     cdef Py_ssize_t strides[1]
@@ -134,6 +135,8 @@ cdef class MappedBuffer:
     def __getbuffer__(self, Py_buffer *view, int flags):
         if self.address == NULL:
             raise ValueError("this MappedBuffer was already freed")
+        if self.parent_only and self.parent_only != getpid():
+            raise BufferError("this memory is not mapped in a forked child (MADV_DONTFORK)")
         view.buf = self.address
         view.obj = self
         view.len = <Py_ssize_t>self.size
@@ -162,6 +165,20 @@ cdef class MappedBuffer:
         if err:
             _fail("munmap", err, f"{self.mapped} bytes at {address:#x}")
 
+    def keep_out_of_children(self) -> None:
+        """madvise(MADV_DONTFORK) over the whole mapping: a forked child gets no copy of
+        it at all (no copy-on-write of locked or DMA-pinned pages). In such a child this
+        object exports nothing and never unmaps: that address range may hold the
+        child's own memory by then."""
+        cdef int rc, err
+        with nogil:
+            libc_errno.errno = 0
+            rc = numa_api.madvise(self.address, self.mapped, MADV_DONTFORK)
+            err = libc_errno.errno
+        if rc != 0:
+            _fail("madvise", err, f"MADV_DONTFORK of {self.mapped} bytes at {<uintptr_t>self.address:#x}")
+        self.parent_only = getpid()
+
     cdef int _unmap(self) noexcept:
         """Give the memory back once, GIL released (freeing gigabytes takes a while);
         0, or the errno of a failed munmap."""
@@ -170,6 +187,8 @@ cdef class MappedBuffer:
         if address == NULL:
             return 0
         self.address = NULL
+        if self.parent_only and self.parent_only != getpid():
+            return 0  # a forked child's copy of a mapping the child never got
         with nogil:
             if self.from_libnuma:
                 numa_free(address, self.mapped)
@@ -344,12 +363,53 @@ def move_pages(buf, node=None, int flags=0, bint whole_pages_only=False, int pid
         PyBuffer_Release(&view)
 
 
+# ---------------------------------------------------------------- jobs on pinned threads
+# The parallel pre-touch here and the gather copy of copy.pxi split their work into
+# jobs, one per thread, each thread pinned to the target node's CPUs first.
+
+cdef struct _ThreadJob:
+    # The first member of every job struct that _run_jobs runs.
+    bitmask *cpus       # pin the thread to these first; NULL: run where started
+
+
+cdef void _pin_thread(const _ThreadJob *job) noexcept nogil:
+    if job.cpus != NULL:
+        # Best effort: mbind decides where a page lands, whoever touches it; pinning
+        # only has the work done from CPUs near the memory. A cpuset that forbids
+        # these CPUs leaves the thread where it was.
+        numa_sched_setaffinity(0, job.cpus)
+
+
+cdef void _run_jobs(void *(*work)(void *) noexcept nogil, char *jobs, size_t job_size, int count) noexcept nogil:
+    """work(job) for each of ``count`` jobs laid out ``job_size`` bytes apart, one
+    pthread each, all joined before returning. One job with no CPUs to pin to runs
+    in the caller; a job whose thread cannot be started (no memory, a thread limit)
+    runs in the caller too, unpinned, so that the work is always done."""
+    cdef pthread_t *handles
+    cdef int i
+    if count == 1 and (<_ThreadJob *>jobs).cpus == NULL:
+        work(jobs)
+        return
+    handles = <pthread_t *>calloc(count, sizeof(pthread_t))
+    for i in range(count):
+        if handles == NULL or pthread_create(&handles[i], NULL, work, jobs + i * job_size) != 0:
+            if handles != NULL:
+                handles[i] = 0
+            (<_ThreadJob *>(jobs + i * job_size)).cpus = NULL
+            work(jobs + i * job_size)
+    if handles != NULL:
+        for i in range(count):
+            if handles[i]:
+                pthread_join(handles[i], NULL)
+        free(handles)
+
+
 # ---------------------------------------------------------------- parallel pre-touch
 
 cdef struct _TouchJob:
+    _ThreadJob thread
     char *start
     size_t length
-    bitmask *cpus       # pin to these first; NULL: run where created
     int populated       # out: 1 when MADV_POPULATE_WRITE did the work
     int err             # out: errno of a failed madvise, 0 when fine
 
@@ -357,11 +417,7 @@ cdef struct _TouchJob:
 cdef void *_touch(void *arg) noexcept nogil:
     cdef _TouchJob *job = <_TouchJob *>arg
     cdef int err
-    if job.cpus != NULL:
-        # Best effort: mbind decides where a page lands, whoever touches it; pinning
-        # only has the kernel zero the pages from CPUs near them. A cpuset that
-        # forbids these CPUs leaves the thread where it was.
-        numa_sched_setaffinity(0, job.cpus)
+    _pin_thread(&job.thread)
     libc_errno.errno = 0
     if numa_api.madvise(job.start, job.length, MADV_POPULATE_WRITE) == 0:
         job.populated = 1
@@ -389,12 +445,9 @@ def pretouch(buf, cpus, int threads, size_t alignment=0) -> str:
     cdef Py_buffer view
     cdef bitmask *mask = NULL
     cdef _TouchJob *jobs = NULL
-    cdef pthread_t *handles = NULL
-    cdef int *started = NULL
     cdef char *first
     cdef size_t total, chunk, offset
     cdef int count = 0, i
-    cdef bint inline
     if threads < 1:
         raise ValueError(f"threads must be at least 1, not {threads}")
     _hold(buf, &view, True)
@@ -406,32 +459,17 @@ def pretouch(buf, cpus, int threads, size_t alignment=0) -> str:
         chunk = (total // <size_t>threads + alignment - 1) & ~(alignment - 1)
         chunk = max(chunk, alignment)
         jobs = <_TouchJob *>calloc(threads, sizeof(_TouchJob))
-        handles = <pthread_t *>calloc(threads, sizeof(pthread_t))
-        started = <int *>calloc(threads, sizeof(int))
-        if jobs == NULL or handles == NULL or started == NULL:
+        if jobs == NULL:
             raise MemoryError("pretouch: thread table")
         offset = 0
         while offset < total and count < threads:
             jobs[count].start = first + offset
             jobs[count].length = min(chunk, total - offset)
-            jobs[count].cpus = mask
+            jobs[count].thread.cpus = mask
             offset += jobs[count].length
             count += 1
-        # One slice and no CPU to pin to: this thread does it, no thread to start.
-        inline = count == 1 and mask == NULL
         with nogil:
-            if inline:
-                _touch(&jobs[0])
-            else:
-                for i in range(count):
-                    started[i] = pthread_create(&handles[i], NULL, _touch, &jobs[i]) == 0
-                for i in range(count):
-                    if started[i]:
-                        pthread_join(handles[i], NULL)
-                    else:
-                        # No thread to be had: do its slice here, without pinning the caller.
-                        jobs[i].cpus = NULL
-                        _touch(&jobs[i])
+            _run_jobs(_touch, <char *>jobs, sizeof(_TouchJob), count)
         for i in range(count):
             if jobs[i].err:
                 _fail("madvise", jobs[i].err,
@@ -441,8 +479,6 @@ def pretouch(buf, cpus, int threads, size_t alignment=0) -> str:
         return "a write per page"
     finally:
         free(jobs)
-        free(handles)
-        free(started)
         if mask != NULL:
             numa_bitmask_free(mask)
         PyBuffer_Release(&view)

@@ -178,3 +178,50 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_create(pthread_t *thread, const pthread_attr_t *attr,
                        void *(*start_routine)(void *) noexcept nogil, void *arg)
     int pthread_join(pthread_t thread, void **retval)
+
+
+# ---------------------------------------------------------------- pinned pools (src/pool.pxi, src/copy.pxi)
+# Page locking, fork advice, and the mutex and condition a full pool waits on.
+
+cdef extern from "<sys/mman.h>" nogil:
+    int mlock(const void *addr, size_t length)
+    int munlock(const void *addr, size_t length)
+    enum:
+        MADV_DONTFORK
+        MADV_DOFORK
+
+cdef extern from "<unistd.h>" nogil:
+    ctypedef int pid_t
+    pid_t getpid()
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    cdef struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    ctypedef int clockid_t
+    int clock_gettime(clockid_t clock, timespec *now)
+    enum:
+        CLOCK_MONOTONIC
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_mutexattr_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef struct pthread_condattr_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *mutex, const pthread_mutexattr_t *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mutex)
+    int pthread_mutex_lock(pthread_mutex_t *mutex)
+    int pthread_mutex_unlock(pthread_mutex_t *mutex)
+    int pthread_condattr_init(pthread_condattr_t *attr)
+    int pthread_condattr_setclock(pthread_condattr_t *attr, clockid_t clock)
+    int pthread_condattr_destroy(pthread_condattr_t *attr)
+    int pthread_cond_init(pthread_cond_t *cond, const pthread_condattr_t *attr)
+    int pthread_cond_destroy(pthread_cond_t *cond)
+    int pthread_cond_timedwait(pthread_cond_t *cond, pthread_mutex_t *mutex, const timespec *deadline)
+    int pthread_cond_broadcast(pthread_cond_t *cond)
+    int pthread_cond_signal(pthread_cond_t *cond)

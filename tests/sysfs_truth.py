@@ -244,6 +244,34 @@ def numa_maps_pages(address: int, length: int, pid: int | str = "self") -> dict[
     return pages
 
 
+# ---------------------------------------------------------------- pinned pools (issue 10)
+
+
+def smaps_of(address: int, pid: int | str = "self") -> dict[str, str]:
+    """The /proc/PID/smaps fields of the mapping holding ``address`` ('Locked' -> '4096 kB',
+    'VmFlags' -> 'rd wr mr mw me lo dc ...'); empty when nothing is mapped there."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+            if inside:
+                fields["range"] = head
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+def kib(field: str) -> int:
+    """'4096 kB' -> 4194304."""
+    number, _, unit = field.partition(" ")
+    assert unit == "kB", field
+    return int(number) * 1024
+
+
 @cache
 def transparent_huge_page_size() -> int:
     """The PMD huge page size the kernel backs anonymous memory with; 0 when THP is off."""

@@ -1,0 +1,490 @@
+"""Node-local pinned buffer pools: :class:`PinnedPool`.
+
+The host side of a host-to-device copy is fastest when it is page-locked and on the
+GPU's own node, and a fresh pinned allocation per batch is slow (``cudaHostAlloc``
+takes a driver-wide lock and has no NUMA flag). A pool pays once: one mapping of
+``slots`` x ``slot_bytes``, bound to the node with mbind before any page exists,
+faulted in there by threads pinned to the node's CPUs, kept out of forked children
+(MADV_DONTFORK), page-locked (mlock) and, when CUDA is usable, registered with CUDA
+once for the whole region. Placement must be right before the pages are pinned:
+memory registered with CUDA is pinned for DMA and can no longer migrate.
+
+A slot is handed out in O(1) and comes back by itself when the last array or tensor
+viewing it is gone; with CUDA, only once the GPU work queued on it has finished.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol
+
+from numafast import _libnuma
+from numafast._buffers import PAGE_SIZE
+from numafast._validate import allowed_cpus, check_node, cpus_near
+from numafast.errors import (
+    CudaUnavailable,
+    InvalidNodeError,
+    InvalidSizeError,
+    LibnumaError,
+    MemlockError,
+    MemlockWarning,
+    PoolClosedError,
+    PoolExhaustedError,
+    PoolForkedError,
+    SlotTooSmallError,
+)
+from numafast.memory import allocate
+from numafast.topo.files import read_fields
+
+__all__ = ["LockMode", "PinnedPool", "PoolStats", "RegisterMode", "Slot"]
+
+Slot = _libnuma.Slot
+
+# CAP_IPC_LOCK (linux/capability.h): lets a process lock memory beyond RLIMIT_MEMLOCK.
+CAP_IPC_LOCK = 14
+# Errors of mlock(2) that mean "not this much, not by you".
+LOCK_REFUSALS = (errno.ENOMEM, errno.EPERM, errno.EAGAIN)
+
+
+class LockMode(str, Enum):
+    """How a pool page-locks its memory (``lock=``)."""
+
+    AUTO = "auto"
+    """``required``, except that a pool registered with CUDA locks on a best-effort basis:
+    registration pins the pages itself, outside RLIMIT_MEMLOCK."""
+    REQUIRED = "required"
+    """Lock every page or raise :class:`MemlockError` naming the limit and the fix (``True``)."""
+    BEST_EFFORT = "best-effort"
+    """Lock if the kernel allows; otherwise one warning and unlocked memory."""
+    OFF = "off"
+    """Never lock (``False``)."""
+
+
+class RegisterMode(str, Enum):
+    """Whether a pool registers its memory with CUDA (``register=``)."""
+
+    AUTO = "auto"
+    """When PyTorch is already imported and CUDA is usable (the pool never imports torch itself)."""
+    REQUIRED = "required"
+    """Register, or raise :class:`CudaUnavailable` (``True``)."""
+    OFF = "off"
+    """Never register (``False``)."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A pool's counters at one moment. ``free + in_use + in_flight + retired == slots``
+    and ``acquired`` counts every slot ever handed out."""
+
+    node: int
+    slots: int
+    slot_bytes: int
+    in_use: int
+    """Slots handed out whose arrays or tensors still exist."""
+    free: int
+    in_flight: int
+    """Slots given back while GPU work queued on them may still be running."""
+    retired: int
+    """Slots given back without a fence (a CUDA error): never handed out again."""
+    peak_in_use: int
+    acquired: int
+    waits: int
+    """Acquisitions that found no free slot and had to wait (or timed out)."""
+    wait_seconds: float
+    bytes_mapped: int
+    bytes_locked: int
+    bytes_registered: int
+    lock_possible: bool
+    """Whether the kernel let this pool lock its pages (False when it was not asked to)."""
+    lock_note: str
+    """Why the pages are not locked; empty when they are."""
+    closed: bool
+
+
+class _Fence(Protocol):
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+class _Registration(Protocol):
+    def unregister(self) -> None: ...
+
+
+class _Resources:
+    """What a pool must give back, in this order, each step exactly once: the CUDA
+    registration, the page lock, the mapping. Kept apart from the pool object so that
+    the slots, which outlive a closed pool, hold no reference to it."""
+
+    def __init__(self, region: _libnuma.MappedBuffer) -> None:
+        self.owner_pid = os.getpid()
+        self.region = region
+        self.locked = False
+        self.registration: _Registration | None = None
+        self.lock = threading.Lock()
+
+    def unpin(self) -> None:
+        """Unregister and unlock (the memory stays mapped and valid); nothing in a
+        forked child, which has neither the mapping nor the registration."""
+        if os.getpid() != self.owner_pid:
+            return
+        with self.lock:
+            registration, self.registration = self.registration, None
+            if registration is not None:
+                registration.unregister()
+            if self.locked:
+                self.locked = False
+                _libnuma.munlock(self.region)
+
+    def release(self) -> None:
+        """Unpin, then unmap: called once no slot is out and no GPU work is in flight."""
+        self.unpin()
+        self.region.free()
+
+
+class _StreamFences:
+    """The pool's fence: as slot i comes back, CUDA events on the streams named for it
+    (``record_stream``) and on the current stream, so that it is reused only after
+    the copies queued on them have finished."""
+
+    def __init__(self, slots: int, make_fence: Callable[[int, list[Any]], _Fence]) -> None:
+        self.streams: list[list[Any]] = [[] for _ in range(slots)]
+        self.make_fence = make_fence
+
+    def __call__(self, index: int) -> _Fence:
+        streams, self.streams[index] = self.streams[index], []
+        return self.make_fence(index, streams)
+
+
+_live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
+_exit_hook_installed = False
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit: close every pool. One whose slots are still referenced is
+    unregistered and unlocked now (while CUDA is still up) and stays mapped until the
+    process ends, since an object freed later in shutdown may still point into it."""
+    for pool in list(_live_pools):
+        pool.close()
+        if not pool._slots.drained:
+            pool._resources.unpin()
+
+
+def _parse_mode(value: object, enum: type[LockMode] | type[RegisterMode], name: str) -> Any:
+    if value is True:
+        return enum("required")
+    if value is False:
+        return enum("off")
+    try:
+        return enum(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum)
+        raise ValueError(f"{name}={value!r}: choose one of {choices}, True or False") from None
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidSizeError(f"{what} must be a positive integer, not {value!r}")
+    return value
+
+
+_WAIT = object()  # acquire()'s default: the pool's own timeout
+
+
+class PinnedPool:
+    """``slots`` buffers of ``slot_bytes`` each, all on ``node``, page-locked and (with
+    CUDA) registered once, handed out by :meth:`acquire`.
+
+    ``lock`` and ``register`` take a :class:`LockMode` / :class:`RegisterMode` (or
+    True / False). ``timeout`` is what :meth:`acquire` does when every slot is in use:
+    None waits as long as it takes, 0 raises at once, t waits up to t seconds, then
+    raises :class:`PoolExhaustedError`. ``hugepages`` backs the pool with transparent
+    huge pages where the kernel allows.
+
+    Use it as a context manager, or call :meth:`close`: the memory is unregistered,
+    unlocked and unmapped exactly once, when the pool is closed and the last slot has
+    come back (or at interpreter exit). Slots still viewed when the pool closes stay
+    valid until they are gone.
+    """
+
+    def __init__(
+        self,
+        node: int,
+        slot_bytes: int,
+        slots: int,
+        *,
+        lock: LockMode | str | bool = "auto",
+        register: RegisterMode | str | bool = "auto",
+        timeout: float | None = None,
+        hugepages: bool = True,
+    ) -> None:
+        global _exit_hook_installed
+        self._node = check_node(node)
+        slot_bytes = _positive_int(slot_bytes, "slot_bytes")
+        slots = _positive_int(slots, "slots")
+        lock_mode: LockMode = _parse_mode(lock, LockMode, "lock")
+        register_mode: RegisterMode = _parse_mode(register, RegisterMode, "register")
+        self._timeout = _check_timeout(timeout)
+        total, free = _libnuma.node_size64(self._node)
+        if total == 0:
+            raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
+        cuda = _cuda_module(register_mode)
+        stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
+        self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
+        region = allocate(stride * slots, node=self._node, hugepages=hugepages)
+        self._resources = _Resources(region)
+        try:
+            # Forked DataLoader workers must not share (or copy-on-write) locked,
+            # registered pages: the child gets no mapping at all.
+            region.keep_out_of_children()
+            self._lock_note = self._lock(lock_mode, register_next=cuda is not None)
+            self._lock_possible = not self._lock_note
+            fence = None
+            if cuda is not None:
+                self._resources.registration = cuda.register(region.address, region.size)
+                fence = _StreamFences(slots, cuda.SlotEvents(slots))
+            self._fences = fence
+            self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
+            self._acquire_slot = self._slots.acquire
+            self._slot_bytes = slot_bytes
+            self._wait = -1.0 if self._timeout is None else self._timeout  # SlotPool's "as long as it takes"
+        except BaseException:
+            self._resources.release()
+            raise
+        _live_pools.add(self)
+        if not _exit_hook_installed:
+            atexit.register(_close_at_exit)
+            _exit_hook_installed = True
+
+    def _lock(self, mode: LockMode, *, register_next: bool) -> str:
+        """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
+        if mode is LockMode.OFF:
+            return "not asked to lock (lock='off')"
+        region = self._resources.region
+        try:
+            _libnuma.mlock(region)
+        except LibnumaError as error:
+            if error.errno not in LOCK_REFUSALS:
+                raise
+            try:  # mlock may have locked a part before it gave up: never a half-locked pool
+                _libnuma.munlock(region)
+            except LibnumaError:
+                pass
+            message = _memlock_message(region.size, self._node, error)
+            if mode is LockMode.REQUIRED or (mode is LockMode.AUTO and not register_next):
+                raise MemlockError(message) from error
+            warnings.warn(f"{message}; the pool goes on with unlocked memory", MemlockWarning, stacklevel=3)
+            return str(error)
+        self._resources.locked = True
+        return ""
+
+    # ------------------------------------------------------------ use
+
+    def acquire(self, nbytes: int | None = None, timeout: float | None | object = _WAIT) -> Slot:
+        """A slot whose buffer is its first ``nbytes`` bytes (default: all ``slot_bytes``).
+
+        Give it back by dropping it and every array or tensor made over it
+        (``numpy.asarray(slot)``, ``torch.frombuffer(slot, dtype=...)``). ``timeout``
+        overrides the pool's own (see the class); O(1), no allocation.
+        """
+        if nbytes is None and timeout is _WAIT:  # the hot path: no checks to make
+            size, wait = self._slot_bytes, self._wait
+        else:
+            size = self._slot_bytes_of(nbytes)
+            given = self._timeout if timeout is _WAIT else _check_timeout(timeout)
+            wait = -1.0 if given is None else given
+        try:
+            return self._acquire_slot(size, wait)
+        except TimeoutError:
+            slots = self._slots
+            raise PoolExhaustedError(
+                f"all {slots.count} slots of the node-{self._node} pool are in use ({slots.in_use} held by "
+                f"arrays or tensors, {slots.fenced} in flight on the GPU) and none came back within "
+                f"{wait:g} s; drop references to earlier batches, or make the pool larger"
+            ) from None
+        except RuntimeError:
+            raise self._state_error() from None
+
+    def _slot_bytes_of(self, nbytes: int | None) -> int:
+        slot_bytes = self._slot_bytes
+        if nbytes is None:
+            return slot_bytes
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidSizeError(f"nbytes must be a non-negative integer, not {nbytes!r}")
+        if nbytes > slot_bytes:
+            raise SlotTooSmallError(f"{nbytes} bytes asked for, but a slot of this pool holds {slot_bytes} bytes")
+        return nbytes
+
+    def _state_error(self) -> Exception:
+        if os.getpid() != self._slots.owner_pid:
+            return PoolForkedError(
+                f"this pool was made by process {self._slots.owner_pid}; in the forked child {os.getpid()} its "
+                "memory is not mapped (MADV_DONTFORK keeps locked, registered pages out of children): "
+                "make a new pool in the child"
+            )
+        return PoolClosedError(f"this node-{self._node} pool is closed")
+
+    def _check_usable(self) -> None:
+        if os.getpid() != self._slots.owner_pid or self._slots.closed:
+            raise self._state_error()
+
+    def record_stream(self, address: int, stream: object) -> bool:
+        """Name a CUDA stream that reads the slot holding ``address`` (e.g. a tensor's
+        ``data_ptr()``), like ``Tensor.record_stream``: when that slot comes back, it is
+        reused only after the work queued on ``stream`` by then has finished. False when
+        the address is not in this pool or the pool is not registered with CUDA."""
+        self._check_usable()
+        index = self._slots.index_of(address)
+        if index < 0 or self._fences is None:
+            return False
+        if stream not in self._fences.streams[index]:
+            self._fences.streams[index].append(stream)
+        return True
+
+    def contains(self, address: int) -> bool:
+        """Whether ``address`` lies inside one of this pool's slots."""
+        return bool(self._slots.index_of(address) >= 0)
+
+    def stats(self) -> PoolStats:
+        """The pool's counters now (see :class:`PoolStats`)."""
+        if os.getpid() != self._slots.owner_pid:
+            raise self._state_error()
+        slots = self._slots
+        region = self._resources.region
+        return PoolStats(
+            node=self._node,
+            slots=slots.count,
+            slot_bytes=slots.slot_bytes,
+            in_use=slots.in_use,
+            free=slots.free_slots,
+            in_flight=slots.fenced,
+            retired=slots.lost,
+            peak_in_use=slots.peak,
+            acquired=slots.acquired,
+            waits=slots.waits,
+            wait_seconds=slots.waited_seconds,
+            bytes_mapped=0 if region.freed else region.size,
+            bytes_locked=region.size if self._resources.locked else 0,
+            bytes_registered=region.size if self._resources.registration is not None else 0,
+            lock_possible=self._lock_possible,
+            lock_note=self._lock_note,
+            closed=slots.closed,
+        )
+
+    def close(self) -> None:
+        """Hand out no more slots (waiters raise PoolClosedError), wait for GPU work in
+        flight, and release the memory now or, if slots are still viewed, when the last
+        of them is gone. Closing twice is a no-op; in a forked child it only marks the
+        child's copy closed (the parent's memory is not there to release)."""
+        self._slots.close()
+
+    def __enter__(self) -> PinnedPool:
+        self._check_usable()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ what it is
+
+    @property
+    def node(self) -> int:
+        return self._node
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    @property
+    def slots(self) -> int:
+        return int(self._slots.count)
+
+    @property
+    def cpus(self) -> tuple[int, ...]:
+        """The allowed CPUs nearest the pool's memory: where copies into it should run."""
+        return self._cpus
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._slots.closed)
+
+    @property
+    def locked(self) -> bool:
+        return self._resources.locked
+
+    @property
+    def registered(self) -> bool:
+        return self._resources.registration is not None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._slots.closed else f"{self._slots.in_use}/{self._slots.count} in use"
+        pinned = ", ".join(
+            word for word, on in (("locked", self.locked), ("CUDA-registered", self.registered)) if on
+        ) or "not locked"
+        return f"<PinnedPool node {self._node}: {self._slots.count} x {self._slots.slot_bytes} bytes, {pinned}, {state}>"
+
+
+def pool_of(address: int) -> PinnedPool | None:
+    """The live pool whose slots hold ``address``, if any."""
+    for pool in list(_live_pools):
+        if pool._slots.index_of(address) >= 0:
+            return pool
+    return None
+
+
+def _check_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or timeout != timeout:
+        raise ValueError(f"timeout must be None (wait as long as it takes) or seconds >= 0, not {timeout!r}")
+    return float(timeout)
+
+
+def _cuda_module(mode: RegisterMode) -> Any:
+    """numafast.torch.cuda when this pool registers with CUDA, else None."""
+    if mode is RegisterMode.OFF:
+        return None
+    if mode is RegisterMode.AUTO and "torch" not in sys.modules:
+        return None
+    try:
+        from numafast.torch import cuda
+    except ImportError as error:
+        raise CudaUnavailable(f"register='required' needs PyTorch with CUDA: {error}") from error
+    if cuda.usable():
+        return cuda
+    if mode is RegisterMode.REQUIRED:
+        raise CudaUnavailable(f"register='required', but CUDA is not usable here: {cuda.why_not_usable()}")
+    return None
+
+
+def _memlock_message(nbytes: int, node: int, error: LibnumaError) -> str:
+    """Why locking failed, the limit, and how to raise it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    status = read_fields(Path("/proc/self/status")) or {}
+    locked = status.get("VmLck", "unknown")
+    capable = bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
+    need_kib = -(-nbytes // 1024)
+
+    def limit(value: int) -> str:
+        return "unlimited" if value == resource.RLIM_INFINITY else f"{value // 1024} KiB"
+
+    return (
+        f"page-locking the {nbytes}-byte pool on node {node} failed (mlock: {os.strerror(error.errno or 0)}): RLIMIT_MEMLOCK is "
+        f"{limit(soft)} (hard {limit(hard)}), this process already locks {locked}, and it "
+        f"{'has' if capable else 'lacks'} CAP_IPC_LOCK. Raise the limit by at least {need_kib} KiB: "
+        "`ulimit -l unlimited` in the shell that starts the job, `docker run --ulimit memlock=-1`, "
+        "`LimitMEMLOCK=infinity` in a systemd unit, or `* - memlock unlimited` in "
+        "/etc/security/limits.conf; or pass lock='best-effort' to go on unlocked"
+    )
+

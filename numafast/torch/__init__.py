@@ -1,0 +1,30 @@
+"""numafast for PyTorch: node-local tensors, pinned batches, and loaders whose workers,
+pin step and host buffers sit on the GPU's NUMA node.
+
+- :func:`empty` / :func:`zeros`: tensors over node-bound, pre-faulted memory;
+- :func:`pin`: a nested batch copied into a slot of a :class:`numafast.PinnedPool`;
+- :class:`NumaLoader`: wraps a DataLoader (``pin_memory=False``) and does the pin
+  step (and, with a CUDA device, the host-to-device copy) on the node;
+- :func:`pin_memory_hook`: one line for loaders that keep ``pin_memory=True``.
+
+Importing numafast never imports torch; importing this package does. Of its
+modules, only :mod:`numafast.torch.cuda` touches ``torch.cuda``, and only where
+CUDA is usable.
+"""
+
+from numafast.torch.batch import pin, record_stream
+from numafast.torch.hook import NodeBatch, PinMemoryHook, pin_memory_hook
+from numafast.torch.loader import NumaLoader, WorkerPlacement
+from numafast.torch.tensors import empty, zeros
+
+__all__ = [
+    "NodeBatch",
+    "NumaLoader",
+    "PinMemoryHook",
+    "WorkerPlacement",
+    "empty",
+    "pin",
+    "pin_memory_hook",
+    "record_stream",
+    "zeros",
+]

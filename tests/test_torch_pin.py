@@ -1,0 +1,246 @@
+"""numafast.torch.pin and the pin_memory hook: nested batches copied into one pool slot.
+
+The pages of a pinned batch are asked of the kernel (pagemap + sysfs memory blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+from collections import OrderedDict, namedtuple
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sysfs_truth import PAGE_SIZE, node_cpus, online_nodes, pagemap_nodes, parse_list, task_status
+
+torch = pytest.importorskip("torch")
+
+import numafast  # noqa: E402
+import numafast.torch  # noqa: E402
+from numafast.torch.batch import ALIGNMENT, flatten  # noqa: E402
+from numafast.torch.hook import PIN_THREAD_NAME, NodeBatch, PinMemoryHook  # noqa: E402
+
+NODES = online_nodes()
+MIB = 1 << 20
+Pair = namedtuple("Pair", ["image", "label"])
+
+
+@dataclasses.dataclass
+class Sample:
+    pixels: Any
+    meta: dict[str, Any]
+    count: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    values: Any
+
+
+def a_batch() -> dict[str, Any]:
+    image = torch.randn(4, 3, 8, 8)
+    return {
+        "image": image,
+        "again": image,  # the same tensor twice: pinned once
+        "labels": [torch.arange(4), "text", 3.5, None],
+        "pair": Pair(torch.ones(2, dtype=torch.bool), torch.tensor(7)),
+        "sample": Sample(torch.randn(5, 6).t(), OrderedDict(ids=torch.tensor([1, 2], dtype=torch.int16)), 2),
+        "frozen": Frozen((torch.randn(3, dtype=torch.complex64).conj(), np.arange(3))),
+        "half": torch.randn(7, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 5),
+    }
+
+
+def tensors_equal(left: Any, right: Any) -> bool:
+    if isinstance(left, torch.Tensor):
+        return (
+            isinstance(right, torch.Tensor) and left.dtype == right.dtype and left.shape == right.shape
+            and bool(torch.equal(left.resolve_conj(), right.resolve_conj()))
+        )  # fmt: skip
+    if isinstance(left, dict):
+        return type(left) is type(right) and left.keys() == right.keys() and all(tensors_equal(left[k], right[k]) for k in left)
+    if isinstance(left, (list, tuple)):
+        return type(left) is type(right) and len(left) == len(right) and all(map(tensors_equal, left, right))
+    if dataclasses.is_dataclass(left):
+        fields = [f.name for f in dataclasses.fields(left)]
+        return type(left) is type(right) and all(tensors_equal(getattr(left, f), getattr(right, f)) for f in fields)
+    if isinstance(left, np.ndarray):
+        return left is right
+    return bool(left == right or left is right)
+
+
+def nodes_of(tensor: torch.Tensor) -> set[int | None]:
+    return set(pagemap_nodes(tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+
+
+@pytest.fixture
+def pool() -> Any:
+    with numafast.PinnedPool(NODES[0], MIB, 3) as made:
+        yield made
+
+
+def test_pin_keeps_the_structure_and_values_and_puts_every_tensor_in_one_slot(pool: Any) -> None:
+    batch = a_batch()
+    pinned = numafast.torch.pin(batch, pool)
+    assert tensors_equal(batch, pinned)
+    assert pinned["again"] is pinned["image"]  # one copy for the one tensor
+    assert pinned["labels"][1:] == ["text", 3.5, None] and pinned["frozen"].values[1] is batch["frozen"].values[1]
+    assert pinned["sample"].count == 2 and isinstance(pinned["sample"].meta, OrderedDict)
+    tensors = [t for t in flatten(pinned)[0] if t.numel()]
+    assert all(pool.contains(t.data_ptr()) for t in tensors)
+    assert all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
+    assert len({pool._slots.index_of(t.data_ptr()) for t in tensors}) == 1
+    assert all(t.is_contiguous() for t in tensors) and pinned["sample"].pixels.shape == (6, 5)
+    assert pool.stats().in_use == 1
+    # Each tensor has a storage of its own bytes, not the whole slot's.
+    assert pinned["half"].untyped_storage().nbytes() == 7 * 2
+    del pinned, tensors
+    gc.collect()
+    assert pool.stats().in_use == 0
+
+
+def test_the_slot_stays_while_any_tensor_of_the_batch_lives(pool: Any) -> None:
+    pinned = numafast.torch.pin({"a": torch.ones(1000), "b": torch.zeros(10)}, pool)
+    kept = pinned["b"]
+    del pinned
+    assert pool.stats().in_use == 1
+    other = numafast.torch.pin({"a": torch.full((1000,), 5.0)}, pool)  # another slot
+    assert bool((kept == 0).all()) and bool((other["a"] == 5).all())
+    del kept
+    assert pool.stats().in_use == 1
+
+
+def test_a_batch_without_tensors_takes_no_slot(pool: Any) -> None:
+    batch = {"names": ["a", "b"], "n": 2}
+    assert numafast.torch.pin(batch, pool) is batch
+    assert pool.stats().acquired == 0
+
+
+def test_big_batches_are_copied_by_several_threads_alike(pool: Any) -> None:
+    with numafast.PinnedPool(NODES[0], 40 * MIB, 1) as big:
+        batch = [torch.randn(5 * MIB), torch.randint(0, 255, (3 * MIB + 17,), dtype=torch.uint8)]
+        for threads in (None, 1, 2):
+            pinned = numafast.torch.pin(batch, big, threads=threads)
+            assert tensors_equal(batch, pinned)
+            del pinned
+
+
+def test_a_batch_larger_than_a_slot_names_both_sizes(pool: Any) -> None:
+    with pytest.raises(numafast.SlotTooSmallError, match=r"the batch needs 4194816 bytes \(2 tensors.*holds 1048576 bytes"):
+        numafast.torch.pin([torch.zeros(1), torch.zeros(MIB)], pool)
+    assert pool.stats().in_use == 0
+
+
+def test_tensors_that_cannot_be_pinned_are_refused(pool: Any) -> None:
+    with pytest.raises(numafast.InvalidBufferError, match="tensor 0 of the batch is torch.sparse_coo"):
+        numafast.torch.pin({"x": torch.eye(3).to_sparse()}, pool)
+    with pytest.raises(numafast.PoolClosedError):
+        closed = numafast.PinnedPool(NODES[0], 4096, 1)
+        closed.close()
+        numafast.torch.pin([torch.ones(3)], closed)
+    with pytest.raises(ValueError, match="threads must be a positive integer"):
+        numafast.torch.pin([torch.ones(3)], pool, threads=0)
+
+
+# ---------------------------------------------------------------- the pin_memory hook
+
+
+def test_the_hook_installs_nothing_where_torch_does_not_pin() -> None:
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, pin_memory=True)
+    collate = loader.collate_fn
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is here: the hook installs (tested in test_pool_cuda.py)")
+    hook = numafast.torch.pin_memory_hook(loader)
+    assert not hook.installed and "no accelerator" in hook.reason and loader.collate_fn is collate
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_the_hook_refuses_loaders_it_cannot_serve() -> None:
+    with pytest.raises(ValueError, match="pin_memory=False: use numafast.torch.NumaLoader"):
+        numafast.torch.pin_memory_hook(torch.utils.data.DataLoader(list(range(4))))
+    with pytest.raises(TypeError, match="takes a torch.utils.data.DataLoader"):
+        numafast.torch.pin_memory_hook([1, 2, 3])  # type: ignore[arg-type]
+
+
+def run_as_torch_pin_thread(batches: list[Any]) -> tuple[list[Any], list[int]]:
+    """What PyTorch's pin thread does with each batch, in a thread with its name:
+    torch.utils.data's own pin_memory() (which calls NodeBatch.pin_memory())."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    out: list[Any] = []
+    tid: list[int] = []
+
+    def pin_thread() -> None:
+        torch.multiprocessing._set_thread_name(PIN_THREAD_NAME)
+        tid.append(threading.get_native_id())
+        out.extend(pin_memory(batch) for batch in batches)
+        stop.wait()  # stay alive while the test looks at this thread
+
+    stop = threading.Event()
+    thread = threading.Thread(target=pin_thread)
+    thread.start()
+    while len(out) < len(batches) and thread.is_alive():
+        threading.Event().wait(0.01)
+    cpus = parse_list(task_status(tid[0])["Cpus_allowed_list"])
+    stop.set()
+    thread.join()
+    return out, cpus
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_hooked_batches_reach_torch_pin_step_and_come_out_on_the_node(node: int) -> None:
+    if not node_cpus(node):
+        pytest.skip(f"node {node} has no CPUs for a pin thread (covered by the pool tests)")
+    dataset = [torch.full((64, 1024), float(i)) for i in range(6)]
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=1)
+    own_collate = loader.collate_fn
+    hook = PinMemoryHook(loader, node, None, slots=4, installed=True, reason="")  # what pin_memory_hook makes
+    collated = list(loader)  # real workers run the wrapped collate function
+    assert all(isinstance(batch, NodeBatch) for batch in collated)
+    pinned, cpus = run_as_torch_pin_thread(collated)
+    assert cpus == node_cpus(node)  # the pin thread bound itself to the node
+    for index, batch in enumerate(pinned):
+        assert isinstance(batch, torch.Tensor) and hook.pools is not None
+        assert bool((batch[0] == 2 * index).all()) and bool((batch[1] == 2 * index + 1).all())
+        assert nodes_of(batch) == {node}
+        assert any(pool.contains(batch.data_ptr()) for pool in hook.pools.pools)
+    hook.remove()
+    assert not hook.installed and loader.collate_fn is own_collate
+
+
+def test_a_hook_batch_outlives_nothing_it_should_not() -> None:
+    batch = NodeBatch(torch.ones(3), hook_id=10**9)
+    with pytest.raises(RuntimeError, match="pin_memory_hook that made this batch is gone"):
+        batch.pin_memory()
+
+
+@pytest.mark.numa(nodes=3)
+def test_pinned_batches_land_on_every_node() -> None:
+    batch = {"x": torch.randn(256, 1024), "y": torch.arange(PAGE_SIZE)}
+    for node in NODES:
+        with numafast.PinnedPool(node, 2 * MIB, 2) as pool:
+            pinned = numafast.torch.pin(batch, pool)
+            assert tensors_equal(batch, pinned)
+            assert nodes_of(pinned["x"]) == {node} and nodes_of(pinned["y"]) == {node}
+
+
+@pytest.mark.host_only("10^4 batches: nothing kernel-specific, seconds under TCG")
+def test_ten_thousand_pinned_batches_grow_nothing() -> None:
+    from test_pool import _process_footprint
+
+    batch = {"images": torch.rand(4, 3, 32, 32), "labels": torch.arange(4), "names": ["a", "b", "c", "d"]}
+    with numafast.PinnedPool(NODES[0], 64 << 10, 3) as pool:
+        for _ in range(100):
+            numafast.torch.pin(batch, pool)
+        before = _process_footprint()
+        for _ in range(10_000):
+            pinned = numafast.torch.pin(batch, pool)
+        after = _process_footprint()
+        del pinned
+        stats = pool.stats()
+    assert stats.acquired == 10_100 and stats.in_use == 0 and stats.peak_in_use == 2
+    assert after[1:] == before[1:], (before, after)  # mappings, locked bytes
+    assert after[0] - before[0] < 4 * MIB, (before, after)  # resident memory
