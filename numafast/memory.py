@@ -238,15 +238,16 @@ def _interleave_in_place(flat: np.ndarray, targets: list[int], move: bool) -> No
     run = thp or MOVE_RUN_BYTES
     even_start = min(-(-first // run) * run, end)
     even_end = even_start + _even_huge_bytes(end - even_start, run, len(targets))
+    whole = flat.data  # a memoryview of the same bytes
 
-    def part(start: int, stop: int) -> np.ndarray:
-        return flat[start - span.address : stop - span.address]
+    def part(start: int, stop: int) -> memoryview:
+        return whole[start - span.address : stop - span.address]
 
     if thp:
         for start, stop in ((first, even_start), (even_end, end)):
             if start < stop and _madvise_if_possible(part(start, stop), _libnuma.MADV_NOHUGEPAGE) and move:
                 _split_huge_pages(part, start, stop, thp)
-    _libnuma.mbind(flat, MODE_NUMBERS[Mode.INTERLEAVE], targets, 0)
+    _libnuma.mbind(whole, MODE_NUMBERS[Mode.INTERLEAVE], targets, 0)
     if not move:
         return
     addresses = first + np.arange((end - first) // PAGE_SIZE, dtype=np.int64) * PAGE_SIZE
@@ -256,13 +257,14 @@ def _interleave_in_place(flat: np.ndarray, targets: list[int], move: bool) -> No
     turn = np.where(in_even_part, addresses // run, addresses // PAGE_SIZE) % len(targets)
     wanted = np.asarray(targets, dtype=np.int32)[turn]
     span_start = np.where(in_even_part, addresses // run * run, addresses)
+    before = np.frombuffer(_libnuma.move_pages(whole, None, 0, True), dtype=np.int32)
+    status = before
     failed: dict[str, int] = {}
     for delay in (0.0, *RETRY_DELAYS_S):
-        time.sleep(delay)
-        status = np.frombuffer(_libnuma.move_pages(flat, None, 0, True), dtype=np.int32)
         misplaced = (status >= 0) & (status != wanted)
         if not misplaced.any():
             return
+        time.sleep(delay)
         failed = {}
         for start in np.unique(span_start[misplaced]).tolist():
             length = run if even_start <= start < even_end else PAGE_SIZE
@@ -273,15 +275,19 @@ def _interleave_in_place(flat: np.ndarray, targets: list[int], move: bool) -> No
             for code in moved[(moved < 0) & ~np.isin(moved, UNTOUCHED_STATUSES)].tolist():
                 name = errno.errorcode.get(-code, str(code))
                 failed[name] = failed.get(name, 0) + 1
+        status = np.frombuffer(_libnuma.move_pages(whole, None, 0, True), dtype=np.int32)
+    misplaced = (status >= 0) & (status != wanted)
+    if not misplaced.any():
+        return
     raise MigrationError(
         f"mbind: {int(misplaced.sum())} pages could not be moved to their turn in the interleave over "
         f"node {format_ids(targets)} after {len(RETRY_DELAYS_S) + 1} tries: {failed or 'still misplaced'}",
-        moved=0,
+        moved=int(((before != wanted) & (status == wanted)).sum()),
         stuck=failed or {"misplaced": int(misplaced.sum())},
     )
 
 
-def _madvise_if_possible(part: np.ndarray, advice: int) -> bool:
+def _madvise_if_possible(part: memoryview, advice: int) -> bool:
     """madvise(2) ``advice`` over ``part``; False where the mapping does not take it
     (EINVAL: locked or huge TLB memory, or a kernel too old for the advice)."""
     try:
@@ -293,7 +299,7 @@ def _madvise_if_possible(part: np.ndarray, advice: int) -> bool:
     return True
 
 
-def _split_huge_pages(part: Callable[[int, int], np.ndarray], start: int, stop: int, huge_page: int) -> None:
+def _split_huge_pages(part: Callable[[int, int], memoryview], start: int, stop: int, huge_page: int) -> None:
     """Split every transparent huge page that [start, stop) touches into base pages.
 
     MADV_COLD over one base page of a huge page splits it (a huge page it covers
