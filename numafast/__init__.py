@@ -32,6 +32,7 @@ from numafast.binding import (
     preferred_many,
 )
 from numafast.capabilities import Capabilities, Capability, capabilities
+from numafast.cli.bench import BenchResult, bench
 from numafast.errors import (
     AffinityWarning,
     CudaUnavailable,
@@ -137,6 +138,9 @@ __all__ = [
     "bind_rank",
     "local_rank_from_environment",
     "plan_rank",
+    # what placement is worth here: numafast bench
+    "BenchResult",
+    "bench",
 ]
 
 

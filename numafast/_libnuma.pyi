@@ -1,4 +1,20 @@
-"""Type stub of the native layer numafast._libnuma (built from src/_libnuma.pyx)."""
+"""Type stub of the native layer numafast._libnuma (built from src/_libnuma.pyx).
+
+CI checks it against the built extension with mypy's stubtest (.ci/typecheck).
+"""
+
+from array import array
+from collections.abc import Callable, Iterable
+from typing import Any, TypeAlias
+
+import numpy as np
+from typing_extensions import Buffer, disjoint_base
+
+# What the calls on memory take: any object with the buffer protocol. Before
+# Python 3.12 (PEP 688) a type checker knows that only of the types that declare
+# __buffer__ (bytes, memoryview, mmap, MappedBuffer...); NumPy declares it on
+# ndarray only from 3.12 on, so ndarray is named as well.
+_BufferLike: TypeAlias = Buffer | np.ndarray[Any, Any]
 
 # ---------------------------------------------------------------- core (src/core.pxi)
 
@@ -22,8 +38,6 @@ def node_to_cpus(node: int) -> list[int]: ...
 def get_mems_allowed() -> list[int]: ...
 
 # ---------------------------------------------------------------- policy (src/policy.pxi)
-
-from collections.abc import Iterable
 
 MPOL_DEFAULT: int
 MPOL_PREFERRED: int
@@ -63,10 +77,6 @@ def gettid() -> int: ...
 
 # ---------------------------------------------------------------- memory (src/memory.pxi)
 
-from collections.abc import Iterable as _Iterable
-from typing_extensions import Buffer as _Buffer
-from array import array as _array
-
 MPOL_MF_STRICT: int
 MPOL_MF_MOVE: int
 MPOL_MF_MOVE_ALL: int
@@ -74,6 +84,7 @@ MADV_HUGEPAGE: int
 MADV_NOHUGEPAGE: int
 MADV_POPULATE_WRITE: int
 
+@disjoint_base  # each cdef class is a C struct of its own: no class can derive from two
 class MappedBuffer:
     """Memory mmap_anonymous / alloc_onnode mapped; unmapped when the last export is gone."""
     @property
@@ -91,30 +102,32 @@ class MappedBuffer:
 
 def mmap_anonymous(size: int, alignment: int = 0) -> MappedBuffer: ...
 def alloc_onnode(size: int, node: int) -> MappedBuffer: ...
-def madvise(buf: _Buffer, advice: int) -> None: ...
-def mbind(buf: _Buffer, mode: int, nodes: _Iterable[int], flags: int = 0) -> None: ...
+def madvise(buf: _BufferLike, advice: int) -> None: ...
+def mbind(buf: _BufferLike, mode: int, nodes: Iterable[int], flags: int = 0) -> None: ...
 def move_pages(
-    buf: _Buffer, node: int | None = None, flags: int = 0, whole_pages_only: bool = False, pid: int = 0
-) -> _array[int]: ...
-def pretouch(buf: _Buffer, cpus: _Iterable[int], threads: int, alignment: int = 0) -> str: ...
+    buf: _BufferLike, node: int | None = None, flags: int = 0, whole_pages_only: bool = False, pid: int = 0
+) -> array[int]: ...
+def pretouch(buf: _BufferLike, cpus: Iterable[int], threads: int, alignment: int = 0) -> str: ...
 
 # ---------------------------------------------------------------- copy (src/copy.pxi)
 
 def gather_copy(
-    target: _Buffer, offsets: _Iterable[int], sources: _Iterable[_Buffer], cpus: _Iterable[int] = (), threads: int = 1
+    target: _BufferLike,
+    offsets: Iterable[int],
+    sources: Iterable[_BufferLike],
+    cpus: Iterable[int] = (),
+    threads: int = 1,
 ) -> int: ...
 
 # ---------------------------------------------------------------- pinned pools (src/pool.pxi)
 
-from collections.abc import Callable as _Callable
-from typing import Any as _Any
-
 MADV_DONTFORK: int
 MADV_DOFORK: int
 
-def mlock(buf: _Buffer) -> None: ...
-def munlock(buf: _Buffer) -> None: ...
+def mlock(buf: _BufferLike) -> None: ...
+def munlock(buf: _BufferLike) -> None: ...
 
+@disjoint_base
 class SlotPool:
     """Equal slots of one mapping, handed out in O(1); a slot comes back when its Slot is gone."""
     slot_bytes: int
@@ -129,14 +142,15 @@ class SlotPool:
     waited_seconds: float
     owner_pid: int
     closed: bool
-    def __init__(
-        self,
+    # Built by __cinit__, so at run time the arguments go to __new__.
+    def __new__(
+        cls,
         region: MappedBuffer,
         slot_bytes: int,
         count: int,
-        fence: _Callable[[int], _Any] | None = None,
-        on_drained: _Callable[[], object] | None = None,
-    ) -> None: ...
+        fence: Callable[[int], Any] | None = None,
+        on_drained: Callable[[], object] | None = None,
+    ) -> SlotPool: ...
     @property
     def address(self) -> int: ...
     @property
@@ -147,6 +161,7 @@ class SlotPool:
     def close(self) -> None: ...
     def index_of(self, address: int) -> int: ...
 
+@disjoint_base
 class Slot:
     """One slot of a SlotPool, exported as writable bytes."""
     index: int
@@ -158,3 +173,23 @@ class Slot:
     def capacity(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+
+# ---------------------------------------------------------------- bench (src/bench.pxi)
+
+# Per timing thread: (its CPU, sched_getcpu() before and after the repetitions,
+# whether sched_getaffinity said exactly that CPU).
+_ThreadPlacement = tuple[int, int, int, bool]
+
+def time_read(
+    buf: _BufferLike, cpus: Iterable[int], repetitions: int
+) -> tuple[list[float], list[_ThreadPlacement]]: ...
+def time_copy(
+    source: _BufferLike, destination: _BufferLike, cpus: Iterable[int], repetitions: int
+) -> tuple[list[float], list[_ThreadPlacement]]: ...
+def time_memcpy(
+    source: _BufferLike, destination: _BufferLike, cpus: Iterable[int], repetitions: int
+) -> tuple[list[float], list[_ThreadPlacement]]: ...
+def time_chase(
+    buf: _BufferLike, cpu: int, steps: int, repetitions: int
+) -> tuple[list[float], list[_ThreadPlacement]]: ...
+def chase_links(buf: _BufferLike, stride: int, seed: int) -> int: ...

@@ -191,7 +191,7 @@ class Placement(ContextDecorator):
                 if saved_policy[0] != mode_word or saved_policy[1] != nodes:
                     _set_mempolicy(mode_word, nodes)
             except BaseException as error:
-                if cpus_changed:  # never leave half of the placement applied
+                if cpus_changed and saved_cpus is not None:  # never leave half of the placement applied
                     _sched_setaffinity(0, saved_cpus)
                 if isinstance(error, LibnumaError):
                     raise_refusal(error, mode_word, nodes)

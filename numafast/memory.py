@@ -86,7 +86,8 @@ def empty(
         raise TypeError(f"dtype {dtype} holds Python objects, which cannot live in raw memory")
     count = math.prod(dims)
     buffer = allocate(count * dtype.itemsize, node=node, nodes=nodes, hugepages=hugepages)
-    return np.frombuffer(buffer, dtype=dtype, count=count).reshape(dims)
+    # NumPy's stubs take any buffer (PEP 688) only for Python 3.12 and later.
+    return np.frombuffer(buffer, dtype=dtype, count=count).reshape(dims)  # type: ignore[call-overload,no-any-return]
 
 
 def zeros(

@@ -50,7 +50,7 @@ class PageNodes(dict[int, int]):
             return dict(self) == dict(other) and self.untouched == other.untouched
         return dict.__eq__(self, other)
 
-    __hash__ = None  # type: ignore[assignment]  # mutable, like dict
+    __hash__ = None  # mutable, like dict
 
 
 def count_statuses(status: np.ndarray) -> PageNodes:

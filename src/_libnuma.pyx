@@ -9,7 +9,8 @@ validation and friendly errors belong to the pure-Python layer in ``numafast``.
 The module is built from several include files, one per concern, so that each
 stays small: core (topology queries, bitmask conversion), policy (CPU binding
 and memory policy), memory (allocation, mbind, page queries), copy (the
-GIL-free gather copy into pinned memory) and pool (page locking, pool slots).
+GIL-free gather copy into pinned memory), pool (page locking, pool slots) and
+bench (the timed loops of `numafast bench`, on pinned threads).
 """
 
 include "core.pxi"
@@ -17,3 +18,4 @@ include "policy.pxi"
 include "memory.pxi"
 include "copy.pxi"
 include "pool.pxi"
+include "bench.pxi"

@@ -180,8 +180,11 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_join(pthread_t thread, void **retval)
 
 
-# ---------------------------------------------------------------- pinned pools (src/pool.pxi, src/copy.pxi)
-# Page locking, fork advice, and the mutex and condition a full pool waits on.
+# ---------------------------------------------------------------- threads, clocks, locking
+# Shared by the pinned pools (src/pool.pxi: page locking, fork advice, the mutex and
+# condition a full pool waits on) and the timed loops of `numafast bench`
+# (src/bench.pxi: a gate that opens once every timing thread has pinned itself, a
+# barrier that starts each repetition on all threads at once, the monotonic clock).
 
 cdef extern from "<sys/mman.h>" nogil:
     int mlock(const void *addr, size_t length)
@@ -213,6 +216,10 @@ cdef extern from "<pthread.h>" nogil:
         pass
     ctypedef struct pthread_condattr_t:
         pass
+    ctypedef struct pthread_barrier_t:
+        pass
+    ctypedef struct pthread_barrierattr_t:
+        pass
     int pthread_mutex_init(pthread_mutex_t *mutex, const pthread_mutexattr_t *attr)
     int pthread_mutex_destroy(pthread_mutex_t *mutex)
     int pthread_mutex_lock(pthread_mutex_t *mutex)
@@ -222,6 +229,10 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_condattr_destroy(pthread_condattr_t *attr)
     int pthread_cond_init(pthread_cond_t *cond, const pthread_condattr_t *attr)
     int pthread_cond_destroy(pthread_cond_t *cond)
+    int pthread_cond_wait(pthread_cond_t *cond, pthread_mutex_t *mutex)
     int pthread_cond_timedwait(pthread_cond_t *cond, pthread_mutex_t *mutex, const timespec *deadline)
     int pthread_cond_broadcast(pthread_cond_t *cond)
     int pthread_cond_signal(pthread_cond_t *cond)
+    int pthread_barrier_init(pthread_barrier_t *barrier, const pthread_barrierattr_t *attr, unsigned count)
+    int pthread_barrier_destroy(pthread_barrier_t *barrier)
+    int pthread_barrier_wait(pthread_barrier_t *barrier)

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from numafast.cli import check, plan, run, show
+from numafast.cli import bench, check, plan, run, show
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = [show, plan, run, check]
+SUBCOMMANDS = [show, plan, run, check, bench]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

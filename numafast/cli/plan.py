@@ -11,7 +11,7 @@ from numafast.affinity import AffinityMode, MemoryPolicy, Plan, Smt, plan
 from numafast.cli.show import add_topology_arguments, load_topology
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("plan", help="plan each local rank's CPUs and memory from its GPU")
     parser.add_argument("--nproc-per-node", type=int, help="ranks on this machine (default: one per GPU)")
     parser.add_argument("--mode", default="node", choices=[m.value for m in AffinityMode], help="default: node")

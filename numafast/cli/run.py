@@ -18,7 +18,7 @@ from numafast.affinity import AffinityMode, MemoryPolicy, bind_rank
 from numafast.cli.show import add_topology_arguments, load_topology
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "run",
         help="run a command bound to NUMA nodes or CPUs (numactl without numactl)",

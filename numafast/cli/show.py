@@ -10,14 +10,14 @@ from numafast._validate import format_ids
 from numafast.topo import PciDevice, Topology, topology
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("show", help="print the NUMA topology, GPUs and NICs")
     add_topology_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print Topology.to_dict() as JSON")
     parser.set_defaults(run=run)
 
 
-def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+def add_topology_arguments(parser: argparse._ActionsContainer) -> None:
     """--sysfs and --cuda-visible-devices: which topology a subcommand looks at."""
     parser.add_argument(
         "--sysfs", metavar="ROOT", help="read a snapshot: a directory holding a machine's sys/ and proc/"

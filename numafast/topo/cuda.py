@@ -90,7 +90,8 @@ def torch_uuids() -> dict[str, str]:
     uuids: dict[str, str] = {}
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        # torch's stub lacks the pci_* fields that its CUDA builds have.
+        address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"  # type: ignore[attr-defined]
         uuids[f"GPU-{props.uuid}"] = address
     return uuids
 

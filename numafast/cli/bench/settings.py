@@ -1,0 +1,127 @@
+"""What a ``numafast bench`` run measures: its settings, checked before anything is
+allocated (unknown nodes and matrices, sizes below STREAM's rule, GPU matrices
+without CUDA)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from numafast._buffers import PAGE_SIZE
+from numafast._validate import check_nodes
+from numafast.cli.bench.machine import largest_llc
+from numafast.cli.bench.result import MATRICES
+from numafast.errors import InvalidSizeError
+from numafast.topo import Topology
+
+MIB = 1 << 20
+LLC_FACTOR = 4  # STREAM: each buffer at least 4x the caches the run can use
+SIZE_FLOOR = 64 * MIB  # the default never goes below this, whatever the LLC
+SIZE_WITHOUT_LLC = 256 * MIB  # the default when sysfs does not give the LLC's size
+SMALLEST_SIZE = 1 * MIB
+QUICK_SIZE = 8 * MIB
+WARMUP = 1
+REPETITIONS = {"latency_ns": 5, "read_gbps": 10, "copy_gbps": 10, "node_copy_gbps": 10}
+QUICK_REPETITIONS = 2
+COPY_BY = ("destination", "source")
+
+CPU_MATRICES = ("latency_ns", "read_gbps", "copy_gbps", "node_copy_gbps")
+GPU_MATRICES = ("h2d_gbps", "d2h_gbps")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run measures, validated before anything is allocated."""
+
+    nodes: list[int]
+    matrices: list[str]
+    size: int
+    threads: int | None
+    repetitions: int | None
+    quick: bool
+    copy_by: str
+
+    def repetitions_of(self, name: str) -> int:
+        if self.repetitions is not None:
+            return self.repetitions
+        return QUICK_REPETITIONS if self.quick else REPETITIONS[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": self.nodes,
+            "size": self.size,
+            "threads": self.threads,
+            "repetitions": self.repetitions,
+            "quick": self.quick,
+            "copy_by": self.copy_by,
+        }
+
+
+def gpu_problem(machine: Topology, measurable: Collection[str]) -> str | None:
+    """Why the GPU x host-node matrices cannot be measured here; None when they can."""
+    if not machine.gpus:
+        return "no CUDA device here (no GPU in /sys/bus/pci, or CUDA_VISIBLE_DEVICES hides them all)"
+    if not any(name in measurable for name in GPU_MATRICES):
+        return "this numafast has no GPU measurer yet (numafast.torch.cuda adds it)"
+    return None
+
+
+def _positive(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
+    return value
+
+
+def resolve_settings(
+    machine: Topology,
+    summary: dict[str, Any],
+    measurable: Collection[str],
+    *,
+    nodes: Iterable[int] | None,
+    matrices: Iterable[str] | None,
+    threads: int | None,
+    size: int | None,
+    repetitions: int | None,
+    quick: bool,
+    copy_by: str,
+) -> Settings:
+    """Settings from :func:`numafast.bench`'s arguments (``measurable``: the matrices this
+    numafast has a measurer for); an exception naming the bad value and the allowed ones."""
+    chosen_nodes = check_nodes(machine.node_ids if nodes is None else list(nodes), need_allowed=False)
+    problem = gpu_problem(machine, measurable)
+    if matrices is None:
+        names = list(CPU_MATRICES) + ([] if problem else [m for m in GPU_MATRICES if m in measurable])
+    else:
+        names = list(dict.fromkeys(matrices))
+        for name in names:
+            if name not in MATRICES:
+                raise ValueError(f"matrix {name!r}: choose among {', '.join(MATRICES)}")
+            if name in GPU_MATRICES and problem:
+                raise ValueError(f"{name} needs CUDA: {problem}")
+        if not names:
+            raise ValueError(f"no matrix chosen; choose among {', '.join(MATRICES)}")
+    if copy_by not in COPY_BY:
+        raise ValueError(f"copy_by {copy_by!r}: choose 'destination' or 'source'")
+    llc = largest_llc(summary, chosen_nodes) or 0
+    minimum = LLC_FACTOR * llc
+    if size is None:
+        size = QUICK_SIZE if quick else max(minimum or SIZE_WITHOUT_LLC, SIZE_FLOOR)
+    elif isinstance(size, bool) or not isinstance(size, int) or size < SMALLEST_SIZE:
+        raise InvalidSizeError(f"size {size!r}: buffers must be whole numbers of bytes, at least {SMALLEST_SIZE >> 20} MiB")
+    elif size < minimum and not quick:
+        raise InvalidSizeError(
+            f"size {size / MIB:.0f} MiB is below {LLC_FACTOR}x the last-level cache ({llc / MIB:.0f} MiB): "
+            f"caches, not memory, would answer; give at least {minimum / MIB:.0f} MiB (STREAM's rule), or --quick"
+        )
+    return Settings(
+        nodes=chosen_nodes,
+        matrices=names,
+        size=-(-size // PAGE_SIZE) * PAGE_SIZE,
+        threads=_positive("threads", threads),
+        repetitions=_positive("repetitions", repetitions),
+        quick=bool(quick),
+        copy_by=copy_by,
+    )

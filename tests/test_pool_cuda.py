@@ -1,0 +1,109 @@
+"""The CUDA paths of pinned pools, for real: registration, event-guarded reuse of a slot
+while a copy still reads it, NumaLoader's side-stream copies and the pin_memory hook
+driven by PyTorch's own pin thread. They need a CUDA device and are skipped without one.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+if not torch.cuda.is_available():
+    pytest.skip(
+        "needs a CUDA device (this machine has none): registration, event-guarded slot reuse and "
+        "side-stream copies are only tested where a GPU is",
+        allow_module_level=True,
+    )
+
+import numafast  # noqa: E402
+import numafast.torch  # noqa: E402
+
+MIB = 1 << 20
+GPU_NODE = numafast.topology().node_of_gpu(0)
+NODE = GPU_NODE if GPU_NODE is not None else numafast.pages.local_node()
+# A busy-wait kernel long enough that a copy queued after it is surely still in flight.
+SPIN_CYCLES = 2_000_000_000
+
+
+def test_a_pool_registers_its_memory_once_and_unregisters_it() -> None:
+    with numafast.PinnedPool(NODE, 8 * MIB, 2) as pool:
+        assert pool.registered and pool.locked
+        stats = pool.stats()
+        assert stats.bytes_registered == stats.bytes_mapped == 16 * MIB
+        tensor = torch.frombuffer(pool.acquire(), dtype=torch.uint8)
+        assert tensor.is_pinned()  # CUDA itself says the memory is page-locked for it
+        pool._resources.unpin()  # what closing does once the last slot is back
+        assert not tensor.is_pinned()
+        del tensor
+
+
+def test_a_slot_is_not_reused_while_a_copy_from_it_is_in_flight() -> None:
+    stream = torch.cuda.Stream()
+    with numafast.PinnedPool(NODE, 64 * MIB, 1) as pool:
+        host = torch.frombuffer(pool.acquire(), dtype=torch.uint8)
+        host.fill_(1)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SPIN_CYCLES)  # the copy below waits behind this
+            device = host.to("cuda", non_blocking=True)
+        numafast.torch.record_stream(host, stream)
+        del host  # given back while the copy has not even started
+        assert pool.stats().in_flight == 1
+        with pytest.raises(numafast.PoolExhaustedError, match="1 in flight on the GPU"):
+            pool.acquire(timeout=0)
+        again = torch.frombuffer(pool.acquire(timeout=60), dtype=torch.uint8)  # waits for the event
+        again.fill_(2)  # only now may the slot be overwritten
+        assert bool((device == 1).all())
+        assert pool.stats().in_flight == 0
+
+
+def test_the_current_stream_guards_a_slot_without_record_stream() -> None:
+    with numafast.PinnedPool(NODE, 64 * MIB, 1) as pool:
+        host = torch.frombuffer(pool.acquire(), dtype=torch.uint8)
+        host.fill_(3)
+        torch.cuda._sleep(SPIN_CYCLES)
+        device = host.to("cuda", non_blocking=True)
+        del host
+        again = torch.frombuffer(pool.acquire(timeout=60), dtype=torch.uint8)
+        again.fill_(4)
+        assert bool((device == 3).all())
+
+
+class Images(torch.utils.data.Dataset):  # type: ignore[misc]
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"image": torch.full((3, 64, 64), float(index)), "label": index}
+
+
+def test_numa_loader_copies_batches_to_the_device_on_a_side_stream() -> None:
+    stock = list(torch.utils.data.DataLoader(Images(), batch_size=4, num_workers=2))
+    loader = numafast.torch.NumaLoader(torch.utils.data.DataLoader(Images(), batch_size=4, num_workers=2), device="cuda:0")
+    assert loader.node == NODE
+    ours = list(loader)
+    assert len(ours) == len(stock)
+    for left, right in zip(stock, ours):
+        assert right["image"].device.type == "cuda" and torch.equal(left["image"], right["image"].cpu())
+        assert torch.equal(left["label"], right["label"].cpu())
+    torch.cuda.synchronize()
+    del ours
+    gc.collect()
+    stats = loader.stats()
+    assert sum(s.in_use for s in stats) == 0 and all(s.bytes_registered for s in stats)
+
+
+def test_the_hook_pins_in_pytorchs_own_pin_thread() -> None:
+    loader = torch.utils.data.DataLoader(Images(), batch_size=4, num_workers=2, pin_memory=True)
+    hook = numafast.torch.pin_memory_hook(loader)
+    assert hook.installed and hook.node == NODE, hook.reason
+    batches = list(loader)
+    assert hook.pools is not None
+    for index, batch in enumerate(batches):
+        assert isinstance(batch, dict) and batch["image"].is_pinned()
+        assert any(pool.contains(batch["image"].data_ptr()) for pool in hook.pools.pools)
+        assert bool((batch["image"][0] == 4 * index).all())
+    hook.remove()
