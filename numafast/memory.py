@@ -5,6 +5,13 @@ A fresh allocation is mapped by numafast itself (mmap), bound with mbind before 
 page exists, then faulted in at once: MADV_POPULATE_WRITE (one call per slice,
 huge pages where THP allows) from threads pinned to the target node's CPUs, so
 the array is ready to use and already local when it is returned.
+
+Interleaving goes round-robin by page, and a transparent huge page is one page:
+a 2 MiB buffer in one huge page lands whole on one node. So wherever memory is
+spread over several nodes (a fresh allocation, or mbind with "interleave"), only
+whole huge pages in a multiple of the node count stay huge (each node gets as
+many); the rest is kept in base pages, and every node holds its share to within
+one base page, whatever the size.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import errno
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -20,7 +27,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from numafast import _libnuma
-from numafast._buffers import PAGE_SIZE, flat_bytes, require_whole_pages
+from numafast._buffers import PAGE_SIZE, Span, flat_bytes, require_whole_pages
 from numafast._validate import allowed_cpus, check_node, check_nodes, cpus_near, format_ids
 from numafast.errors import (
     InvalidNodeError,
@@ -41,6 +48,12 @@ BYTES_PER_THREAD = 32 << 20
 # Pages the kernel reports busy (-EBUSY: locked, under writeback, being migrated)
 # are usually free again within milliseconds.
 RETRY_DELAYS_S = (0.001, 0.004, 0.016, 0.064, 0.25)
+# madvise(2) advice (uapi asm-generic/mman-common.h, Linux 5.4+) that numafast's
+# native layer does not publish: deactivate pages. Its side effect is the one used
+# here: a huge page only partly inside the advised range is split into base pages.
+MADV_COLD = 20
+# Without THP, pages still move in runs this long where each run has one node.
+MOVE_RUN_BYTES = 512 * PAGE_SIZE
 
 
 # The set_mempolicy(2) modes that mbind(2) takes with a set of nodes.
@@ -60,8 +73,12 @@ def empty(
 
     The memory belongs to the array and every view of it (``.base`` keeps it alive)
     and is unmapped once, when the last is gone. ``hugepages`` backs it with
-    transparent huge pages where the kernel allows (interleaving then goes by huge
-    page). Its contents are zero, as fresh anonymous memory always is.
+    transparent huge pages where the kernel allows. Interleaved, each node holds its
+    share of the pages to within one base page, whatever the size: only whole huge
+    pages in a multiple of ``len(nodes)`` are huge (as many on each node), the rest
+    is in base pages (a 2 MiB array over 4 nodes: 128 base pages on each; 9 huge
+    pages' worth: 2 huge pages on each, and 512 base pages spread over the 4).
+    Its contents are zero, as fresh anonymous memory always is.
     """
     dims = check_shape(shape)
     dtype = np.dtype(dtype)
@@ -89,21 +106,30 @@ def allocate(
     nbytes: int, *, node: int | None = None, nodes: Iterable[int] | None = None, hugepages: bool = True
 ) -> _libnuma.MappedBuffer:
     """``nbytes`` of fresh memory bound to ``node`` (or interleaved over ``nodes``) and
-    already faulted in there; what :func:`empty` and ``numafast.torch.empty`` build on."""
+    already faulted in there; what :func:`empty` and ``numafast.torch.empty`` build on.
+
+    Huge pages back it where THP allows and ``hugepages`` asks: all of it on one
+    node; interleaved, only whole huge pages in a multiple of the node count, from
+    the start, so that every node holds its share to within one base page.
+    """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise InvalidSizeError(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
     targets = _target_nodes(node, nodes)
     thp = _thp_size()
-    huge = hugepages and thp and nbytes >= thp
-    alignment = thp if huge else PAGE_SIZE
-    _check_room(nbytes, targets, alignment)
     # Whole pages: mbind and madvise act on the pages wholly inside a buffer, and the
     # last one is all ours (the array over it uses the first nbytes).
-    buffer = _libnuma.mmap_anonymous(-(-nbytes // PAGE_SIZE) * PAGE_SIZE, alignment)
+    mapped = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+    huge = _even_huge_bytes(mapped, thp, len(targets)) if hugepages else 0
+    alignment = thp if huge else PAGE_SIZE
+    _check_room(nbytes, targets, alignment)
+    buffer = _libnuma.mmap_anonymous(mapped, alignment)
     if thp:
         # Asked either way: a kernel whose THP mode is "always" backs big mappings with
-        # huge pages unless told not to, which would make interleave go by 2 MiB.
-        _libnuma.madvise(buffer, _libnuma.MADV_HUGEPAGE if huge else _libnuma.MADV_NOHUGEPAGE)
+        # huge pages unless told not to, which would make interleave go by 2 MiB. On
+        # one node all of it may be huge (a last partial huge page cannot be anyway).
+        huge_end = mapped if huge and len(targets) == 1 else huge
+        _advise(buffer, 0, huge_end, _libnuma.MADV_HUGEPAGE)
+        _advise(buffer, huge_end, mapped, _libnuma.MADV_NOHUGEPAGE)
     mode = Mode.BIND if len(targets) == 1 else Mode.INTERLEAVE
     # Bound before any page exists: each one is placed by the policy as it is faulted in.
     _libnuma.mbind(buffer, MODE_NUMBERS[mode], targets, 0)
@@ -121,6 +147,19 @@ def allocate(
     return buffer
 
 
+def _even_huge_bytes(nbytes: int, huge_page: int, ways: int) -> int:
+    """The bytes, from a huge page boundary, that whole huge pages can back and still give
+    each of ``ways`` nodes as many: a multiple of ``ways`` huge pages (0 without THP)."""
+    return nbytes // (huge_page * ways) * (huge_page * ways) if huge_page else 0
+
+
+def _advise(buffer: _libnuma.MappedBuffer, start: int, end: int, advice: int) -> None:
+    """madvise(2) ``advice`` over bytes [start, end) of ``buffer`` (nothing when empty)."""
+    if start < end:
+        with memoryview(buffer)[start:end] as part:
+            _libnuma.madvise(part, advice)
+
+
 def mbind(
     buf: object,
     nodes: int | Iterable[int],
@@ -136,11 +175,21 @@ def mbind(
     ``buf`` is any writable C-contiguous buffer (NumPy array, torch CPU tensor,
     bytearray, memoryview, mmap). A policy covers whole pages, so only the pages
     wholly inside ``buf`` are bound and moved; a partial page at either end is
-    shared with neighbouring memory and left alone. As mbind(2) does, ``move``
-    moves the pages that are off ``nodes``: with "interleave" they are spread over
-    the nodes, and a page already on one of them stays (to respread, migrate to
-    one node first). Raises MigrationError when pages stay off ``nodes`` after
-    retries (locked, or shared with another process).
+    shared with neighbouring memory and left alone. Raises MigrationError when
+    pages stay misplaced after retries (locked, or shared with another process).
+
+    With "interleave" over several nodes, every touched page goes to its turn in
+    the round-robin, also one already on one of the nodes (mbind(2) alone would
+    leave it), so each node ends up with its share to within one base page. A
+    transparent huge page interleaves and moves whole, so as for a fresh
+    allocation only whole huge pages in a multiple of the node count stay huge
+    (and move whole, one per node in turn); the rest of ``buf`` is marked
+    MADV_NOHUGEPAGE (page faults and khugepaged keep it in base pages) and its
+    huge pages are split first (madvise MADV_COLD on part of one splits it; where
+    the kernel cannot, before Linux 5.4 or in locked memory, they move whole).
+    Without ``move``, only that marking is done, so that pages touched later
+    spread evenly too. Other modes move pages as mbind(2) does: those off
+    ``nodes`` (with "weighted_interleave" a page already on one of them stays).
     """
     if mode not in MBIND_MODES:
         choices = ", ".join(m.value for m in MBIND_MODES)
@@ -152,6 +201,9 @@ def mbind(
     flat = flat_bytes(buf, writable=True)
     require_whole_pages(flat)
     policy = MODE_NUMBERS[mode]
+    if mode is Mode.INTERLEAVE and len(targets) > 1:
+        _interleave_in_place(flat, targets, move)
+        return
     # MPOL_MF_STRICT with MPOL_MF_MOVE: EIO when some page could not be moved.
     flags = _libnuma.MPOL_MF_MOVE | _libnuma.MPOL_MF_STRICT if move else 0
     for delay in (0.0, *RETRY_DELAYS_S):
@@ -170,6 +222,95 @@ def mbind(
         moved=0,
         stuck={"misplaced": misplaced},
     )
+
+
+def _interleave_in_place(flat: np.ndarray, targets: list[int], move: bool) -> None:
+    """Interleave the whole pages of ``flat`` over ``targets`` (see :func:`mbind`).
+
+    Whole huge pages (whole runs of MOVE_RUN_BYTES without THP) in a multiple of
+    the node count form the even part: it is spread by huge page. The rest, at
+    either end, is kept in base pages and spread page by page. A page's turn comes
+    from its address, as the kernel's own interleave index does for anonymous memory.
+    """
+    span = Span.of(flat)
+    first = -(-span.address // PAGE_SIZE) * PAGE_SIZE
+    end = (span.address + span.nbytes) // PAGE_SIZE * PAGE_SIZE
+    thp = _thp_size()
+    run = thp or MOVE_RUN_BYTES
+    even_start = min(-(-first // run) * run, end)
+    even_end = even_start + _even_huge_bytes(end - even_start, run, len(targets))
+    whole = flat.data  # a memoryview of the same bytes
+
+    def part(start: int, stop: int) -> memoryview:
+        return whole[start - span.address : stop - span.address]
+
+    if thp:
+        for start, stop in ((first, even_start), (even_end, end)):
+            if start < stop and _madvise_if_possible(part(start, stop), _libnuma.MADV_NOHUGEPAGE) and move:
+                _split_huge_pages(part, start, stop, thp)
+    _libnuma.mbind(whole, MODE_NUMBERS[Mode.INTERLEAVE], targets, 0)
+    if not move:
+        return
+    addresses = first + np.arange((end - first) // PAGE_SIZE, dtype=np.int64) * PAGE_SIZE
+    in_even_part = (addresses >= even_start) & (addresses < even_end)
+    # Where each page goes: by huge page (run) in the even part, by page elsewhere;
+    # and the first page of the span it moves with.
+    turn = np.where(in_even_part, addresses // run, addresses // PAGE_SIZE) % len(targets)
+    wanted = np.asarray(targets, dtype=np.int32)[turn]
+    span_start = np.where(in_even_part, addresses // run * run, addresses)
+    before = np.frombuffer(_libnuma.move_pages(whole, None, 0, True), dtype=np.int32)
+    status = before
+    failed: dict[str, int] = {}
+    for delay in (0.0, *RETRY_DELAYS_S):
+        misplaced = (status >= 0) & (status != wanted)
+        if not misplaced.any():
+            return
+        time.sleep(delay)
+        failed = {}
+        for start in np.unique(span_start[misplaced]).tolist():
+            length = run if even_start <= start < even_end else PAGE_SIZE
+            node = int(wanted[(start - first) // PAGE_SIZE])
+            moved = np.frombuffer(
+                _libnuma.move_pages(part(start, start + length), node, _libnuma.MPOL_MF_MOVE, True), dtype=np.int32
+            )
+            for code in moved[(moved < 0) & ~np.isin(moved, UNTOUCHED_STATUSES)].tolist():
+                name = errno.errorcode.get(-code, str(code))
+                failed[name] = failed.get(name, 0) + 1
+        status = np.frombuffer(_libnuma.move_pages(whole, None, 0, True), dtype=np.int32)
+    misplaced = (status >= 0) & (status != wanted)
+    if not misplaced.any():
+        return
+    raise MigrationError(
+        f"mbind: {int(misplaced.sum())} pages could not be moved to their turn in the interleave over "
+        f"node {format_ids(targets)} after {len(RETRY_DELAYS_S) + 1} tries: {failed or 'still misplaced'}",
+        moved=int(((before != wanted) & (status == wanted)).sum()),
+        stuck=failed or {"misplaced": int(misplaced.sum())},
+    )
+
+
+def _madvise_if_possible(part: memoryview, advice: int) -> bool:
+    """madvise(2) ``advice`` over ``part``; False where the mapping does not take it
+    (EINVAL: locked or huge TLB memory, or a kernel too old for the advice)."""
+    try:
+        _libnuma.madvise(part, advice)
+    except LibnumaError as error:
+        if error.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
+def _split_huge_pages(part: Callable[[int, int], memoryview], start: int, stop: int, huge_page: int) -> None:
+    """Split every transparent huge page that [start, stop) touches into base pages.
+
+    MADV_COLD over one base page of a huge page splits it (a huge page it covers
+    only in part) and deactivates that one page; on memory that is no huge page it
+    only deactivates. A mapping or kernel that refuses MADV_COLD keeps its huge pages.
+    """
+    for huge_start in range(start // huge_page * huge_page, stop, huge_page):
+        page = max(huge_start, start)
+        if not _madvise_if_possible(part(page, page + PAGE_SIZE), MADV_COLD):
+            return
 
 
 def migrate(buf: object, node: int) -> int:

@@ -270,3 +270,15 @@ def kib(field: str) -> int:
     number, _, unit = field.partition(" ")
     assert unit == "kB", field
     return int(number) * 1024
+
+
+@cache
+def transparent_huge_page_size() -> int:
+    """The PMD huge page size the kernel backs anonymous memory with; 0 when THP is off."""
+    base = Path("/sys/kernel/mm/transparent_hugepage")
+    try:
+        if "[never]" in (base / "enabled").read_text():
+            return 0
+        return int((base / "hpage_pmd_size").read_text())
+    except OSError:
+        return 0

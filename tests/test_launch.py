@@ -90,6 +90,7 @@ def test_gpu_with_unknown_node(tmp_path: Path) -> None:
     root = tmp_path / "dgx"
     shutil.copytree(FIXTURES / "dgx-h100", root)
     (root / "sys/bus/pci/devices/0000:9d:00.0/local_cpulist").write_text("0-31\n")  # and numa_node -1
+    (root / "sys/bus/pci/devices/0000:9d:00.0/local_cpus").write_text("ffffffff\n")  # the same as a mask
     with pytest.raises(InvalidGpuError, match=r"CUDA device 4 \(0000:9d:00.0\) has no known NUMA node"):
         bind_rank(4, topology=Topology.from_sysfs(root))
     # One node: numa_node -1 means node 0.
@@ -154,7 +155,11 @@ def test_check_gpu_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--sysfs", str(FIXTURES / "dgx-h100"), str(os.getpid())]) == 1
     assert "numafast check: --sysfs and --cuda-visible-devices apply only with --gpu" in capsys.readouterr().err
     assert main(["check", "--gpu", "9", "--sysfs", str(FIXTURES / "dgx-h100"), str(os.getpid())]) == 1
-    assert "no CUDA device 9 in this topology; CUDA devices: 0-7" in capsys.readouterr().err
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"pid {os.getpid()}: cannot check: no CUDA device 9 in this topology; CUDA devices: 0-7"
+    )
+    assert main(["check", "--gpu", "0", "--cuda-visible-devices", "0", str(os.getpid())]) == 1
+    assert "--cuda-visible-devices applies to a --sysfs snapshot" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["check", "--gpu", "0", "--node", "0", str(os.getpid())])
     assert "not allowed with argument" in capsys.readouterr().err

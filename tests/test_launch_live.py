@@ -205,6 +205,44 @@ def test_check_gpu_tells_a_well_placed_rank_from_a_misplaced_one(tmp_path: Path)
     assert "(nodes 3)" in wrong.stdout and "of the pages are on nodes other than 2" in wrong.stdout
 
 
+@pytest.mark.numa(nodes=4)
+def test_check_gpu_numbers_gpus_as_the_checked_process_does(tmp_path: Path) -> None:
+    root = snapshot_with_gpus(tmp_path, GUEST_GPU_NODES)
+    # The rank was started seeing only physical GPU 2 (node 3): its CUDA device 0. The
+    # checker's shell sees physical GPU 1 (node 0) as CUDA device 0.
+    # Rank and checker run as root without CAP_SYS_PTRACE: the checker may read the rank's
+    # /proc files (same user, no more capabilities), not those of another user's process.
+    without_ptrace = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"]
+    hold = "import numpy, sys; a = numpy.ones(1 << 18); print('ready', flush=True); sys.stdin.read()"
+    rank = subprocess.Popen(
+        [*without_ptrace, *numafast("run", "--gpu", "2", "--sysfs", str(root), "--", sys.executable, "-c", hold)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**ENV, "CUDA_VISIBLE_DEVICES": "2"},
+    )  # fmt: skip
+    stranger = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "300"],
+                                env={**ENV, "CUDA_VISIBLE_DEVICES": "3"})  # fmt: skip
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "ready\n"
+        pids = [str(rank.pid), str(stranger.pid)]
+        check = subprocess.run(
+            [*without_ptrace, *numafast("check", "--gpu", "0", "--max-remote", "0", "--sysfs", str(root), *pids)],
+            capture_output=True, text=True, env={**ENV, "CUDA_VISIBLE_DEVICES": "1"}, timeout=300,
+        )  # fmt: skip
+    finally:
+        rank.communicate("")
+        stranger.kill()
+        stranger.wait()
+    lines = check.stdout.splitlines()
+    assert check.returncode == 1, check.stdout + check.stderr  # the stranger cannot be checked
+    assert lines[0].startswith(f"pid {rank.pid}: ok (GPU 0 on node 3;"), check.stdout
+    assert lines[1] == f"  GPUs numbered by its CUDA_VISIBLE_DEVICES=2 (/proc/{rank.pid}/environ)", check.stdout
+    assert lines[2].startswith(f"pid {stranger.pid}: cannot check: "), check.stdout
+    assert "Permission denied" in lines[2], check.stdout
+    assert lines[3] == (
+        f"  note: /proc/{stranger.pid}/environ is unreadable (Permission denied); "
+        "GPUs numbered by this checker's own CUDA_VISIBLE_DEVICES=1"
+    ), check.stdout
+
+
 def test_snapshot_holds_this_machines_nodes(tmp_path: Path) -> None:
     """The snapshot the other tests plan on is this machine, GPUs added."""
     from numafast import Topology

@@ -4,6 +4,7 @@ descriptions, not computed by numafast."""
 
 from __future__ import annotations
 
+import ast
 import filecmp
 import json
 import shutil
@@ -24,11 +25,12 @@ GIB = 1 << 30
 pytestmark = pytest.mark.host_only("snapshot replays; nothing kernel-specific")
 
 
-def load(name: str, **kwargs: object) -> Topology:
+def load(name: str | Path, **kwargs: object) -> Topology:
+    """A fixture by name, or any snapshot tree by its path."""
     return Topology.from_sysfs(FIXTURES / name, **kwargs)  # type: ignore[arg-type]
 
 
-def load_quietly(name: str, **kwargs: object) -> tuple[Topology, list[str]]:
+def load_quietly(name: str | Path, **kwargs: object) -> tuple[Topology, list[str]]:
     """The topology and the TopologyWarning messages its reading gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -359,6 +361,140 @@ def test_damaged_snapshot_gives_a_best_effort_answer_and_warnings() -> None:
     ]
     for fragment in expected:
         assert any(fragment in m for m in messages), (fragment, messages)
+
+
+# ---------------------------------------------------------------- mask-only trees, legacy cpusets, caches
+
+NODE0_OF_48 = (*range(12), *range(24, 36))  # socket 0 of the 48-CPU Xeon E5 (make_fixtures.masks_only)
+NODE1_OF_48 = (*range(12, 24), *range(36, 48))
+
+
+@pytest.mark.parametrize(
+    ("text", "bits"),
+    [
+        # cgroup-v1/cpusets.rst's examples of the mask format
+        ("00000001", [0]),
+        ("40000000,00000000,00000000", [94]),
+        ("00000001,00000000,00000000", [64]),
+        ("000000ff,00000000", list(range(32, 40))),
+        ("00000000,000e3862", [1, 5, 6, 11, 12, 13, 17, 18, 19]),
+        # the first word only as wide as the kernel's bitmap (8 and 48 CPUs), a NUL-padded copy
+        ("ff\n", list(range(8))),
+        ("0000,20000020", [5, 29]),
+        ("0100,00010000\x00\x00", [16, 40]),
+        ("0", []),
+    ],
+)
+def test_mask_format_is_32_bit_hex_words_most_significant_first(text: str, bits: list[int]) -> None:
+    from numafast.topo.files import parse_mask
+
+    assert parse_mask(text) == bits
+
+
+@pytest.mark.parametrize("text", ["1ffffffff", "0x1f", "ff,,ff", "fg", "0-3"])
+def test_text_that_is_no_mask_is_refused(text: str) -> None:
+    from numafast.topo.files import parse_mask
+
+    with pytest.raises(ValueError):
+        parse_mask(text)
+
+
+def test_a_snapshot_with_only_masks_reads_like_one_with_lists() -> None:
+    root = FIXTURES / "masks-only"
+    assert (root / "sys/devices/system/node/node0/cpumap").read_text() == "000f,ff000fff\n"
+    assert not (root / "sys/devices/system/node/node0/cpulist").exists()
+    topology, messages = load_quietly("masks-only")
+    assert messages == []
+    assert topology.node(0).cpus == NODE0_OF_48
+    assert topology.node(1).cpus == NODE1_OF_48
+    five, forty = topology.cpu(5), topology.cpu(40)
+    assert (five.node, five.package, five.core, five.siblings) == (0, 0, 5, (5, 29))  # thread_siblings 0000,20000020
+    assert (forty.node, forty.package, forty.core, forty.siblings) == (1, 1, 16, (16, 40))  # 0100,00010000
+    assert five.llc == NODE0_OF_48 and forty.llc == NODE1_OF_48  # shared_cpu_map of the L3
+    assert [(g.address, g.node) for g in topology.gpus] == [("0000:82:00.0", 1)]  # numa_node -1, local_cpus
+    assert topology.pci[0].numa_node is None
+    assert topology.allowed_cpus == NODE0_OF_48  # Cpus_allowed 000f,ff000fff
+    assert topology.allowed_nodes == (0,)  # Mems_allowed: 31 words of zeros, then 00000003... & node 0
+
+
+def test_where_list_and_mask_disagree_the_list_wins_with_a_warning(tmp_path: Path) -> None:
+    from fixtures.make_fixtures import Machine
+
+    machine = Machine(tmp_path)  # both forms, as a live kernel writes them
+    machine.cpus(range(4), 4)
+    for cpu in range(4):
+        machine.cpu(cpu, package=0, siblings=[cpu], llc=range(4))
+    machine.nodes_online([0, 1])
+    machine.node(0, cpus=[0, 1], total_kb=GIB // 1024, free_kb=0, distances=[10, 20])
+    machine.node(1, cpus=[2, 3], total_kb=GIB // 1024, free_kb=0, distances=[20, 10])
+    machine.write("sys/devices/system/node/node1/cpumap", "e\n")  # CPUs 1-3: taken across a hotplug
+    machine.write("sys/devices/system/cpu/cpu0/topology/thread_siblings_list", "zero\n")  # damaged: the mask 1 holds
+    machine.write("sys/devices/system/cpu/cpu0/topology/thread_siblings", "3\n")
+    topology, messages = load_quietly(tmp_path)
+    assert topology.node(1).cpus == (2, 3)
+    assert topology.cpu(0).siblings == (0, 1)
+    assert any("node1/cpulist says 2-3 but cpumap says 1-3; taking the list" in m for m in messages), messages
+    assert any("thread_siblings_list: 'zero' is not a list of ids; ignored" in m for m in messages), messages
+    assert len(messages) == 2, messages
+
+
+def test_legacy_cpuset_filesystem_gives_the_allowed_sets() -> None:
+    topology = load("legacy-cpuset")  # /dev/cpuset, type cpuset; proc/self/cpuset names /batch/job42
+    assert topology.allowed_cpus == (6, 7, 14, 15)
+    assert topology.allowed_nodes == (1,)
+
+
+def test_cgroup_v1_mounted_noprefix_has_files_without_the_cpuset_prefix(tmp_path: Path) -> None:
+    root = tmp_path / "noprefix"
+    shutil.copytree(FIXTURES / "container-cgroup1", root)
+    (root / "proc/mounts").write_text("cgroup /sys/fs/cgroup/cpuset cgroup rw,cpuset,noprefix 0 0\n")
+    cpuset = root / "sys/fs/cgroup/cpuset"
+    (cpuset / "cpuset.cpus").rename(cpuset / "cpus")
+    (cpuset / "cpuset.mems").rename(cpuset / "mems")
+    topology = Topology.from_sysfs(root)
+    assert topology.allowed_cpus == (0, 1, 8, 9)
+    assert topology.allowed_nodes == (0,)
+
+
+def test_a_cache_reported_shared_across_packages_is_taken_as_the_package() -> None:
+    topology, messages = load_quietly("cross-package-cache")
+    assert [(c.id, c.package, c.node, c.siblings) for c in topology.cpus] == [
+        (cpu, cpu // 4, cpu // 4, (cpu,)) for cpu in range(8)
+    ]
+    assert [c.llc for c in topology.cpus] == [(0, 1, 2, 3)] * 4 + [(4, 5, 6, 7)] * 4
+    assert messages == [
+        "cpu 0-7: the last-level cache is reported shared with CPUs of another package, which no cache is; "
+        "taken as the package's CPUs"
+    ]
+
+
+# ---------------------------------------------------------------- the package's shape
+
+
+def test_topology_package_reads_one_way_files_parts_model() -> None:
+    """model.py imports no other module of numafast.topo (it does no I/O: the reading side
+    builds topologies and registers Topology.from_sysfs), and topo's imports have no cycle."""
+    package = Path(numafast.topo.__file__).parent
+    imports: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        imports[path.stem] = {name.rpartition(".")[2] for name in names if name.startswith("numafast.topo.")}
+    assert imports["model"] == set()
+    assert imports["files"] == set()
+    model = ast.walk(ast.parse((package / "model.py").read_text()))
+    names_in_model = {getattr(node, "id", getattr(node, "attr", None)) for node in model}
+    assert not {"open", "Path", "read_text", "read_bytes", "iterdir"} & names_in_model
+    done: set[str] = set()
+    while len(done) < len(imports):  # peel off modules whose imports are all done: fails on a cycle
+        ready = {module for module, needs in imports.items() if module not in done and needs <= done}
+        assert ready, f"import cycle among {sorted(set(imports) - done)}"
+        done |= ready
+    assert Topology.from_sysfs(FIXTURES / "xeon-2s-smt").node_ids == (0, 1)
 
 
 # ---------------------------------------------------------------- numafast show

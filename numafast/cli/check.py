@@ -8,18 +8,26 @@ node than ``--node``, or than the node that drives ``--gpu``), or when more than
 ``--max-remote`` of the pages lie on other nodes (for a GPU on a CPU-less node,
 as on Grace-Hopper, pages on the GPU's own memory node count as local too). The
 exit status is non-zero then, so this serves as a health check.
+
+``--gpu I`` is CUDA device I as the checked process numbers it: by the
+``CUDA_VISIBLE_DEVICES`` it was started with (/proc/PID/environ), so the answer
+does not depend on the shell the check runs from. Where that file cannot be read,
+the checker's own variable numbers the GPUs, and the output says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from numafast import _libnuma
 from numafast._validate import check_node, format_ids, parse_ids
 from numafast.affinity.modes import site_of
-from numafast.cli.show import add_topology_arguments, load_topology
+from numafast.cli.show import add_topology_arguments
+from numafast.errors import InvalidGpuError
+from numafast.topo import Topology
 from numafast.topo.files import read_fields
 
 
@@ -50,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     where.add_argument("--node", type=int, help="the node every thread and page should be on")
     where.add_argument(
         "--gpu", type=int, metavar="I",
-        help="CUDA device I's node, as numafast plan places it (numbered per CUDA_VISIBLE_DEVICES here)",
+        help="CUDA device I's node, as numafast plan places it (numbered per the process's own CUDA_VISIBLE_DEVICES)",
     )
     parser.add_argument("--max-remote", type=float, default=0.1, metavar="SHARE",
                         help="largest share of pages allowed on other nodes (default 0.1)")  # fmt: skip
@@ -115,28 +123,92 @@ def audit(pid: int, node: int | None, max_remote: float, local_nodes: tuple[int,
     return result
 
 
-def gpu_nodes(args: argparse.Namespace) -> tuple[int, tuple[int, ...]]:
-    """(the CPU node that drives --gpu, the GPU's own memory node) in the chosen topology."""
-    machine = load_topology(args)
-    site = site_of(machine, machine.gpu(args.gpu))
-    return site.cpu_node, (site.node,)
+def cuda_visible_devices_of(pid: int) -> tuple[str | None, str]:
+    """The ``CUDA_VISIBLE_DEVICES`` process ``pid`` was started with (None: unset) and a line
+    saying how its GPUs are numbered, and from where.
+
+    /proc/PID/environ holds the environment the process was exec'd with (a change
+    it made to os.environ later is not there). Where it cannot be read (another
+    user's process without CAP_SYS_PTRACE), this process's own value is used, and
+    the line says so. FileNotFoundError when there is no such process.
+    """
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        raise FileNotFoundError(f"no process {pid}") from None
+    except OSError as error:
+        own = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return own, (
+            f"note: /proc/{pid}/environ is unreadable ({error.strerror}); GPUs numbered by "
+            + _numbered_by("this checker's own", "this checker's environment", own)
+        )
+    for entry in environ.split(b"\0"):
+        name, sep, value = entry.partition(b"=")
+        if sep and name == b"CUDA_VISIBLE_DEVICES":
+            text = value.decode(errors="replace")
+            return text, f"GPUs numbered by {_numbered_by('its', 'its environment', text)} (/proc/{pid}/environ)"
+    return None, f"GPUs numbered by {_numbered_by('its', 'its environment', None)} (/proc/{pid}/environ)"
+
+
+def _numbered_by(whose: str, environment: str, visible: str | None) -> str:
+    if visible is None:
+        return f"{environment}, which has no CUDA_VISIBLE_DEVICES: all, in PCI bus order"
+    return f"{whose} CUDA_VISIBLE_DEVICES={visible}"
+
+
+class GpuSites:
+    """Where ``--gpu`` is for each process: in the topology its CUDA_VISIBLE_DEVICES shows
+    (read once per distinct value)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.topologies: dict[str | None, Topology] = {}
+
+    def numbering(self, pid: int) -> tuple[str | None, str]:
+        """The CUDA_VISIBLE_DEVICES that numbers ``pid``'s GPUs, and a line saying which."""
+        if self.args.cuda_visible_devices is not None:
+            visible = self.args.cuda_visible_devices
+            return visible, f"GPUs numbered by --cuda-visible-devices {visible}"
+        return cuda_visible_devices_of(pid)
+
+    def site(self, visible: str | None) -> tuple[int, tuple[int, ...]]:
+        """(the CPU node that drives --gpu, the GPU's own memory node) as ``visible`` numbers GPUs."""
+        if visible not in self.topologies:
+            live = self.args.sysfs is None
+            root = "/" if live else self.args.sysfs
+            self.topologies[visible] = Topology.from_sysfs(root, cuda_visible_devices=visible, ask_gpu_libraries=live)
+        machine = self.topologies[visible]
+        site = site_of(machine, machine.gpu(self.args.gpu))
+        check_node(site.cpu_node, need_allowed=False)
+        return site.cpu_node, (site.node,)
 
 
 def run(args: argparse.Namespace) -> int:
-    local_nodes: tuple[int, ...]
-    node, local_nodes = args.node, ()
-    if args.gpu is not None:
-        node, local_nodes = gpu_nodes(args)
-    elif args.sysfs is not None or args.cuda_visible_devices is not None:
+    gpu_sites = GpuSites(args) if args.gpu is not None else None
+    if gpu_sites is None and (args.sysfs is not None or args.cuda_visible_devices is not None):
         raise ValueError("--sysfs and --cuda-visible-devices apply only with --gpu")
-    if node is not None:
-        check_node(node, need_allowed=False)
+    if args.cuda_visible_devices is not None and args.sysfs is None:
+        raise ValueError("--cuda-visible-devices applies to a --sysfs snapshot; without it each process's own is used")
+    if args.node is not None:
+        check_node(args.node, need_allowed=False)
     wrong = 0
     for pid in args.pids:
+        node: int | None = args.node
+        local_nodes: tuple[int, ...] = ()
+        numbering = ""
         try:
+            if gpu_sites is not None:
+                visible, numbering = gpu_sites.numbering(pid)
+                node, local_nodes = gpu_sites.site(visible)
             result = audit(pid, node, args.max_remote, local_nodes)
         except FileNotFoundError:
             print(f"pid {pid}: no such process")
+            wrong += 1
+            continue
+        except (InvalidGpuError, PermissionError) as error:
+            print(f"pid {pid}: cannot check: {error}")
+            if numbering:
+                print(f"  {numbering}")
             wrong += 1
             continue
         pages = ", ".join(f"node {n}: {p}" for n, p in sorted(result.pages.items())) or "none"
@@ -146,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
             where = f"GPU {args.gpu} on {where}"
         print(f"pid {pid}: {verdict} ({where}; {len(result.thread_cpus)} threads; pages {pages}; "
               f"remote {result.remote_share():.0%})")  # fmt: skip
+        if numbering:
+            print(f"  {numbering}")
         for problem in result.problems:
             print(f"  {problem}")
         wrong += bool(result.problems)

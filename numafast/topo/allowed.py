@@ -1,10 +1,16 @@
 """The CPUs and nodes a process may use: its affinity and its cpuset's mems.
 
 Live, the kernel says it directly (sched_getaffinity, Mems_allowed_list). A
-snapshot says it in ``proc/self/status`` when that was saved; otherwise the
-cgroup cpuset the snapshot's process sat in says it (v1 ``cpuset.cpus`` and
-``cpuset.mems``, v2 ``cpuset.cpus.effective`` and ``cpuset.mems.effective``),
-found through ``proc/self/cgroup`` (or ``proc/self/cpuset``) and ``proc/mounts``.
+snapshot says it in ``proc/self/status`` when that was saved (the lists, or on
+old kernels only the masks ``Cpus_allowed`` and ``Mems_allowed``); otherwise the
+cpuset the snapshot's process sat in says it, found through ``proc/self/cgroup``
+(or ``proc/self/cpuset``) and ``proc/mounts``, in one of three forms:
+
+* cgroup v1 (``cgroup`` mounted with the ``cpuset`` option): ``cpuset.cpus`` and
+  ``cpuset.mems`` (``cpus`` and ``mems`` when also mounted ``noprefix``);
+* the legacy cpuset filesystem (type ``cpuset``, e.g. at ``/dev/cpuset``), which is
+  that same hierarchy mounted ``noprefix``: ``cpus`` and ``mems``;
+* cgroup v2: ``cpuset.cpus.effective`` and ``cpuset.mems.effective``.
 """
 
 from __future__ import annotations
@@ -12,39 +18,39 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
-from numafast._validate import parse_ids
-from numafast.topo.files import read_fields, read_id_list, read_lines, warn
+from numafast.topo.files import id_set, read_fields, read_id_list, read_lines
 from numafast.topo.model import Node
 
 PROC_SELF = Path("proc/self")
 CGROUP_V1_FILES = ("cpuset.cpus", "cpuset.mems")
+# A v1 cpuset hierarchy mounted "noprefix", as the legacy cpuset filesystem always is.
+NOPREFIX_FILES = ("cpus", "mems")
 CGROUP_V2_FILES = ("cpuset.cpus.effective", "cpuset.mems.effective")
 
 IdSets = tuple[list[int] | None, list[int] | None]
 
 
 def from_status(root: Path) -> IdSets:
-    """Cpus_allowed_list and Mems_allowed_list of ``proc/self/status``."""
+    """The allowed CPUs and mems of ``proc/self/status``: the ``*_allowed_list`` fields, or
+    the ``Cpus_allowed`` / ``Mems_allowed`` masks where the lists are missing."""
     path = root / PROC_SELF / "status"
     fields = read_fields(path)
     if fields is None:
         return None, None
-    return _ids(fields.get("Cpus_allowed_list"), path), _ids(fields.get("Mems_allowed_list"), path)
+    cpus, mems = (
+        id_set(fields.get(f"{name}_list"), fields.get(name), f"{path}: {name}_list", name)
+        for name in ("Cpus_allowed", "Mems_allowed")
+    )
+    return cpus, mems
 
 
-def _ids(text: str | None, path: Path) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return parse_ids(text)
-    except ValueError:
-        warn(f"{path}: {text[:40]!r} is not a list of ids; ignored")
-        return None
+V1Mount = tuple[Path, tuple[str, str]]
 
 
-def cgroup_mounts(root: Path) -> tuple[Path | None, Path | None]:
-    """Mount points (v1 cpuset hierarchy, v2 unified hierarchy) from ``proc/mounts``."""
-    v1: Path | None = None
+def cgroup_mounts(root: Path) -> tuple[V1Mount | None, Path | None]:
+    """From ``proc/mounts``: the v1 cpuset hierarchy's mount point with the names of its
+    cpus and mems files, and the v2 unified hierarchy's mount point."""
+    v1: V1Mount | None = None
     v2: Path | None = None
     for line in read_lines(root / "proc/mounts") or []:
         words = line.split()
@@ -53,8 +59,9 @@ def cgroup_mounts(root: Path) -> tuple[Path | None, Path | None]:
         mount_point, fs_type, options = words[1], words[2], words[3].split(",")
         if fs_type == "cgroup2":
             v2 = Path(mount_point)
-        elif fs_type == "cgroup" and "cpuset" in options:
-            v1 = Path(mount_point)
+        elif v1 is None and (fs_type == "cpuset" or (fs_type == "cgroup" and "cpuset" in options)):
+            noprefix = fs_type == "cpuset" or "noprefix" in options
+            v1 = Path(mount_point), NOPREFIX_FILES if noprefix else CGROUP_V1_FILES
     return v1, v2
 
 
@@ -62,7 +69,8 @@ def cgroup_paths(root: Path) -> tuple[str | None, str | None]:
     """The process's cgroup path in the v1 cpuset hierarchy and in the v2 hierarchy.
 
     ``proc/self/cgroup`` lines are 'ID:controllers:path'; v2's is '0::path'.
-    ``proc/self/cpuset`` holds the cpuset path alone.
+    ``proc/self/cpuset`` holds the cpuset path alone: all an old kernel with the
+    legacy cpuset filesystem (and no cgroups) has.
     """
     v1: str | None = None
     v2: str | None = None
@@ -73,10 +81,11 @@ def cgroup_paths(root: Path) -> tuple[str | None, str | None]:
             v2 = path
         elif "cpuset" in controllers.split(","):
             v1 = path
-    if v1 is None and v2 is None:
+    if v1 is None or v2 is None:
         lines = read_lines(root / PROC_SELF / "cpuset")
         if lines:
-            v1 = v2 = lines[0]
+            v1 = v1 or lines[0]
+            v2 = v2 or lines[0]
     return v1, v2
 
 
@@ -101,11 +110,12 @@ def cpuset_files(root: Path, mount: Path, cgroup: str, names: tuple[str, str]) -
 
 
 def from_cgroup(root: Path) -> IdSets:
-    """The cpuset's CPUs and mems, cgroup v1 first (it is the one that holds the cpuset on a hybrid host)."""
+    """The cpuset's CPUs and mems, v1 (or the legacy cpuset filesystem) first: on a hybrid
+    host it is the one that holds the cpuset."""
     v1_mount, v2_mount = cgroup_mounts(root)
     v1_path, v2_path = cgroup_paths(root)
     if v1_mount is not None and v1_path is not None:
-        cpus, mems = cpuset_files(root, v1_mount, v1_path, CGROUP_V1_FILES)
+        cpus, mems = cpuset_files(root, v1_mount[0], v1_path, v1_mount[1])
         if cpus is not None:
             return cpus, mems
     if v2_mount is not None and v2_path is not None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from numafast._validate import format_ids
-from numafast.topo.files import read_id_list, read_int, read_text, subdirs, warn
+from numafast.topo.files import read_id_list, read_id_set, read_int, read_text, subdirs, warn
 from numafast.topo.model import Cpu
 
 CPU_DIR = Path("sys/devices/system/cpu")
@@ -36,16 +36,18 @@ def package_of(root: Path, cpu: int) -> int | None:
 
 
 def smt_siblings(root: Path, cpu: int) -> list[int] | None:
-    """``cpuN/topology/thread_siblings_list`` (core_cpus_list on newer kernels): one physical core."""
+    """``cpuN/topology/thread_siblings_list`` (core_cpus_list on newer kernels), or their
+    masks ``thread_siblings`` / ``core_cpus``: one physical core."""
     topology = root / CPU_DIR / f"cpu{cpu}" / "topology"
-    siblings = read_id_list(topology / "thread_siblings_list")
+    siblings = read_id_set(topology / "thread_siblings_list", topology / "thread_siblings")
     if siblings is None:
-        siblings = read_id_list(topology / "core_cpus_list")
+        siblings = read_id_set(topology / "core_cpus_list", topology / "core_cpus")
     return siblings
 
 
 def last_level_cache(root: Path, cpu: int) -> list[int] | None:
-    """CPUs sharing ``cpu``'s highest-level Unified or Data cache (``cpuN/cache/indexM``).
+    """CPUs sharing ``cpu``'s highest-level Unified or Data cache (``cpuN/cache/indexM``,
+    its ``shared_cpu_list`` or the ``shared_cpu_map`` mask).
 
     On an EPYC this is one CCX's L3 (several per node); on a Xeon the socket's L3.
     None when the cache directory is missing.
@@ -58,7 +60,7 @@ def last_level_cache(root: Path, cpu: int) -> list[int] | None:
         level = read_int(index / "level")
         if level is None or level <= best_level:
             continue
-        cpus = read_id_list(index / "shared_cpu_list")
+        cpus = read_id_set(index / "shared_cpu_list", index / "shared_cpu_map")
         if cpus:
             best_level, shared = level, cpus
     return shared
@@ -68,36 +70,57 @@ def read_cpus(root: Path, online: list[int], node_of: Mapping[int, int]) -> list
     """Each of the ``online`` CPUs with its node (None if no node lists it), package, core
     and LLC group.
 
-    Damage is reported once per kind, naming the CPUs, rather than once per CPU.
+    No cache is shared by CPUs of different packages (sockets): a last-level cache
+    reported so (a hypervisor's made-up CPUID, a firmware bug) is taken to be the
+    package's. Damage is reported once per kind, naming the CPUs, rather than once
+    per CPU.
     """
     online_set = set(online)
-    no_package: list[int] = []
     no_siblings: list[int] = []
     no_cache: list[int] = []
-    cpus: list[Cpu] = []
+    package = {cpu: package_of(root, cpu) for cpu in online}
+    siblings: dict[int, list[int]] = {}
+    llc: dict[int, list[int]] = {}
     for cpu in online:
-        package = package_of(root, cpu)
-        if package is None:
-            no_package.append(cpu)
         listed_siblings = smt_siblings(root, cpu)
         if listed_siblings is None:
             no_siblings.append(cpu)
-        siblings = sorted(online_set.intersection(listed_siblings or ()) | {cpu})
+        siblings[cpu] = sorted(online_set.intersection(listed_siblings or ()) | {cpu})
         llc_cpus = last_level_cache(root, cpu)
         if llc_cpus is None:
             no_cache.append(cpu)
             # Every level of a core's cache is shared by its SMT siblings at least.
-            llc = siblings
+            llc[cpu] = siblings[cpu]
         else:
-            llc = sorted(online_set.intersection(llc_cpus) | {cpu})
-        cpus.append(Cpu(cpu, node_of.get(cpu), package, siblings[0], tuple(siblings), tuple(llc)))
-    if no_package:
+            llc[cpu] = sorted(online_set.intersection(llc_cpus) | {cpu})
+    package_cpus: dict[int, list[int]] = {}
+    for cpu, number in package.items():
+        if number is not None:
+            package_cpus.setdefault(number, []).append(cpu)
+    across_packages: list[int] = []
+    for cpu in online:
+        number = package[cpu]
+        if number is not None and any(package[other] not in (number, None) for other in llc[cpu]):
+            across_packages.append(cpu)
+            llc[cpu] = package_cpus[number]
+    if no_package := [cpu for cpu in online if package[cpu] is None]:
         warn(f"cpu {format_ids(no_package)}: no topology/physical_package_id; package unknown")
     if no_siblings:
-        warn(f"cpu {format_ids(no_siblings)}: no topology/thread_siblings_list; each taken as its own core")
+        warn(
+            f"cpu {format_ids(no_siblings)}: no topology/thread_siblings_list nor thread_siblings; "
+            "each taken as its own core"
+        )
     if no_cache:
         warn(
             f"cpu {format_ids(no_cache)}: no cache/index*/ with a Unified or Data cache; "
             "last-level-cache group taken as the CPU's SMT siblings"
         )
-    return cpus
+    if across_packages:
+        warn(
+            f"cpu {format_ids(across_packages)}: the last-level cache is reported shared with CPUs of "
+            "another package, which no cache is; taken as the package's CPUs"
+        )
+    return [
+        Cpu(cpu, node_of.get(cpu), package[cpu], siblings[cpu][0], tuple(siblings[cpu]), tuple(llc[cpu]))
+        for cpu in online
+    ]

@@ -8,11 +8,16 @@ it could read: a topology that is partly known beats a crash in a launcher.
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
-from numafast._validate import parse_ids
+from numafast._validate import format_ids, parse_ids
 from numafast.errors import TopologyWarning
+
+# One word of the kernel's hex mask format: up to 32 bits, in hex.
+MASK_WORD = re.compile(r"[0-9a-fA-F]{1,8}")
 
 
 def warn(message: str) -> None:
@@ -65,6 +70,70 @@ def read_id_list(path: Path) -> list[int] | None:
     except ValueError:
         warn(f"{path}: {text[:40]!r} is not a list of ids; treated as empty")
         return []
+
+
+def parse_mask(text: str) -> list[int]:
+    """'000f,ff000fff' -> [0, ..., 11, 24, ..., 35]: the ids whose bits a kernel mask sets.
+
+    The kernel's mask files (a node's ``cpumap``, ``thread_siblings``, a cache's
+    ``shared_cpu_map``, a PCI device's ``local_cpus``, ``Cpus_allowed`` in
+    ``/proc/PID/status``) print the bitmap as comma-separated 32-bit words in hex,
+    most significant first; as many words as the bitmap's width needs (nr_cpu_ids
+    or MAX_NUMNODES bits), the first one only as wide as its bits ('ff' on an
+    8-CPU kernel, '0000,00000fff' on a 48-CPU one). ValueError for anything else.
+    """
+    text = text.strip().strip("\x00")
+    value = 0
+    for word in text.split(",") if text else ():
+        if not MASK_WORD.fullmatch(word.strip()):
+            raise ValueError(f"{word!r} is not a 32-bit hex word")
+        value = value << 32 | int(word, 16)
+    return [bit for bit in range(value.bit_length()) if value >> bit & 1]
+
+
+def id_set(list_text: str | None, mask_text: str | None, list_source: str, mask_source: str) -> list[int] | None:
+    """A set of CPUs (or nodes) the kernel writes in two forms: a list ('0-11,24-35') and
+    a hex mask ('000f,ff000fff'); None when neither is there (or parses).
+
+    Kernels write both, but archived snapshots, older and vendor kernels may keep only
+    the mask: then it is read. Where both parse and disagree (a snapshot taken
+    across a CPU hotplug, a hand-edited copy), the list wins, with a warning.
+    ``*_source`` name each form in messages (a path, or a field of a file).
+    """
+    listed = _parsed(list_text, parse_ids, list_source, "a list of ids")
+    masked = _parsed(mask_text, parse_mask, mask_source, "a hex mask")
+    if listed is None:
+        return masked
+    if masked is not None and set(masked) != set(listed):
+        warn(
+            f"{list_source} says {format_ids(listed)} but {mask_source} says {format_ids(masked)}; "
+            "taking the list"
+        )
+    return sorted(set(listed))
+
+
+def read_id_set(list_path: Path, mask_path: Path) -> list[int] | None:
+    """:func:`id_set` of two sysfs files (``cpulist`` and ``cpumap``, ``thread_siblings_list``
+    and ``thread_siblings``...); None when both are missing.
+
+    The running kernel's own /sys prints both forms from one bitmap, so there the
+    mask is read only when the list is missing (a cold topology() reads no file twice).
+    """
+    list_text = read_text(list_path)
+    if list_text is not None and list_path.parts[:2] == ("/", "sys"):
+        return id_set(list_text, None, str(list_path), mask_path.name)
+    return id_set(list_text, read_text(mask_path), str(list_path), mask_path.name)
+
+
+def _parsed(text: str | None, parse: Callable[[str], list[int]], source: str, form: str) -> list[int] | None:
+    """``parse(text)``; None when the text is missing, or does not parse (with a warning)."""
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ValueError:
+        warn(f"{source}: {text[:40]!r} is not {form}; ignored")
+        return None
 
 
 def read_int_row(path: Path) -> list[int] | None:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from numafast._validate import format_ids
 from numafast.errors import InvalidCpuSetError, InvalidGpuError, InvalidNodeError
@@ -127,13 +127,12 @@ class Topology:
         The running process's environment never leaks in: CUDA device order is PCI
         bus order filtered by ``cuda_visible_devices`` only when it is given.
         ``ask_gpu_libraries`` lets NVML or torch name GPU UUIDs; only meaningful
-        for this machine's own ``/``.
+        for this machine's own ``/``. The reading is done by
+        :func:`numafast.topo.read.read_topology`, which registers itself here.
         """
-        from numafast.topo.read import read_topology
-
-        return read_topology(
-            root, cuda_visible_devices=cuda_visible_devices, ask_gpu_libraries=ask_gpu_libraries
-        )
+        if _sysfs_reader is None:
+            raise RuntimeError("numafast.topo.read registers the sysfs reader; import numafast.topo")
+        return _sysfs_reader(root, cuda_visible_devices=cuda_visible_devices, ask_gpu_libraries=ask_gpu_libraries)
 
     # ---------------------------------------------------------------- lookups
 
@@ -255,3 +254,23 @@ class Topology:
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+
+class SysfsReader(Protocol):
+    """What builds a :class:`Topology` from a snapshot's files (numafast.topo.read.read_topology)."""
+
+    def __call__(
+        self, root: str | os.PathLike[str], *, cuda_visible_devices: str | None, ask_gpu_libraries: bool
+    ) -> Topology: ...
+
+
+# The model does no I/O and imports no reader: the reading side, which builds
+# topologies from files (files -> parts -> model), registers itself here so that
+# Topology.from_sysfs keeps working for users.
+_sysfs_reader: SysfsReader | None = None
+
+
+def register_sysfs_reader(reader: SysfsReader) -> None:
+    """Make ``reader`` the function behind :meth:`Topology.from_sysfs`."""
+    global _sysfs_reader
+    _sysfs_reader = reader

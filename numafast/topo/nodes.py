@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import MappingProxyType
 
-from numafast.topo.files import read_id_list, read_int_row, read_meminfo, subdirs, warn
+from numafast.topo.files import read_id_set, read_int_row, read_meminfo, subdirs, warn
 from numafast.topo.model import LOCAL_DISTANCE, REMOTE_DISTANCE, Node
 
 NODE_DIR = Path("sys/devices/system/node")
@@ -36,7 +36,8 @@ def distance_map(path: Path, node_id: int, node_ids: list[int]) -> dict[int, int
 
 
 def read_nodes(root: Path, online_cpus: list[int]) -> list[Node]:
-    """Every node the kernel shows, its online CPUs, memory and distances.
+    """Every node the kernel shows, its online CPUs (``cpulist``, or the ``cpumap`` mask),
+    memory and distances.
 
     Node ids may be sparse (0,1,4,5 or 250-255). CPU-less nodes (HBM, CXL, GPU
     memory) have no CPUs, memory-less nodes a MemTotal of 0. A kernel built
@@ -52,7 +53,7 @@ def read_nodes(root: Path, online_cpus: list[int]) -> list[Node]:
     node_ids = [node_id for node_id, _ in node_dirs]
     nodes: list[Node] = []
     for node_id, path in node_dirs:
-        cpus = tuple(sorted(online.intersection(read_id_list(path / "cpulist") or ())))
+        cpus = tuple(sorted(online.intersection(read_id_set(path / "cpulist", path / "cpumap") or ())))
         meminfo = read_meminfo(path / "meminfo")
         if meminfo is None:
             warn(f"{path / 'meminfo'}: missing; memory of node {node_id} unknown")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from numafast.topo.files import read_id_list, read_int, warn
+from numafast.topo.files import read_id_set, read_int, warn
 from numafast.topo.model import Node, PciDevice
 
 PCI_DIR = Path("sys/bus/pci/devices")
@@ -24,8 +24,9 @@ def resolve_node(numa_node: int | None, local_cpus: list[int] | None, nodes: lis
     """The node a device belongs to.
 
     ``numa_node`` (from the firmware's _PXM) when known; else the one node whose
-    CPUs hold all of the device's ``local_cpulist``; else node 0 on a one-node
-    machine; else None (firmware says nothing and local_cpulist spans nodes).
+    CPUs hold all of the device's ``local_cpulist`` (or its mask ``local_cpus``);
+    else node 0 on a one-node machine; else None (firmware says nothing and
+    local_cpulist spans nodes).
     """
     node_ids = [node.id for node in nodes]
     if numa_node is not None and numa_node in node_ids:
@@ -56,7 +57,7 @@ def read_pci(root: Path, nodes: list[Node]) -> list[PciDevice]:
             continue
         raw_node = read_int(path / "numa_node")
         numa_node = raw_node if raw_node is not None and raw_node >= 0 else None
-        node = resolve_node(numa_node, read_id_list(path / "local_cpulist"), nodes)
+        node = resolve_node(numa_node, read_id_set(path / "local_cpulist", path / "local_cpus"), nodes)
         devices.append(PciDevice(path.name, vendor, pci_class, numa_node, node))
     return devices
 

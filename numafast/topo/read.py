@@ -9,7 +9,7 @@ from pathlib import Path
 from numafast.topo.allowed import live_allowed, snapshot_allowed
 from numafast.topo.cpus import online_cpus, read_cpus
 from numafast.topo.cuda import driver_uuids, nvml_uuids, torch_uuids, visible_gpus
-from numafast.topo.model import Topology
+from numafast.topo.model import Topology, register_sysfs_reader
 from numafast.topo.nodes import read_nodes
 from numafast.topo.pci import read_pci
 
@@ -52,6 +52,8 @@ def read_topology(
         allowed_nodes=tuple(allowed_nodes),
     )
 
+
+register_sysfs_reader(read_topology)
 
 _live: Topology | None = None
 _live_lock = threading.Lock()
