@@ -154,6 +154,7 @@ def test_gpu_with_unknown_node(tmp_path: Path) -> None:
     root = tmp_path / "dgx"
     shutil.copytree(FIXTURES / "dgx-h100", root)
     (root / "sys/bus/pci/devices/0000:9d:00.0/local_cpulist").write_text("0-31\n")  # and numa_node -1
+    (root / "sys/bus/pci/devices/0000:9d:00.0/local_cpus").write_text("ffffffff\n")  # the same as a mask
     unknown = Topology.from_sysfs(root)
     with pytest.raises(InvalidGpuError, match=r"CUDA device 4 \(0000:9d:00.0\) has no known NUMA node"):
         cpus_for_gpu(4, topology=unknown)
