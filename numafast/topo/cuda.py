@@ -80,20 +80,13 @@ def nvml_uuids() -> dict[str, str]:
 
 
 def torch_uuids() -> dict[str, str]:
-    """UUID -> PCI address of each device torch.cuda sees; empty without torch or CUDA."""
+    """UUID -> PCI address of each device torch.cuda sees (numafast.torch.cuda, the one
+    module that touches torch.cuda, asks); empty without torch or CUDA."""
     try:
-        import torch
+        from numafast.torch import cuda
     except ImportError:
         return {}
-    if not torch.cuda.is_available():
-        return {}
-    uuids: dict[str, str] = {}
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        # torch's stub lacks the pci_* fields that its CUDA builds have.
-        address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"  # type: ignore[attr-defined]
-        uuids[f"GPU-{props.uuid}"] = address
-    return uuids
+    return cuda.device_uuids() if cuda.usable() else {}
 
 
 def _text(value: str | bytes) -> str:

@@ -18,6 +18,7 @@ __all__ = [
     "Registration",
     "SlotEvents",
     "device_count",
+    "device_uuids",
     "hand_over",
     "transfer_gbps",
     "usable",
@@ -155,6 +156,17 @@ def hand_over(copies: Sequence[torch.Tensor], ready: Any) -> None:
 
 def device_count() -> int:
     return int(torch.cuda.device_count())
+
+
+def device_uuids() -> dict[str, str]:
+    """'GPU-<uuid>' -> PCI address ('0000:3b:00.0') of each CUDA device this process sees."""
+    uuids: dict[str, str] = {}
+    for index in range(device_count()):
+        props = torch.cuda.get_device_properties(index)
+        # torch's stub lacks the pci_* fields that its CUDA builds have.
+        address = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"  # type: ignore[attr-defined]
+        uuids[f"GPU-{props.uuid}"] = address
+    return uuids
 
 
 def transfer_gbps(host: Any, device: int, *, to_device: bool, streams: int, repetitions: int, warmup: int = 2) -> list[float]:

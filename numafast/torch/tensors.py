@@ -28,7 +28,9 @@ def empty(
     ``nodes``; default: the calling thread's node), faulted in and ready to use.
 
     ``size`` as for torch.empty (``empty(2, 3)`` or ``empty((2, 3))``); ``dtype``
-    defaults to torch.get_default_dtype(). Its contents are zero.
+    defaults to torch.get_default_dtype(). Its contents are zero. Interleaved
+    memory is spread as :func:`numafast.empty` spreads it: each node gets its
+    share to within one base page, whatever the size.
     """
     shape = _shape(size)
     dtype = torch.get_default_dtype() if dtype is None else dtype
