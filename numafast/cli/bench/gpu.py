@@ -15,10 +15,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from functools import partial
-from typing import Any
-
-from numafast.cli.bench.result import Matrix, cell_key
-from numafast.cli.bench.run import Run, Unmeasurable, check_pages
+from numafast.cli.bench.result import Matrix
+from numafast.cli.bench.run import Run, check_pages
 from numafast.cli.bench.settings import WARMUP
 from numafast.topo import Topology
 
@@ -51,43 +49,24 @@ def transfer_bytes(run: Run) -> int:
 
 def measure(run: Run, name: str) -> Matrix:
     """One GPU x host-node matrix, cell by cell; a cell that cannot be measured says why."""
+    from numafast.cli.bench.measure import Cell, measure_grid  # measure.py imports this module
     from numafast.torch import cuda
 
     to_device = name.startswith("h2d")
     streams = CONCURRENT_STREAMS if "concurrent" in name else 1
     nbytes = transfer_bytes(run)
-    repetitions = run.settings.repetitions_of(name)
-    nodes, gpus = list(run.settings.nodes), list(range(cuda.device_count()))
-    values: list[list[float | None]] = []
-    threads: list[list[int]] = []
-    missing: dict[str, str] = {}
-    placement: dict[str, dict[str, Any]] = {}
-    for node in nodes:
-        values.append([])
-        threads.append([])
-        try:
-            host = run.pinned(node, nbytes)
-            pages = check_pages(host, node, "host")
-            problem = None
-        except Unmeasurable as reason:
-            problem = str(reason)
-        for gpu in gpus:
-            key = cell_key(node, gpu)
-            if problem is not None:
-                values[-1].append(None)
-                threads[-1].append(0)
-                missing[key] = problem
-            else:
-                rates = cuda.transfer_gbps(host, gpu, to_device=to_device, streams=streams,
-                                           repetitions=repetitions, warmup=WARMUP)  # fmt: skip
-                values[-1].append(statistics.median(rates))
-                threads[-1].append(1)  # one host thread queues the copies; the copy engines do them
-                placement[key] = {"cuda_device": gpu, "buffers": {"host": pages}}
-            run.tick(f"{name} {key}")
-    return Matrix(
-        name=name, rows=nodes, cols=gpus, values=values, missing=missing, threads=threads, bytes=nbytes,
-        repetitions=repetitions, warmup=WARMUP, statistic="median", per_repetition=nbytes,
-        per_repetition_unit="bytes", placement=placement, streams=streams,
+
+    def cell(run: Run, node: int, gpu: int) -> Cell:
+        host = run.pinned(node, nbytes)
+        buffers = {"host": check_pages(host, node, "host")}
+        rates = cuda.transfer_gbps(host, gpu, to_device=to_device, streams=streams,
+                                   repetitions=run.settings.repetitions_of(name), warmup=WARMUP)  # fmt: skip
+        # One host thread queues the copies; the GPU's copy engines do them.
+        return Cell(statistics.median(rates), 1, {"cuda_device": gpu, "buffers": buffers})
+
+    return measure_grid(
+        run, name, list(run.settings.nodes), list(range(cuda.device_count())), cell, bytes=nbytes,
+        statistic="median", per_repetition=nbytes, per_repetition_unit="bytes", streams=streams,
     )  # fmt: skip
 
 

@@ -110,15 +110,36 @@ def _per_repetition(run: Run, name: str) -> tuple[int, str]:
 
 def measure_cells(run: Run, name: str, cell: Callable[[Run, int, int], Cell]) -> Matrix:
     """A node x node matrix, cell by cell; a cell that cannot be measured says why."""
-    nodes = run.settings.nodes
+    per_repetition, unit = _per_repetition(run, name)
+    nodes = list(run.settings.nodes)
+    return measure_grid(
+        run, name, nodes, nodes, cell, bytes=run.settings.size, statistic="best",
+        per_repetition=per_repetition, per_repetition_unit=unit,
+    )  # fmt: skip
+
+
+def measure_grid(
+    run: Run,
+    name: str,
+    rows: list[int],
+    cols: list[int],
+    cell: Callable[[Run, int, int], Cell],
+    *,
+    bytes: int,
+    statistic: str,
+    per_repetition: int,
+    per_repetition_unit: str,
+    streams: int | None = None,
+) -> Matrix:
+    """A ``rows`` x ``cols`` matrix, cell by cell; a cell that cannot be measured says why."""
     values: list[list[float | None]] = []
     threads: list[list[int]] = []
     missing: dict[str, str] = {}
     placement: dict[str, dict[str, Any]] = {}
-    for row in nodes:
+    for row in rows:
         values.append([])
         threads.append([])
-        for col in nodes:
+        for col in cols:
             key = cell_key(row, col)
             try:
                 result = cell(run, row, col)
@@ -131,11 +152,11 @@ def measure_cells(run: Run, name: str, cell: Callable[[Run, int, int], Cell]) ->
                 threads[-1].append(result.threads)
                 placement[key] = result.placement
             run.tick(f"{name} {key}")
-    per_repetition, unit = _per_repetition(run, name)
     return Matrix(
-        name=name, rows=list(nodes), cols=list(nodes), values=values, missing=missing, threads=threads,
-        bytes=run.settings.size, repetitions=run.settings.repetitions_of(name), warmup=WARMUP, statistic="best",
-        per_repetition=per_repetition, per_repetition_unit=unit, placement=placement,
+        name=name, rows=rows, cols=cols, values=values, missing=missing, threads=threads, bytes=bytes,
+        repetitions=run.settings.repetitions_of(name), warmup=WARMUP, statistic=statistic,
+        per_repetition=per_repetition, per_repetition_unit=per_repetition_unit, placement=placement,
+        streams=streams,
     )  # fmt: skip
 
 
