@@ -4,7 +4,7 @@ CI checks it against the built extension with mypy's stubtest (.ci/typecheck).
 """
 
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -83,6 +83,7 @@ MPOL_MF_MOVE_ALL: int
 MADV_HUGEPAGE: int
 MADV_NOHUGEPAGE: int
 MADV_POPULATE_WRITE: int
+MADV_COLD: int
 
 @disjoint_base  # each cdef class is a C struct of its own: no class can derive from two
 class MappedBuffer:
@@ -105,7 +106,11 @@ def alloc_onnode(size: int, node: int) -> MappedBuffer: ...
 def madvise(buf: _BufferLike, advice: int) -> None: ...
 def mbind(buf: _BufferLike, mode: int, nodes: Iterable[int], flags: int = 0) -> None: ...
 def move_pages(
-    buf: _BufferLike, node: int | None = None, flags: int = 0, whole_pages_only: bool = False, pid: int = 0
+    buf: _BufferLike,
+    node: int | Sequence[int] | None = None,
+    flags: int = 0,
+    whole_pages_only: bool = False,
+    pid: int = 0,
 ) -> array[int]: ...
 def pretouch(buf: _BufferLike, cpus: Iterable[int], threads: int, alignment: int = 0) -> str: ...
 

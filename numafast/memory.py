@@ -48,10 +48,6 @@ BYTES_PER_THREAD = 32 << 20
 # Pages the kernel reports busy (-EBUSY: locked, under writeback, being migrated)
 # are usually free again within milliseconds.
 RETRY_DELAYS_S = (0.001, 0.004, 0.016, 0.064, 0.25)
-# madvise(2) advice (uapi asm-generic/mman-common.h, Linux 5.4+) that numafast's
-# native layer does not publish: deactivate pages. Its side effect is the one used
-# here: a huge page only partly inside the advised range is split into base pages.
-MADV_COLD = 20
 # Without THP, pages still move in runs this long where each run has one node.
 MOVE_RUN_BYTES = 512 * PAGE_SIZE
 
@@ -253,29 +249,21 @@ def _interleave_in_place(flat: np.ndarray, targets: list[int], move: bool) -> No
         return
     addresses = first + np.arange((end - first) // PAGE_SIZE, dtype=np.int64) * PAGE_SIZE
     in_even_part = (addresses >= even_start) & (addresses < even_end)
-    # Where each page goes: by huge page (run) in the even part, by page elsewhere;
-    # and the first page of the span it moves with.
+    # Where each page goes: by huge page (run) in the even part, by page elsewhere.
     turn = np.where(in_even_part, addresses // run, addresses // PAGE_SIZE) % len(targets)
     wanted = np.asarray(targets, dtype=np.int32)[turn]
-    span_start = np.where(in_even_part, addresses // run * run, addresses)
     before = np.frombuffer(_libnuma.move_pages(whole, None, 0, True), dtype=np.int32)
     status = before
     failed: dict[str, int] = {}
     for delay in (0.0, *RETRY_DELAYS_S):
-        misplaced = (status >= 0) & (status != wanted)
-        if not misplaced.any():
+        if not ((status >= 0) & (status != wanted)).any():
             return
         time.sleep(delay)
-        failed = {}
-        for start in np.unique(span_start[misplaced]).tolist():
-            length = run if even_start <= start < even_end else PAGE_SIZE
-            node = int(wanted[(start - first) // PAGE_SIZE])
-            moved = np.frombuffer(
-                _libnuma.move_pages(part(start, start + length), node, _libnuma.MPOL_MF_MOVE, True), dtype=np.int32
-            )
-            for code in moved[(moved < 0) & ~np.isin(moved, UNTOUCHED_STATUSES)].tolist():
-                name = errno.errorcode.get(-code, str(code))
-                failed[name] = failed.get(name, 0) + 1
+        # One call, each page to its turn: a huge page of the even part moves whole
+        # (all its base pages want the same node); the rest is base pages by now.
+        status = np.frombuffer(_libnuma.move_pages(whole, wanted, _libnuma.MPOL_MF_MOVE, True), dtype=np.int32)
+        stuck = status[(status < 0) & ~np.isin(status, UNTOUCHED_STATUSES)]
+        failed = {errno.errorcode.get(-code, str(code)): int((stuck == code).sum()) for code in np.unique(stuck)}
         status = np.frombuffer(_libnuma.move_pages(whole, None, 0, True), dtype=np.int32)
     misplaced = (status >= 0) & (status != wanted)
     if not misplaced.any():
@@ -309,7 +297,7 @@ def _split_huge_pages(part: Callable[[int, int], memoryview], start: int, stop: 
     """
     for huge_start in range(start // huge_page * huge_page, stop, huge_page):
         page = max(huge_start, start)
-        if not _madvise_if_possible(part(page, page + PAGE_SIZE), MADV_COLD):
+        if not _madvise_if_possible(part(page, page + PAGE_SIZE), _libnuma.MADV_COLD):
             return
 
 

@@ -42,6 +42,7 @@ for _name, _value in {
     "MADV_HUGEPAGE": MADV_HUGEPAGE,
     "MADV_NOHUGEPAGE": MADV_NOHUGEPAGE,
     "MADV_POPULATE_WRITE": MADV_POPULATE_WRITE,
+    "MADV_COLD": MADV_COLD,
 }.items():
     globals()[_name] = _value
 del _name, _value
@@ -316,22 +317,30 @@ def move_pages(buf, node=None, int flags=0, bint whole_pages_only=False, int pid
 
     With ``node`` None it moves nothing (nodes=NULL) and the status of each page is
     the node it is on, or -ENOENT (never touched) / -EFAULT (only read: the shared
-    zero page). Otherwise each page moves to ``node`` (``buf`` must be writable) and
-    its status is the node it is on after, or -errno (-EBUSY: in use, try again).
-    Returns the statuses as an array('i'), one per page, in address order.
+    zero page). Otherwise each page moves to ``node`` (an int, or a sequence of
+    ints, one per page; ``buf`` must be writable) and its status is the node it is
+    on after, or -errno (-EBUSY: in use, try again). Returns the statuses as an
+    array('i'), one per page, in address order.
     """
     cdef Py_buffer view
     cdef char *first
     cdef size_t pages, done, count, i
     cdef void **addresses = NULL
     cdef int *targets = NULL
-    cdef int target = -1 if node is None else <int>node
+    cdef array.array per_page = None
+    cdef int target = -1
     cdef array.array status
     cdef long rc = 0
     cdef int err = 0
     _hold(buf, &view, node is not None)
     try:
         pages = _pages_of(&view, whole_pages_only, &first)
+        if isinstance(node, int):
+            target = <int>node
+        elif node is not None:
+            per_page = py_array.array("i", node)
+            if <size_t>len(per_page) != pages:
+                raise ValueError(f"{len(per_page)} target nodes for {pages} pages")
         status = array.clone(_INT_ARRAY, pages, False)
         addresses = <void **>malloc(min(pages, _MOVE_BATCH) * sizeof(void *) + 1)
         if node is not None:
@@ -339,14 +348,13 @@ def move_pages(buf, node=None, int flags=0, bint whole_pages_only=False, int pid
         if addresses == NULL or (node is not None and targets == NULL):
             raise MemoryError("move_pages: page address array")
         with nogil:
-            for i in range(min(pages, _MOVE_BATCH)):
-                if targets != NULL:
-                    targets[i] = target
             done = 0
             while done < pages:
                 count = min(pages - done, _MOVE_BATCH)
                 for i in range(count):
                     addresses[i] = first + (done + i) * _PAGE
+                    if targets != NULL:
+                        targets[i] = per_page.data.as_ints[done + i] if per_page is not None else target
                 libc_errno.errno = 0
                 rc = numa_api.move_pages(pid, count, addresses, targets,
                                          status.data.as_ints + done, flags)
@@ -355,7 +363,8 @@ def move_pages(buf, node=None, int flags=0, bint whole_pages_only=False, int pid
                     break
                 done += count
         if rc < 0:
-            _fail("move_pages", err, f"{pages} pages at {<uintptr_t>first:#x}, node {node}")
+            detail = "nodes per page" if per_page is not None else f"node {node}"
+            _fail("move_pages", err, f"{pages} pages at {<uintptr_t>first:#x}, {detail}")
         return status
     finally:
         free(addresses)

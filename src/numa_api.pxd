@@ -163,13 +163,17 @@ cdef extern from "<sys/mman.h>" nogil:
 
 cdef extern from *:
     """
-    /* Linux 5.14 (uapi/asm-generic/mman-common.h); older headers lack it. */
+    /* Linux 5.14 and 5.4 (uapi/asm-generic/mman-common.h); older headers lack them. */
     #ifndef MADV_POPULATE_WRITE
     #define MADV_POPULATE_WRITE 23
+    #endif
+    #ifndef MADV_COLD
+    #define MADV_COLD 20
     #endif
     """
     enum:
         MADV_POPULATE_WRITE
+        MADV_COLD
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef unsigned long pthread_t
