@@ -237,7 +237,7 @@ class PinnedPool:
         total, free = _libnuma.node_size64(self._node)
         if total == 0:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
-        cuda = _cuda_module(register_mode)
+        registers = _registers(register_mode)
         stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
         region = allocate(stride * slots, node=self._node, hugepages=hugepages)
@@ -246,11 +246,13 @@ class PinnedPool:
             # Forked DataLoader workers must not share (or copy-on-write) locked,
             # registered pages: the child gets no mapping at all.
             region.keep_out_of_children()
-            self._lock_note = self._lock(lock_mode, register_next=cuda is not None)
+            self._lock_note = self._lock(lock_mode, register_next=registers)
             self._lock_possible = not self._lock_note
             fence = None
-            if cuda is not None:
-                self._resources.registration = cuda.register(region.address, region.size)
+            if registers:
+                from numafast.torch import cuda
+
+                self._resources.registration = cuda.Registration(region.address, region.size)
                 fence = _StreamFences(slots, cuda.SlotEvents(slots))
             self._fences = fence
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
@@ -449,21 +451,21 @@ def _check_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
-def _cuda_module(mode: RegisterMode) -> Any:
-    """numafast.torch.cuda when this pool registers with CUDA, else None."""
+def _registers(mode: RegisterMode) -> bool:
+    """Whether this pool registers with CUDA; CudaUnavailable when it must and cannot."""
     if mode is RegisterMode.OFF:
-        return None
+        return False
     if mode is RegisterMode.AUTO and "torch" not in sys.modules:
-        return None
+        return False
     try:
         from numafast.torch import cuda
     except ImportError as error:
         raise CudaUnavailable(f"register='required' needs PyTorch with CUDA: {error}") from error
     if cuda.usable():
-        return cuda
+        return True
     if mode is RegisterMode.REQUIRED:
         raise CudaUnavailable(f"register='required', but CUDA is not usable here: {cuda.why_not_usable()}")
-    return None
+    return False
 
 
 def _memlock_message(nbytes: int, node: int, error: LibnumaError) -> str:

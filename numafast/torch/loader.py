@@ -34,7 +34,8 @@ from numafast.binding import bind
 from numafast.errors import CudaUnavailable, InvalidGpuError, InvalidSizeError
 from numafast.pages import local_node
 from numafast.pool import PoolStats
-from numafast.torch.batch import flatten
+from numafast.torch import cuda
+from numafast.torch.batch import flatten, record_stream
 from numafast.torch.pools import NodePools
 from numafast.topo import topology
 
@@ -77,8 +78,6 @@ def resolve_device(device: object) -> torch.device | None:
         return None
     if resolved.type != "cuda":
         raise ValueError(f"device {device!r}: NumaLoader copies to a CUDA device or yields host batches (None, 'cpu')")
-    from numafast.torch import cuda
-
     if not cuda.usable():
         raise CudaUnavailable(f"device {device!r}: {cuda.why_not_usable()}")
     return cuda.with_index(resolved)
@@ -198,12 +197,10 @@ def _pin_loop(pipe: _Pipe, owner: NumaLoader) -> None:
     pipe.thread_id = threading.get_native_id()
     loader, node = owner.loader, owner.node
     pools = owner.pools
-    copier = None
+    copier: cuda.CopyStream | None = None
     try:
         bind(node)  # this thread only lives to pin: it stays on the node
         if owner.device is not None:
-            from numafast.torch import cuda
-
             copier = cuda.CopyStream(owner.device)
         batches = _iterate_placed(loader, WorkerPlacement(node, owner.strict, loader.worker_init_fn))
     except BaseException as error:  # noqa: BLE001 - handed to the consumer
@@ -224,7 +221,7 @@ def _pin_loop(pipe: _Pipe, owner: NumaLoader) -> None:
                 item = pools.pin(batch)
                 del batch
                 if copier is not None:
-                    item = _to_device(item, copier, pools)
+                    item = _to_device(item, copier)
             except Exception as error:
                 item = _Raised(error)
             if not pipe.put(item):
@@ -249,9 +246,7 @@ def _iterate_placed(loader: DataLoader[Any], placement: WorkerPlacement) -> Iter
         loader.worker_init_fn = own
 
 
-def _to_device(pinned: Any, copier: Any, pools: NodePools) -> _OnDevice:
-    from numafast.torch.batch import record_stream
-
+def _to_device(pinned: Any, copier: cuda.CopyStream) -> _OnDevice:
     tensors, rebuild = flatten(pinned)
     copies, ready = copier.to_device(tensors)
     # The slots come back as `pinned` goes; they are reused once the side stream is done.
@@ -318,8 +313,6 @@ class _NumaLoaderIterator:
             del item
             raise error
         if isinstance(item, _OnDevice):
-            from numafast.torch import cuda
-
             cuda.hand_over(item.copies, item.ready)
             return item.rebuild(item.copies)
         return item
