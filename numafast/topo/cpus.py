@@ -45,25 +45,32 @@ def smt_siblings(root: Path, cpu: int) -> list[int] | None:
     return siblings
 
 
-def last_level_cache(root: Path, cpu: int) -> list[int] | None:
-    """CPUs sharing ``cpu``'s highest-level Unified or Data cache (``cpuN/cache/indexM``,
-    its ``shared_cpu_list`` or the ``shared_cpu_map`` mask).
-
-    On an EPYC this is one CCX's L3 (several per node); on a Xeon the socket's L3.
-    None when the cache directory is missing.
+def last_level_cache_dir(root: Path, cpu: int) -> tuple[Path, list[int]] | None:
+    """``cpu``'s highest-level Unified or Data cache (``cpuN/cache/indexM``) whose sharing
+    CPUs are known: its directory (for its ``size``...) and the CPUs that share it
+    (its ``shared_cpu_list``, or the ``shared_cpu_map`` mask). None when the cache
+    directory is missing.
     """
-    best_level = -1
-    shared: list[int] | None = None
+    best: tuple[int, Path, list[int]] | None = None
     for _, index in subdirs(root / CPU_DIR / f"cpu{cpu}" / "cache", "index"):
         if read_text(index / "type") not in DATA_CACHE_TYPES:
             continue
         level = read_int(index / "level")
-        if level is None or level <= best_level:
+        if level is None or (best is not None and level <= best[0]):
             continue
         cpus = read_id_set(index / "shared_cpu_list", index / "shared_cpu_map")
         if cpus:
-            best_level, shared = level, cpus
-    return shared
+            best = level, index, cpus
+    return None if best is None else best[1:]
+
+
+def last_level_cache(root: Path, cpu: int) -> list[int] | None:
+    """CPUs sharing ``cpu``'s last-level cache (:func:`last_level_cache_dir`).
+
+    On an EPYC this is one CCX's L3 (several per node); on a Xeon the socket's L3.
+    """
+    found = last_level_cache_dir(root, cpu)
+    return None if found is None else found[1]
 
 
 def read_cpus(root: Path, online: list[int], node_of: Mapping[int, int]) -> list[Cpu]:

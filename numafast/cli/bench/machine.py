@@ -9,8 +9,8 @@ from typing import Any
 from numafast._buffers import PAGE_SIZE
 from numafast.memory import THP_ENABLED_FILE, _thp_size
 from numafast.topo import Topology
-from numafast.topo.cpus import CPU_DIR, DATA_CACHE_TYPES
-from numafast.topo.files import read_id_list, read_int, read_text, subdirs
+from numafast.topo.cpus import last_level_cache_dir
+from numafast.topo.files import read_text
 
 SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -24,18 +24,15 @@ def cache_size(text: str | None) -> int | None:
     return int(digits) * scale if digits.isdigit() else None
 
 
-def last_level_caches(cpu: int, root: Path = Path("/")) -> tuple[tuple[int, ...], int] | None:
-    """(CPUs sharing it, bytes) of ``cpu``'s highest-level Unified or Data cache."""
-    best: tuple[int, tuple[int, ...], int] | None = None
-    for _, index in subdirs(root / CPU_DIR / f"cpu{cpu}" / "cache", "index"):
-        if read_text(index / "type") not in DATA_CACHE_TYPES:
-            continue
-        level = read_int(index / "level")
-        size = cache_size(read_text(index / "size"))
-        shared = read_id_list(index / "shared_cpu_list") or [cpu]
-        if level is not None and size and (best is None or level > best[0]):
-            best = (level, tuple(shared), size)
-    return None if best is None else best[1:]
+def last_level_cache(cpu: int, root: Path = Path("/")) -> tuple[tuple[int, ...], int] | None:
+    """(CPUs sharing it, bytes) of ``cpu``'s last-level cache, as the topology finds it;
+    None when sysfs does not give its size."""
+    found = last_level_cache_dir(root, cpu)
+    if found is None:
+        return None
+    index, shared = found
+    size = cache_size(read_text(index / "size"))
+    return (tuple(shared), size) if size else None
 
 
 def node_llc_bytes(cpus: tuple[int, ...]) -> int | None:
@@ -43,7 +40,7 @@ def node_llc_bytes(cpus: tuple[int, ...]) -> int | None:
     several L3s); None when sysfs does not say (0 for a CPU-less node)."""
     caches: dict[tuple[int, ...], int] = {}
     for cpu in cpus:
-        cache = last_level_caches(cpu)
+        cache = last_level_cache(cpu)
         if cache is None:
             return None
         caches[cache[0]] = cache[1]
