@@ -30,7 +30,7 @@ import pytest
 import numafast
 from numafast.binding import cpus_allowed
 from numafast.cli.bench.measure import MEASURERS, live_topology
-from numafast.cli.bench.run import CHASE_STEPS_MAX, CHASE_STRIDE
+from numafast.cli.bench.run import chase_steps
 from numafast.cli.bench.settings import REPETITIONS, resolve_settings
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
@@ -75,7 +75,7 @@ def references() -> Iterator[dict[str, Path]]:
 def run_reference(references: dict[str, Path], name: str, threads: int) -> dict[str, float]:
     """One run of the C reference for ``name``: {figure name: value}."""
     if name == "latency_ns":
-        steps = min(SIZE // CHASE_STRIDE, CHASE_STEPS_MAX)
+        steps = chase_steps(SIZE)
         command = [str(references["chase"]), str(NODE_CPUS[0]), str(SIZE), str(steps), str(REPETITIONS[name])]
         environment = dict(os.environ)
     else:

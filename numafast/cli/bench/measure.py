@@ -40,17 +40,12 @@ class Cell:
     placement: dict[str, Any]
 
 
-def _timed_cell(
-    name: str,
-    cpu_node: int,
-    timed: Timings,
-    buffers: dict[str, Any],
-    per_repetition: int,
-) -> Cell:
+def _timed_cell(run: Run, name: str, cpu_node: int, timed: Timings, buffers: dict[str, Any]) -> Cell:
     """The cell's value from the best timed repetition, once its threads pass their check."""
     seconds, placed = timed
     cpus = check_threads(placed, cpu_node)
     best = min(seconds[WARMUP:])
+    per_repetition = _per_repetition(run, name)[0]
     value = best / per_repetition * 1e9 if MATRICES[name].unit == "ns" else per_repetition / best / 1e9
     return Cell(value, len(placed), {"cpus": cpus, "cpu_node": cpu_node, "buffers": buffers})
 
@@ -62,9 +57,8 @@ def latency_cell(run: Run, row: int, col: int) -> Cell:
     cpu = run.cpus_of(row)[0]
     chain = run.chain(col)
     buffers = {"source": check_pages(chain, col, "source")}
-    steps = run.chase_steps
-    timed = _libnuma.time_chase(chain, cpu, steps, WARMUP + run.settings.repetitions_of("latency_ns"))
-    return _timed_cell("latency_ns", row, timed, buffers, steps)
+    timed = _libnuma.time_chase(chain, cpu, run.chase_steps, WARMUP + run.settings.repetitions_of("latency_ns"))
+    return _timed_cell(run, "latency_ns", row, timed, buffers)
 
 
 def read_cell(run: Run, row: int, col: int) -> Cell:
@@ -72,7 +66,7 @@ def read_cell(run: Run, row: int, col: int) -> Cell:
     source = run.buffer(col, "source")
     buffers = {"source": check_pages(source, col, "source")}
     timed = _libnuma.time_read(source, cpus, WARMUP + run.settings.repetitions_of("read_gbps"))
-    return _timed_cell("read_gbps", row, timed, buffers, run.settings.size)
+    return _timed_cell(run, "read_gbps", row, timed, buffers)
 
 
 def copy_cell(run: Run, row: int, col: int) -> Cell:
@@ -99,10 +93,12 @@ def _copy(run: Run, name: str, cpu_node: int, source_node: int, destination_node
         "destination": check_pages(destination, destination_node, "destination"),
     }
     timed = timer(source, destination, cpus, WARMUP + run.settings.repetitions_of(name))
-    return _timed_cell(name, cpu_node, timed, buffers, 2 * run.settings.size)
+    return _timed_cell(run, name, cpu_node, timed, buffers)
 
 
 def _per_repetition(run: Run, name: str) -> tuple[int, str]:
+    """What one repetition of a CPU matrix's cell counts: its loads (latency) or the
+    bytes it moves (a copy counts those it reads and those it writes, as STREAM does)."""
     if name == "latency_ns":
         return run.chase_steps, "loads"
     return (run.settings.size if name == "read_gbps" else 2 * run.settings.size), "bytes"

@@ -148,7 +148,12 @@ class Run(AbstractContextManager["Run"]):
 
     @property
     def chase_steps(self) -> int:
-        return min(self.settings.size // CHASE_STRIDE, CHASE_STEPS_MAX)
+        return chase_steps(self.settings.size)
+
+
+def chase_steps(size: int) -> int:
+    """Dependent loads per repetition of the latency chase over a buffer of ``size`` bytes."""
+    return min(size // CHASE_STRIDE, CHASE_STEPS_MAX)
 
 
 def check_pages(buffer: object, node: int, role: str) -> dict[str, Any]:
