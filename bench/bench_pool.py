@@ -60,7 +60,8 @@ def record(benchmark, table, group: str, name: str, run: Callable[[], object], *
     benchmark.group = group
     benchmark.name = name
     benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=warmup)
-    table.setdefault(group, {})[name] = (scale(benchmark.stats.stats.median), unit)
+    if benchmark.stats is not None:  # None under --benchmark-disable: each case ran once, untimed
+        table.setdefault(group, {})[name] = (scale(benchmark.stats.stats.median), unit)
 
 
 # ---------------------------------------------------------------- a slot
@@ -148,10 +149,11 @@ def test_copy_memcpy(benchmark, table, copy_pools, size: int) -> None:  # type: 
 def test_copy_pin(benchmark, table, copy_pools, size: int, threads: int | None) -> None:  # type: ignore[no-untyped-def]
     torch = pytest.importorskip("torch")
     import numafast.torch
+    from numafast.torch.batch import _copy_threads
 
     pool = copy_pools[size]
     batch = {"images": torch.rand(size // 4)}
-    count = threads or max(1, min(size // (16 * MIB), len(pool.cpus), 8))
+    count = _copy_threads(size, len(pool.cpus), threads)  # what pin() will use
 
     def pin() -> None:
         numafast.torch.pin(batch, pool, threads=threads)
@@ -288,7 +290,8 @@ def test_h2d_pin_memory(benchmark, table) -> None:  # type: ignore[no-untyped-de
 
 def test_h2d_pool_slot(benchmark, table) -> None:  # type: ignore[no-untyped-def]
     def from_pool(torch):  # type: ignore[no-untyped-def]
-        pool = numafast.PinnedPool(numafast.topology().node_of_gpu(0) or NODE, H2D_BYTES, 1, register="required")
+        gpu_node = numafast.topology().node_of_gpu(0)
+        pool = numafast.PinnedPool(NODE if gpu_node is None else gpu_node, H2D_BYTES, 1, register="required")
         return torch.frombuffer(pool.acquire(), dtype=torch.uint8)
 
     h2d_case(benchmark, table, "PinnedPool slot on the GPU's node (registered)", from_pool)

@@ -1,5 +1,5 @@
 /* Pointer-chase reference for `numafast bench`'s latency_ns: plain C, built with the
-   system compiler at -O2 by bench/bench_bench.py.
+   system compiler at -O2 by bench/bench_matrices.py.
 
    usage: chase CPU BYTES STEPS REPETITIONS
 

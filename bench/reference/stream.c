@@ -1,5 +1,5 @@
 /* STREAM-style reference for `numafast bench`'s read_gbps and copy_gbps: plain C,
-   OpenMP, built with the system compiler at -O2 by bench/bench_bench.py.
+   OpenMP, built with the system compiler at -O2 by bench/bench_matrices.py.
 
    usage: stream BYTES REPETITIONS        (threads: OMP_NUM_THREADS, pinned by OMP_PROC_BIND)
 
