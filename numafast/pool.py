@@ -234,8 +234,7 @@ class PinnedPool:
         lock_mode: LockMode = _parse_mode(lock, LockMode, "lock")
         register_mode: RegisterMode = _parse_mode(register, RegisterMode, "register")
         self._timeout = _check_timeout(timeout)
-        total, free = _libnuma.node_size64(self._node)
-        if total == 0:
+        if _libnuma.node_size64(self._node)[0] == 0:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
         registers = _registers(register_mode)
         stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE

@@ -21,11 +21,10 @@ import numafast
 from numafast.cli import main
 from numafast.cli.bench import parse_size
 from numafast.cli.bench.health import h2d_failures, local_ratio_failures
-from numafast.cli.bench.table import render_matrix
+from numafast.cli.bench.result import MATRICES, SCHEMA, BenchResult, check_document
 from numafast.cli.bench.run import Run, Unmeasurable, check_threads
 from numafast.cli.bench.settings import Settings
-from numafast.cli.bench.result import MATRICES, SCHEMA, BenchResult, check_document
-from numafast.cli.bench.table import render
+from numafast.cli.bench.table import render, render_matrix
 from sysfs_truth import node_cpus, node_meminfo, online_nodes
 
 TESTS = Path(__file__).resolve().parent
