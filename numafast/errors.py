@@ -132,8 +132,8 @@ class PoolClosedError(NumaError, RuntimeError):
 
 
 class PoolForkedError(NumaError, RuntimeError):
-    """A pinned pool used in a forked child: its memory belongs to the parent and is
-    not mapped in the child (MADV_DONTFORK)."""
+    """A pinned pool used in a forked child: its memory belongs to the parent; the child
+    only reads the slots it inherited, through a private copy-on-write view."""
 
 
 class PoolExhaustedError(NumaError, TimeoutError):

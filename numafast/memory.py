@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
@@ -43,6 +44,8 @@ __all__ = ["allocate", "empty", "mbind", "migrate", "zeros"]
 
 THP_SIZE_FILE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
 THP_ENABLED_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# Shared memory (memfd, /dev/shm) gets huge pages by its own switch, not by `enabled`.
+THP_SHMEM_FILE = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 # Below this much memory per pre-touch thread, starting one costs more than it saves.
 BYTES_PER_THREAD = 32 << 20
 # Pages the kernel reports busy (-EBUSY: locked, under writeback, being migrated)
@@ -99,10 +102,19 @@ def zeros(
 
 
 def allocate(
-    nbytes: int, *, node: int | None = None, nodes: Iterable[int] | None = None, hugepages: bool = True
+    nbytes: int,
+    *,
+    node: int | None = None,
+    nodes: Iterable[int] | None = None,
+    hugepages: bool = True,
+    shared_file: int | None = None,
 ) -> _libnuma.MappedBuffer:
     """``nbytes`` of fresh memory bound to ``node`` (or interleaved over ``nodes``) and
     already faulted in there; what :func:`empty` and ``numafast.torch.empty`` build on.
+
+    With ``shared_file`` (the descriptor of an empty memfd, grown to ``nbytes`` here)
+    the memory is that file mapped shared, for other processes to map too; the
+    policy is then the file's own, so it places pages whoever touches them.
 
     Huge pages back it where THP allows and ``hugepages`` asks: all of it on one
     node; interleaved, only whole huge pages in a multiple of the node count, from
@@ -111,14 +123,18 @@ def allocate(
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise InvalidSizeError(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
     targets = _target_nodes(node, nodes)
-    thp = _thp_size()
+    thp = _thp_size(THP_ENABLED_FILE if shared_file is None else THP_SHMEM_FILE)
     # Whole pages: mbind and madvise act on the pages wholly inside a buffer, and the
     # last one is all ours (the array over it uses the first nbytes).
     mapped = -(-nbytes // PAGE_SIZE) * PAGE_SIZE
     huge = _even_huge_bytes(mapped, thp, len(targets)) if hugepages else 0
     alignment = thp if huge else PAGE_SIZE
     _check_room(nbytes, targets, alignment)
-    buffer = _libnuma.mmap_anonymous(mapped, alignment)
+    if shared_file is None:
+        buffer = _libnuma.mmap_anonymous(mapped, alignment)
+    else:
+        os.ftruncate(shared_file, mapped)
+        buffer = _libnuma.mmap_shared(mapped, shared_file, alignment)
     if thp:
         # Asked either way: a kernel whose THP mode is "always" backs big mappings with
         # huge pages unless told not to, which would make interleave go by 2 MiB. On
@@ -374,10 +390,12 @@ def _pretouch_cpus(nodes: list[int]) -> list[int]:
 
 
 @cache
-def _thp_size() -> int:
-    """The transparent huge page size; 0 when this kernel has no THP or has it off."""
+def _thp_size(switch: Path = THP_ENABLED_FILE) -> int:
+    """The transparent huge page size; 0 when this kernel has no THP or ``switch`` has
+    it off (``never``; ``deny`` for shared memory)."""
     try:
-        if "[never]" in THP_ENABLED_FILE.read_text():
+        mode = switch.read_text()
+        if "[never]" in mode or "[deny]" in mode:
             return 0
         return int(THP_SIZE_FILE.read_text())
     except OSError:

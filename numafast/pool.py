@@ -2,15 +2,23 @@
 
 The host side of a host-to-device copy is fastest when it is page-locked and on the
 GPU's own node, and a fresh pinned allocation per batch is slow (``cudaHostAlloc``
-takes a driver-wide lock and has no NUMA flag). A pool pays once: one mapping of
-``slots`` x ``slot_bytes``, bound to the node with mbind before any page exists,
-faulted in there by threads pinned to the node's CPUs, kept out of forked children
-(MADV_DONTFORK), page-locked (mlock) and, when CUDA is usable, registered with CUDA
-once for the whole region. Placement must be right before the pages are pinned:
-memory registered with CUDA is pinned for DMA and can no longer migrate.
+takes a driver-wide lock and has no NUMA flag). A pool pays once: one shared mapping
+of a memfd (a slot table, then ``slots`` x ``slot_bytes``), bound to the node with
+mbind before any page exists, faulted in there by threads pinned to the node's CPUs,
+page-locked (mlock) and, when CUDA is usable, registered with CUDA in chunks.
+Placement must be right before the pages are pinned: memory registered with CUDA is
+pinned for DMA and can no longer migrate.
 
-A slot is handed out in O(1) and comes back by itself when the last array or tensor
-viewing it is gone; with CUDA, only once the GPU work queued on it has finished.
+Because the memory is a shared file, DataLoader workers can map it too (see
+:mod:`numafast.pool_share`) and collate a batch straight into a slot the main
+process then reads without a copy. Locking and registration stay the main
+process's: neither is inherited by a child. A forked child keeps a private,
+copy-on-write view of the pools it inherited, so it can read what a slot held but
+never writes into a slot the parent may hand out again.
+
+A slot is handed out with one compare-and-swap and comes back by itself when the
+last array or tensor viewing it is gone; with CUDA, only once the GPU work queued
+on it has finished.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from numafast import _libnuma
 from numafast._buffers import PAGE_SIZE
@@ -44,11 +52,15 @@ from numafast.errors import (
     SlotTooSmallError,
 )
 from numafast.memory import allocate
+from numafast.pool_share import PoolHandle
 from numafast.topo.files import read_fields
 
 __all__ = ["LockMode", "PinnedPool", "PoolStats", "RegisterMode", "Slot"]
 
 Slot = _libnuma.Slot
+
+# The name of every pool's memfd (then the node), as /proc/PID/maps and numa_maps show it.
+MEMFD_PREFIX = "numafast-pool-node"
 
 # CAP_IPC_LOCK (linux/capability.h): lets a process lock memory beyond RLIMIT_MEMLOCK.
 CAP_IPC_LOCK = 14
@@ -96,6 +108,12 @@ class PoolStats:
     """Slots given back while GPU work queued on them may still be running."""
     retired: int
     """Slots given back without a fence (a CUDA error): never handed out again."""
+    leased: int
+    """Slots a worker process is filling, or whose batch is on its way to this process."""
+    adopted: int
+    """Slots filled by worker processes and taken over by this one (zero-copy batches)."""
+    reclaimed: int
+    """Leases ended by this process: their worker died, or their batch was dropped unread."""
     peak_in_use: int
     acquired: int
     waits: int
@@ -122,19 +140,20 @@ class _Registration(Protocol):
 
 class _Resources:
     """What a pool must give back, in this order, each step exactly once: the CUDA
-    registration, the page lock, the mapping. Kept apart from the pool object so that
-    the slots, which outlive a closed pool, hold no reference to it."""
+    registration, the page lock, the mapping and its file. Kept apart from the pool
+    object so that the slots, which outlive a closed pool, hold no reference to it."""
 
-    def __init__(self, region: _libnuma.MappedBuffer) -> None:
+    def __init__(self, region: _libnuma.MappedBuffer, fd: int) -> None:
         self.owner_pid = os.getpid()
         self.region = region
+        self.fd = fd
         self.locked = False
         self.registration: _Registration | None = None
         self.lock = threading.Lock()
 
     def unpin(self) -> None:
         """Unregister and unlock (the memory stays mapped and valid); nothing in a
-        forked child, which has neither the mapping nor the registration."""
+        forked child, which inherited neither the lock nor the registration."""
         if os.getpid() != self.owner_pid:
             return
         with self.lock:
@@ -146,9 +165,22 @@ class _Resources:
                 _libnuma.munlock(self.region)
 
     def release(self) -> None:
-        """Unpin, then unmap: called once no slot is out and no GPU work is in flight."""
+        """Unpin, unmap, close the file: called once no slot is out and no GPU work is
+        in flight. Nothing in a forked child: arrays it inherited may still read its
+        private view, which goes when the child ends."""
+        if os.getpid() != self.owner_pid:
+            return
         self.unpin()
         self.region.free()
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def view_privately(self) -> None:
+        """In a forked child: the inherited shared mapping becomes a private one of the
+        same file (see the module doc)."""
+        if not self.region.freed and self.fd >= 0:
+            _libnuma.remap_private(self.region, self.fd)
 
 
 class _StreamFences:
@@ -167,6 +199,20 @@ class _StreamFences:
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
 _exit_hook_installed = False
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a subprocess before exec) reads its parent's
+    pools through private views: writing there must never reach a slot the parent may
+    hand out to another batch. Workers that fill slots map the file again, shared."""
+    for pool in list(_live_pools):
+        try:
+            pool._resources.view_privately()
+        except OSError:
+            pass  # leave the shared view: better than none, the child may still read
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close_at_exit() -> None:
@@ -239,19 +285,25 @@ class PinnedPool:
         registers = _registers(register_mode)
         stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
-        region = allocate(stride * slots, node=self._node, hugepages=hugepages)
-        self._resources = _Resources(region)
+        fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
         try:
-            # Forked DataLoader workers must not share (or copy-on-write) locked,
-            # registered pages: the child gets no mapping at all.
-            region.keep_out_of_children()
+            region = allocate(
+                _libnuma.slot_table_bytes(slots) + stride * slots, node=self._node, hugepages=hugepages, shared_file=fd
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        self._resources = _Resources(region, fd)
+        try:
             self._lock_note = self._lock(lock_mode, register_next=registers)
             self._lock_possible = not self._lock_note
             fence = None
             if registers:
-                from numafast.torch import cuda
+                from numafast import cuda
 
-                self._resources.registration = cuda.Registration(region.address, region.size)
+                self._resources.registration = cuda.Registration(
+                    region.address, region.size, unit=stride, head=_libnuma.slot_table_bytes(slots)
+                )
                 fence = _StreamFences(slots, cuda.SlotEvents(slots))
             self._fences = fence
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
@@ -325,12 +377,71 @@ class PinnedPool:
             raise SlotTooSmallError(f"{nbytes} bytes asked for, but a slot of this pool holds {slot_bytes} bytes")
         return nbytes
 
+    def adopt(self, index: int, generation: int, nbytes: int) -> Slot:
+        """Slot ``index``, which a worker process leased in ``generation`` (see
+        :meth:`share`) and filled with ``nbytes`` bytes, as a slot of this process:
+        it comes back to the pool like any other. LookupError when that lease has
+        ended (the worker died and the slot was reclaimed, or it was adopted already)."""
+        self._check_usable_for_adoption()
+        try:
+            return self._slots.adopt(index, generation, nbytes)
+        except LookupError as error:
+            raise LookupError(f"node-{self._node} pool: {error}; its batch cannot be read any more") from None
+
+    def reclaim(self, index: int, generation: int, pid: int) -> bool:
+        """End the lease of slot ``index`` held by process ``pid`` (a batch dropped unread);
+        False when it had ended already."""
+        if os.getpid() != self._slots.owner_pid:
+            return False
+        return bool(self._slots.reclaim(index, generation, pid))
+
+    def reclaim_orphans(self) -> int:
+        """End every lease whose worker process is gone (killed, or exited with a batch
+        never sent): those slots are free again. Returns how many."""
+        if os.getpid() != self._slots.owner_pid or self._slots.drained:
+            return 0
+        freed = 0
+        for index, generation, pid in self._slots.table.leases():
+            if not _process_alive(pid) and self._slots.reclaim(index, generation, pid):
+                freed += 1
+        return freed
+
+    def share(self) -> PoolHandle:
+        """What another process needs to map this pool and lease its slots (small and
+        picklable): see :class:`numafast.pool_share.PoolView`."""
+        self._check_usable()
+        return PoolHandle(
+            owner_pid=self._resources.owner_pid,
+            fd=self._resources.fd,
+            inode=os.fstat(self._resources.fd).st_ino,
+            nbytes=self._resources.region.size,
+            node=self._node,
+            slot_bytes=self._slot_bytes,
+        )
+
+    def settle(self) -> bool:
+        """For a closed pool: release its memory once no slot is out (held, in flight or
+        leased to a worker); True once released."""
+        if os.getpid() != self._slots.owner_pid:
+            return False
+        self.reclaim_orphans()
+        return bool(self._slots.settle())
+
+    def _check_usable_for_adoption(self) -> None:
+        # A closed pool still takes over the batches its workers filled before it closed.
+        if os.getpid() != self._slots.owner_pid or self._slots.drained:
+            raise self._state_error()
+
+    def __reduce__(self) -> NoReturn:
+        self._slots.__reduce__()  # raises TypeError: why pool memory does not travel, and what to do
+        raise AssertionError("unreachable")
+
     def _state_error(self) -> Exception:
         if os.getpid() != self._slots.owner_pid:
             return PoolForkedError(
-                f"this pool was made by process {self._slots.owner_pid}; in the forked child {os.getpid()} its "
-                "memory is not mapped (MADV_DONTFORK keeps locked, registered pages out of children): "
-                "make a new pool in the child"
+                f"this pool was made by process {self._slots.owner_pid}; the forked child {os.getpid()} only "
+                "reads the slots it inherited (a private view: locking and CUDA registration are not "
+                "inherited): make a new pool in the child"
             )
         return PoolClosedError(f"this node-{self._node} pool is closed")
 
@@ -369,6 +480,9 @@ class PinnedPool:
             free=slots.free_slots,
             in_flight=slots.fenced,
             retired=slots.lost,
+            leased=slots.leased,
+            adopted=slots.adopted,
+            reclaimed=slots.reclaimed,
             peak_in_use=slots.peak,
             acquired=slots.acquired,
             waits=slots.waits,
@@ -442,6 +556,21 @@ def pool_of(address: int) -> PinnedPool | None:
     return None
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+
+
 def _check_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
@@ -457,7 +586,7 @@ def _registers(mode: RegisterMode) -> bool:
     if mode is RegisterMode.AUTO and "torch" not in sys.modules:
         return False
     try:
-        from numafast.torch import cuda
+        from numafast import cuda
     except ImportError as error:
         raise CudaUnavailable(f"register='required' needs PyTorch with CUDA: {error}") from error
     if cuda.usable():

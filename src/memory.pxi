@@ -83,7 +83,7 @@ cdef int _hold(object buf, Py_buffer *view, bint writable) except -1:
 # ---------------------------------------------------------------- the memory-owning buffer
 
 cdef class MappedBuffer:
-    """Memory this module mapped (mmap_anonymous, alloc_onnode), exported as writable bytes.
+    """Memory this module mapped (mmap_anonymous, mmap_shared, alloc_onnode), exported as writable bytes.
 
     Every NumPy array, memoryview or tensor made over it holds an export, and each
     export holds a reference: the memory is unmapped exactly once, when the last of
@@ -94,14 +94,13 @@ cdef class MappedBuffer:
     cdef size_t size          # bytes exported
     cdef size_t mapped        # bytes mapped: size rounded up to whole pages
     cdef bint from_libnuma    # numa_alloc_onnode's memory goes back through numa_free
-    cdef pid_t parent_only    # keep_out_of_children() was called by this process; 0: never
     cdef Py_ssize_t exports
     cdef Py_ssize_t shape[1]
     cdef Py_ssize_t strides[1]
     cdef object __weakref__
 
     def __init__(self) -> None:
-        raise TypeError("MappedBuffer is made by mmap_anonymous() or alloc_onnode()")
+        raise TypeError("MappedBuffer is made by mmap_anonymous(), mmap_shared() or alloc_onnode()")
 
     @staticmethod
     cdef MappedBuffer _wrap(char *address, size_t size, size_t mapped, bint from_libnuma):
@@ -136,8 +135,6 @@ cdef class MappedBuffer:
     def __getbuffer__(self, Py_buffer *view, int flags):
         if self.address == NULL:
             raise ValueError("this MappedBuffer was already freed")
-        if self.parent_only and self.parent_only != getpid():
-            raise BufferError("this memory is not mapped in a forked child (MADV_DONTFORK)")
         view.buf = self.address
         view.obj = self
         view.len = <Py_ssize_t>self.size
@@ -166,20 +163,6 @@ cdef class MappedBuffer:
         if err:
             _fail("munmap", err, f"{self.mapped} bytes at {address:#x}")
 
-    def keep_out_of_children(self) -> None:
-        """madvise(MADV_DONTFORK) over the whole mapping: a forked child gets no copy of
-        it at all (no copy-on-write of locked or DMA-pinned pages). In such a child this
-        object exports nothing and never unmaps: that address range may hold the
-        child's own memory by then."""
-        cdef int rc, err
-        with nogil:
-            libc_errno.errno = 0
-            rc = numa_api.madvise(self.address, self.mapped, MADV_DONTFORK)
-            err = libc_errno.errno
-        if rc != 0:
-            _fail("madvise", err, f"MADV_DONTFORK of {self.mapped} bytes at {<uintptr_t>self.address:#x}")
-        self.parent_only = getpid()
-
     cdef int _unmap(self) noexcept:
         """Give the memory back once, GIL released (freeing gigabytes takes a while);
         0, or the errno of a failed munmap."""
@@ -188,8 +171,6 @@ cdef class MappedBuffer:
         if address == NULL:
             return 0
         self.address = NULL
-        if self.parent_only and self.parent_only != getpid():
-            return 0  # a forked child's copy of a mapping the child never got
         with nogil:
             if self.from_libnuma:
                 numa_free(address, self.mapped)
@@ -216,35 +197,77 @@ def mmap_anonymous(size_t size, size_t alignment=0) -> MappedBuffer:
     Aligning to the huge-page size lets the kernel back the mapping with transparent
     huge pages from its first byte (kernels before 6.7 align only to pages).
     """
+    return _map("mmap", size, alignment, MAP_PRIVATE | MAP_ANONYMOUS, -1)
+
+
+def mmap_shared(size_t size, int fd, size_t alignment=0) -> MappedBuffer:
+    """mmap(2) of the first ``size`` bytes of file ``fd`` (a memfd), shared and read-write,
+    starting at a multiple of ``alignment``.
+
+    Every process that maps the same file sees the same pages: a forked or spawned
+    DataLoader worker writes a batch that the main process reads without a copy.
+    A memory policy set with mbind on such a mapping is kept on the file itself (the
+    kernel's shared policy of a shmem object), so it places the pages whichever
+    process faults them in.
+    """
+    return _map("mmap of a shared file", size, alignment, MAP_SHARED, fd)
+
+
+cdef MappedBuffer _map(str call, size_t size, size_t alignment, int flags, int fd):
     cdef size_t length, extra, head
     cdef char *start
     cdef char *aligned
     cdef int err = 0
     if size == 0:
-        raise ValueError("mmap of 0 bytes")
+        raise ValueError(f"{call} of 0 bytes")
     if alignment & (alignment - 1):
         raise ValueError(f"alignment {alignment} is not a power of two")
     extra = alignment - _PAGE if alignment > _PAGE else 0
     if size > (<size_t>-1) - extra - _PAGE:
-        raise MemoryError(f"mmap of {size} bytes: larger than the address space")
+        raise MemoryError(f"{call} of {size} bytes: larger than the address space")
     length = (size + _PAGE - 1) & ~(_PAGE - 1)
     with nogil:
         libc_errno.errno = 0
-        start = <char *>numa_api.mmap(NULL, length + extra, PROT_READ | PROT_WRITE,
-                                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-        err = libc_errno.errno
-        if start != <char *>MAP_FAILED and extra:
-            # Map `extra` bytes more, then give back the unaligned head and the tail.
-            aligned = <char *>((<uintptr_t>start + alignment - 1) & ~(<uintptr_t>alignment - 1))
-            head = <size_t>(aligned - start)
-            if head:
-                numa_api.munmap(start, head)
-            if extra - head:
-                numa_api.munmap(aligned + length, extra - head)
-            start = aligned
+        if not extra:
+            start = <char *>numa_api.mmap(NULL, length, PROT_READ | PROT_WRITE, flags, fd, 0)
+            err = libc_errno.errno
+        else:
+            # Reserve `extra` bytes more, map at the aligned address inside the
+            # reservation, then give back the unaligned head and the tail.
+            start = <char *>numa_api.mmap(NULL, length + extra, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            err = libc_errno.errno
+            if start != <char *>MAP_FAILED:
+                aligned = <char *>((<uintptr_t>start + alignment - 1) & ~(<uintptr_t>alignment - 1))
+                head = <size_t>(aligned - start)
+                if head:
+                    numa_api.munmap(start, head)
+                if extra - head:
+                    numa_api.munmap(aligned + length, extra - head)
+                start = <char *>numa_api.mmap(aligned, length, PROT_READ | PROT_WRITE, flags | MAP_FIXED, fd, 0)
+                err = libc_errno.errno
+                if start == <char *>MAP_FAILED:
+                    numa_api.munmap(aligned, length)
     if start == <char *>MAP_FAILED:
-        _fail("mmap", err, f"{size} bytes")
+        _fail(call, err, f"{size} bytes")
     return MappedBuffer._wrap(start, size, length, False)
+
+
+def remap_private(MappedBuffer region not None, int fd) -> None:
+    """Replace ``region`` (a shared mapping of ``fd``) by a private mapping of the same
+    file at the same address: reads still see the file's pages, writes go to private
+    copies. What a forked child does with its parent's pools, so that it can read a
+    batch it inherited but never write into a slot the parent may hand out again."""
+    cdef char *start
+    cdef int err = 0
+    if region.address == NULL:
+        return
+    with nogil:
+        libc_errno.errno = 0
+        start = <char *>numa_api.mmap(region.address, region.mapped, PROT_READ | PROT_WRITE,
+                                      MAP_PRIVATE | MAP_FIXED, fd, 0)
+        err = libc_errno.errno
+    if start == <char *>MAP_FAILED:
+        _fail("mmap (MAP_PRIVATE | MAP_FIXED)", err, f"{region.mapped} bytes at {<uintptr_t>region.address:#x}")
 
 
 def alloc_onnode(size_t size, int node) -> MappedBuffer:

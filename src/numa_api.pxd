@@ -2,6 +2,8 @@
 # (numaif.h) and the few libc calls the extension needs. Declarations only: the
 # wrappers live in the .pxi files that _libnuma.pyx includes.
 
+from libc.stdint cimport uint32_t, uint64_t
+
 cdef extern from "<numa.h>" nogil:
     struct bitmask:
         unsigned long size
@@ -156,8 +158,11 @@ cdef extern from "<sys/mman.h>" nogil:
     enum:
         PROT_READ
         PROT_WRITE
+        PROT_NONE
         MAP_PRIVATE
+        MAP_SHARED
         MAP_ANONYMOUS
+        MAP_FIXED
         MADV_HUGEPAGE
         MADV_NOHUGEPAGE
 
@@ -193,9 +198,6 @@ cdef extern from "<pthread.h>" nogil:
 cdef extern from "<sys/mman.h>" nogil:
     int mlock(const void *addr, size_t length)
     int munlock(const void *addr, size_t length)
-    enum:
-        MADV_DONTFORK
-        MADV_DOFORK
 
 cdef extern from "<unistd.h>" nogil:
     ctypedef int pid_t
@@ -208,8 +210,23 @@ cdef extern from "<time.h>" nogil:
         long tv_nsec
     ctypedef int clockid_t
     int clock_gettime(clockid_t clock, timespec *now)
+    int nanosleep(const timespec *duration, timespec *remaining)
     enum:
         CLOCK_MONOTONIC
+
+cdef extern from *:
+    """
+    /* The slot table of a shared pool is read and written by several processes at
+       once: every change of a slot's word is one compare-and-swap. */
+    static inline int nf_cas64(uint64_t *word, uint64_t expected, uint64_t desired) {
+        return __atomic_compare_exchange_n(word, &expected, desired, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    }
+    static inline uint64_t nf_load64(uint64_t *word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+    static inline void nf_store64(uint64_t *word, uint64_t value) { __atomic_store_n(word, value, __ATOMIC_RELEASE); }
+    """
+    bint nf_cas64(uint64_t *word, uint64_t expected, uint64_t desired) nogil
+    uint64_t nf_load64(uint64_t *word) nogil
+    void nf_store64(uint64_t *word, uint64_t value) nogil
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:

@@ -1,6 +1,8 @@
 # Pinned pools: page locking (mlock, munlock), and the slot bookkeeping of a pool:
-# one mapping cut into equal slots, a free slot handed out in O(1), and a slot given
-# back by the extension itself when the last object viewing it is gone.
+# one shared mapping cut into equal slots after a table of one word per slot, a free
+# slot claimed with one compare-and-swap by the main process or by a DataLoader
+# worker that maps the same file, and a slot given back by the extension itself
+# when the last object viewing it in the main process is gone.
 #
 # Why the Slot object, not the count of buffer exports, decides when a slot is free:
 # a NumPy array or memoryview holds a buffer export of the Slot, and an export holds
@@ -12,10 +14,6 @@
 
 cimport cython
 from cpython.exc cimport PyErr_CheckSignals
-
-for _name, _value in {"MADV_DONTFORK": MADV_DONTFORK, "MADV_DOFORK": MADV_DOFORK}.items():
-    globals()[_name] = _value
-del _name, _value
 
 
 def mlock(buf) -> None:
@@ -80,45 +78,234 @@ cdef timespec _deadline_in(double seconds) noexcept nogil:
 # (Ctrl-C) and at fences again.
 cdef double _WAIT_STEP_S = 0.05
 cdef double _FENCE_POLL_S = 0.0005
+# A worker waiting for a slot looks again this often (another process frees it:
+# no condition variable reaches across processes).
+cdef long _CLAIM_POLL_NS = 200000
+
+# The slot table at the start of a pool's mapping: a header, then one 64-bit word per
+# slot, ``generation << 40 | state << 32 | pid``. The generation grows each time a
+# slot becomes free, so a stale message about a slot (from a worker that died, or a
+# batch dropped unread) can never be mistaken for its next use.
+cdef uint64_t _TABLE_MAGIC = 0x314c4f4f50464e4e  # "NNFPOOL1"
+cdef Py_ssize_t _TABLE_HEADER_WORDS = 8
+cdef uint64_t _PID_BITS = 0xffffffff
+cdef uint64_t _STATE_BITS = 0xff
 
 cdef enum _SlotState:
     _FREE = 0
-    _HELD = 1      # handed out: a Slot object exists for it
+    _HELD = 1      # held by the owner: a Slot object exists for it
     _FENCED = 2    # given back while GPU work queued on it may still run
     _LOST = 3      # given back, but no fence could be recorded: never reused
+    _LEASED = 4    # claimed by another process (a worker) that fills it
+
+SLOT_STATES = {"free": _FREE, "held": _HELD, "fenced": _FENCED, "retired": _LOST, "leased": _LEASED}
+
+
+cdef inline uint64_t _word(uint64_t generation, uint64_t state, uint64_t pid) noexcept nogil:
+    return generation << 40 | state << 32 | (pid & _PID_BITS)
+
+
+cdef inline uint64_t _generation(uint64_t word) noexcept nogil:
+    return word >> 40
+
+
+cdef inline uint64_t _state(uint64_t word) noexcept nogil:
+    return (word >> 32) & _STATE_BITS
+
+
+def slot_table_bytes(Py_ssize_t count) -> int:
+    """Bytes before slot 0 in a pool of ``count`` slots: the table, in whole pages."""
+    return <Py_ssize_t>(((_TABLE_HEADER_WORDS + count) * 8 + _PAGE - 1) & ~(_PAGE - 1))
+
+
+@cython.auto_pickle(False)
+cdef class SlotTable:
+    """The table of a pool's mapping, as one process sees it (``region`` maps the
+    pool's file). :meth:`create` writes it, :meth:`attach` reads one another process
+    wrote. Claiming and returning slots are atomic across processes."""
+
+    cdef readonly MappedBuffer region
+    cdef uint64_t *words
+    cdef readonly Py_ssize_t count
+    cdef readonly size_t slot_bytes
+    cdef readonly size_t stride
+    cdef readonly size_t header_bytes
+    cdef Py_ssize_t hint
+
+    def __init__(self) -> None:
+        raise TypeError("a SlotTable comes from SlotTable.create() or SlotTable.attach()")
+
+    @staticmethod
+    def create(MappedBuffer region not None, size_t slot_bytes, Py_ssize_t count) -> SlotTable:
+        """Write an empty table for ``count`` slots of ``slot_bytes`` at the start of ``region``."""
+        cdef SlotTable table = SlotTable.__new__(SlotTable)
+        cdef size_t stride, header
+        cdef Py_ssize_t i
+        if slot_bytes == 0 or count <= 0:
+            raise ValueError(f"a pool needs slots of at least 1 byte and at least 1 slot, not {count} x {slot_bytes}")
+        if region.address == NULL:
+            raise ValueError("the region was already freed")
+        stride = (slot_bytes + _PAGE - 1) & ~(_PAGE - 1)
+        header = slot_table_bytes(count)
+        if stride < slot_bytes or region.size < header or <size_t>count > (region.size - header) // stride:
+            raise ValueError(f"{count} slots of {slot_bytes} bytes ({stride} with page rounding) and a "
+                             f"{header}-byte table do not fit in a region of {region.size} bytes")
+        table.words = <uint64_t *>region.address
+        for i in range(count):
+            table.words[_TABLE_HEADER_WORDS + i] = _word(0, _FREE, 0)
+        table.words[1] = <uint64_t>count
+        table.words[2] = slot_bytes
+        table.words[3] = stride
+        table.words[4] = header
+        nf_store64(&table.words[0], _TABLE_MAGIC)
+        table._set(region)
+        return table
+
+    @staticmethod
+    def attach(MappedBuffer region not None) -> SlotTable:
+        """The table another process wrote at the start of ``region``; ValueError when
+        ``region`` holds none or is too small for what it says."""
+        cdef SlotTable table = SlotTable.__new__(SlotTable)
+        cdef uint64_t *words = <uint64_t *>region.address
+        if region.address == NULL or region.size < _PAGE or nf_load64(&words[0]) != _TABLE_MAGIC:
+            raise ValueError("this mapping holds no numafast slot table")
+        if words[4] + words[1] * words[3] > region.size:
+            raise ValueError(f"the slot table says {words[1]} slots of {words[3]} bytes, "
+                             f"more than the {region.size} bytes mapped")
+        table.words = words
+        table._set(region)
+        return table
+
+    cdef void _set(self, MappedBuffer region):
+        self.region = region
+        self.count = <Py_ssize_t>self.words[1]
+        self.slot_bytes = <size_t>self.words[2]
+        self.stride = <size_t>self.words[3]
+        self.header_bytes = <size_t>self.words[4]
+
+    cdef inline uint64_t *_slot_word(self, Py_ssize_t index) noexcept nogil:
+        return &self.words[_TABLE_HEADER_WORDS + index]
+
+    cdef inline bint _unmapped(self) noexcept:
+        """The mapping is gone (a released pool): nothing to read, nothing to claim."""
+        return self.region.address == NULL
+
+    cdef Py_ssize_t _claim(self, uint64_t state, uint64_t pid, uint64_t *generation) noexcept nogil:
+        """Take a free slot for ``state``/``pid``; its index (and generation), or -1."""
+        cdef Py_ssize_t step, index
+        cdef uint64_t word
+        for step in range(self.count):
+            index = (self.hint + step) % self.count
+            word = nf_load64(self._slot_word(index))
+            if _state(word) == _FREE and nf_cas64(self._slot_word(index), word,
+                                                  _word(_generation(word), state, pid)):
+                self.hint = (index + 1) % self.count
+                generation[0] = _generation(word)
+                return index
+        return -1
+
+    cdef bint _change(self, Py_ssize_t index, uint64_t generation, uint64_t state, uint64_t pid,
+                      uint64_t new_state, uint64_t new_pid, bint next_generation) noexcept nogil:
+        """One slot from (generation, state, pid) to (new_state, new_pid), the
+        generation advanced when it becomes free; False when it was not in that state."""
+        cdef uint64_t *word = self._slot_word(index)
+        cdef uint64_t seen = nf_load64(word)
+        if _generation(seen) != generation or _state(seen) != state:
+            return False
+        if pid != _PID_BITS and (seen & _PID_BITS) != pid:
+            return False
+        return nf_cas64(word, seen, _word(generation + (1 if next_generation else 0), new_state, new_pid))
+
+    def claim(self, double timeout=0.0):
+        """Lease a free slot to this process (a worker): ``(index, generation)``, or None
+        when none came free within ``timeout`` seconds (polling, GIL released)."""
+        cdef uint64_t generation = 0
+        cdef uint64_t pid = <uint64_t>getpid()
+        cdef Py_ssize_t index
+        cdef double start = _monotonic()
+        cdef timespec pause
+        pause.tv_sec = 0
+        pause.tv_nsec = _CLAIM_POLL_NS
+        if self._unmapped():
+            return None
+        with nogil:
+            while True:
+                index = self._claim(_LEASED, pid, &generation)
+                if index >= 0 or _monotonic() - start >= timeout:
+                    break
+                nanosleep(&pause, NULL)
+        return None if index < 0 else (index, generation)
+
+    def unclaim(self, Py_ssize_t index, uint64_t generation, pid=None) -> bool:
+        """Free a slot leased to ``pid`` (default: this process) in ``generation``: a
+        worker giving up on a batch, or the owner reclaiming a dead worker's slot."""
+        cdef uint64_t owner = <uint64_t>(getpid() if pid is None else pid)
+        self._check_index(index)
+        if self._unmapped():
+            return False
+        return self._change(index, generation, _LEASED, owner, _FREE, 0, True)
+
+    def leases(self) -> list:
+        """``(index, generation, pid)`` of every slot leased to another process now."""
+        cdef Py_ssize_t index
+        cdef uint64_t word
+        found = []
+        if self._unmapped():
+            return found
+        for index in range(self.count):
+            word = nf_load64(self._slot_word(index))
+            if _state(word) == _LEASED:
+                found.append((index, _generation(word), <long>(word & _PID_BITS)))
+        return found
+
+    def states(self) -> list:
+        """Each slot's state now (the values of SLOT_STATES); none once unmapped."""
+        if self._unmapped():
+            return []
+        return [<int>_state(nf_load64(self._slot_word(index))) for index in range(self.count)]
+
+    def offset(self, Py_ssize_t index) -> int:
+        """Where slot ``index`` starts in the mapping."""
+        self._check_index(index)
+        return <Py_ssize_t>(self.header_bytes + index * self.stride)
+
+    cdef int _check_index(self, Py_ssize_t index) except -1:
+        if index < 0 or index >= self.count:
+            raise IndexError(f"slot {index}: this pool has slots 0 to {self.count - 1}")
+        return 0
 
 
 @cython.auto_pickle(False)
 cdef class SlotPool:
-    """``count`` equal slots of ``slot_bytes`` each, ``stride`` bytes apart, in ``region``.
+    """``count`` equal slots of ``slot_bytes`` each in ``region``, after its slot table.
 
-    :meth:`acquire` hands out a free slot in O(1) as a :class:`Slot`, which exports the
-    slot's memory; the slot comes back when that Slot object is gone (see the top of
-    this file). ``fence``, when given, is called as ``fence(index)`` as a slot comes
-    back and returns an object with ``query()`` and ``synchronize()`` (CUDA events on
-    the streams that read the slot): the slot is reused only once it is done.
-    ``on_drained()`` is called exactly once, when the pool is closed (or collected)
-    and no slot is out any more: that is when the memory may be released.
+    :meth:`acquire` hands out a free slot in O(slots) atomic reads as a :class:`Slot`,
+    which exports the slot's memory; the slot comes back when that Slot object is
+    gone (see the top of this file). A slot that a worker process leased and filled
+    becomes a Slot of this process with :meth:`adopt`. ``fence``, when given, is
+    called as ``fence(index)`` as a slot comes back and returns an object with
+    ``query()`` and ``synchronize()`` (CUDA events on the streams that read the
+    slot): the slot is reused only once it is done. ``on_drained()`` is called
+    exactly once, when the pool is closed (or collected) and no slot is out any more
+    (none held, in flight or leased): that is when the memory may be released.
 
-    The free list is guarded by a pthread mutex that no holder keeps across a Python
-    call or a GIL acquisition, so a waiting acquirer can sleep on the condition with
-    the GIL released while any thread gives slots back. After fork(), the child's
-    copy of a pool refuses to hand out slots: the mapping was made MADV_DONTFORK.
+    The mutex only guards the condition that in-process waiters sleep on (with the
+    GIL released); the slots themselves change by compare-and-swap. After fork(),
+    the child's copy of a pool refuses to hand out slots.
     """
 
-    cdef MappedBuffer region
+    cdef readonly SlotTable table
     cdef char *base
     cdef readonly size_t slot_bytes
     cdef readonly size_t stride
     cdef readonly Py_ssize_t count
-    cdef Py_ssize_t *free_stack
-    cdef Py_ssize_t free_count
-    cdef unsigned char *state
     cdef readonly Py_ssize_t in_use
     cdef readonly Py_ssize_t peak
     cdef readonly Py_ssize_t fenced
     cdef readonly Py_ssize_t lost
     cdef readonly unsigned long long acquired
+    cdef readonly unsigned long long adopted
+    cdef readonly unsigned long long reclaimed
     cdef readonly unsigned long long waits
     cdef readonly double waited_seconds
     cdef object fence
@@ -135,26 +322,11 @@ cdef class SlotPool:
     def __cinit__(self, MappedBuffer region not None, size_t slot_bytes, Py_ssize_t count,
                   fence=None, on_drained=None):
         cdef pthread_condattr_t attributes
-        cdef Py_ssize_t i
-        if slot_bytes == 0 or count <= 0:
-            raise ValueError(f"a pool needs slots of at least 1 byte and at least 1 slot, not {count} x {slot_bytes}")
-        if region.address == NULL:
-            raise ValueError("the region was already freed")
-        self.stride = (slot_bytes + _PAGE - 1) & ~(_PAGE - 1)
-        if self.stride < slot_bytes or <size_t>count > region.size // self.stride:
-            raise ValueError(f"{count} slots of {slot_bytes} bytes ({self.stride} with page rounding) "
-                             f"do not fit in a region of {region.size} bytes")
-        self.region = region
-        self.base = region.address
+        self.table = SlotTable.create(region, slot_bytes, count)
+        self.base = region.address + self.table.header_bytes
         self.slot_bytes = slot_bytes
+        self.stride = self.table.stride
         self.count = count
-        self.free_stack = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
-        self.state = <unsigned char *>calloc(count, sizeof(unsigned char))
-        if self.free_stack == NULL or self.state == NULL:
-            raise MemoryError("SlotPool: slot tables")
-        for i in range(count):  # slot 0 on top
-            self.free_stack[i] = count - 1 - i
-        self.free_count = count
         self.fence = fence
         self.fences = [None] * count if fence is not None else []
         self.fence_order = []
@@ -169,7 +341,7 @@ cdef class SlotPool:
 
     def __dealloc__(self):
         # No Slot is out (each holds a reference); fenced slots may still be in flight.
-        if self.owner_pid == getpid() and not self.is_drained:
+        if self.owner_pid == getpid() and not self.is_drained and self.table is not None:
             try:
                 self._settle_fences()
             finally:
@@ -177,8 +349,6 @@ cdef class SlotPool:
         if self.sync_ready:
             pthread_cond_destroy(&self.returned)
             pthread_mutex_destroy(&self.mutex)
-        free(self.free_stack)
-        free(self.state)
 
     @property
     def address(self) -> int:
@@ -188,13 +358,18 @@ cdef class SlotPool:
     @property
     def free_slots(self) -> int:
         """Slots ready to be handed out now."""
-        return self.free_count
+        return self.table.states().count(_FREE)
+
+    @property
+    def leased(self) -> int:
+        """Slots that worker processes lease now (filling them, or their batch on its way)."""
+        return self.table.states().count(_LEASED)
 
     cdef int _check_owner(self) except -1:
         if self.owner_pid != getpid():
             raise RuntimeError(
-                f"this pool belongs to process {self.owner_pid}; its memory is not mapped in this "
-                "forked child (MADV_DONTFORK): make a new pool in the child")
+                f"this pool belongs to process {self.owner_pid}; a forked child only reads the slots "
+                "it inherited: make a new pool in the child")
         return 0
 
     def acquire(self, size_t nbytes, double timeout=-1.0) -> Slot:
@@ -204,23 +379,45 @@ cdef class SlotPool:
         one to come back, then TimeoutError; RuntimeError once the pool is closed.
         """
         cdef Py_ssize_t index = -1
+        cdef uint64_t generation = 0
         self._check_owner()
         if nbytes > self.slot_bytes:
             raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
-        # With the GIL held: no holder of this mutex ever waits for the GIL.
-        pthread_mutex_lock(&self.mutex)
-        if not self.closed and self.free_count:
-            self.free_count -= 1
-            index = self.free_stack[self.free_count]
-            self._hand_out(index)
-        pthread_mutex_unlock(&self.mutex)
+        if not self.closed:
+            index = self.table._claim(_HELD, <uint64_t>self.owner_pid, &generation)
         if index < 0:
             index = self._wait_for_slot(timeout)
+        else:
+            self._count_out()
         return Slot._wrap(self, index, nbytes)
 
-    cdef inline void _hand_out(self, Py_ssize_t index) noexcept:
-        """Bookkeeping of a slot taken off the free stack (mutex held)."""
-        self.state[index] = _HELD
+    def adopt(self, Py_ssize_t index, uint64_t generation, size_t nbytes) -> Slot:
+        """The slot a worker leased in ``generation`` and filled, as a Slot of this
+        process (its first ``nbytes`` bytes); LookupError when that lease is over (the
+        slot was reclaimed from a worker that died, or the batch was already taken)."""
+        self._check_owner()
+        self.table._check_index(index)
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
+        if not self.table._change(index, generation, _LEASED, _PID_BITS, _HELD, <uint64_t>self.owner_pid, False):
+            raise LookupError(f"slot {index} of this pool is no longer leased in generation {generation}")
+        self._count_out()
+        self.adopted += 1
+        return Slot._wrap(self, index, nbytes)
+
+    def reclaim(self, Py_ssize_t index, uint64_t generation, long pid) -> bool:
+        """Free a slot leased to ``pid`` in ``generation`` (a worker that died, or a
+        batch dropped before anyone read it); False when the lease had already ended."""
+        self._check_owner()
+        if not self.table.unclaim(index, generation, pid):
+            return False
+        self.reclaimed += 1
+        self._signal()
+        if self.closed:
+            self.settle()
+        return True
+
+    cdef inline void _count_out(self) noexcept:
         self.in_use += 1
         self.acquired += 1
         if self.in_use > self.peak:
@@ -231,22 +428,18 @@ cdef class SlotPool:
         cdef double remaining, step
         cdef timespec deadline
         cdef Py_ssize_t index = -1
+        cdef uint64_t generation = 0
         cdef bint counted = False
         try:
             while True:
                 if self.fenced:
                     self._reap_fences(timeout < 0)
-                pthread_mutex_lock(&self.mutex)
                 if self.closed:
-                    pthread_mutex_unlock(&self.mutex)
                     raise RuntimeError("the pool was closed while waiting for a slot")
-                if self.free_count:
-                    self.free_count -= 1
-                    index = self.free_stack[self.free_count]
-                    self._hand_out(index)
-                    pthread_mutex_unlock(&self.mutex)
+                index = self.table._claim(_HELD, <uint64_t>self.owner_pid, &generation)
+                if index >= 0:
+                    self._count_out()
                     return index
-                pthread_mutex_unlock(&self.mutex)
                 if not counted:
                     counted = True
                     self.waits += 1
@@ -257,10 +450,10 @@ cdef class SlotPool:
                 step = min(remaining, _FENCE_POLL_S if self.fenced else _WAIT_STEP_S)
                 with nogil:
                     pthread_mutex_lock(&self.mutex)
-                    if not self.free_count and not self.closed:
+                    if not self.closed:
                         deadline = _deadline_in(step)
                         pthread_cond_timedwait(&self.returned, &self.mutex, &deadline)
-                    # Let go of the mutex before taking the GIL back (see the class doc).
+                    # Let go of the mutex before taking the GIL back.
                     pthread_mutex_unlock(&self.mutex)
                 PyErr_CheckSignals()  # Ctrl-C ends a long wait
         finally:
@@ -273,7 +466,7 @@ cdef class SlotPool:
         so another thread may reap the same slots: each is freed by one of them)."""
         cdef Py_ssize_t index
         cdef object fence
-        if block_on_oldest and not self.free_count and self.fence_order:
+        if block_on_oldest and self.fence_order and _FREE not in self.table.states():
             fence = self.fences[self.fence_order[0]]
             if fence is not None:
                 fence.synchronize()
@@ -285,28 +478,31 @@ cdef class SlotPool:
 
     cdef void _unfence(self, Py_ssize_t index, object fence):
         """Free a fenced slot whose fence is done, unless another thread just did."""
+        cdef uint64_t word
         if self.fences[index] is fence:
             self.fences[index] = None
             self.fence_order.remove(index)
-            self._make_free(index, _FENCED)
-
-    cdef void _make_free(self, Py_ssize_t index, _SlotState was) noexcept:
-        pthread_mutex_lock(&self.mutex)
-        self.state[index] = _FREE
-        self.free_stack[self.free_count] = index
-        self.free_count += 1
-        if was == _FENCED:
+            word = nf_load64(self.table._slot_word(index))
             self.fenced -= 1
-        elif was == _HELD:
-            self.in_use -= 1
+            self._make_free(index, word, _FENCED)
+
+    cdef void _make_free(self, Py_ssize_t index, uint64_t word, uint64_t state) noexcept:
+        self.table._change(index, _generation(word), state, <uint64_t>self.owner_pid, _FREE, 0, True)
+        self._signal()
+
+    cdef void _signal(self) noexcept:
+        pthread_mutex_lock(&self.mutex)
         pthread_cond_signal(&self.returned)
         pthread_mutex_unlock(&self.mutex)
 
     cdef int _give_back(self, Py_ssize_t index) except -1:
         """A Slot object died (GIL held): its slot is free, or fenced until its GPU work ends."""
         cdef object fence = None
+        cdef uint64_t word
         if self.owner_pid != getpid():
             return 0  # a forked child's copy: nothing of the parent's to give back
+        word = nf_load64(self.table._slot_word(index))
+        self.in_use -= 1
         if self.fence is not None:
             try:
                 fence = self.fence(index)
@@ -316,25 +512,22 @@ cdef class SlotPool:
             except BaseException as error:
                 # Without a fence nobody can tell when the GPU is done with the slot:
                 # never hand it out again rather than risk overwriting a copy in flight.
-                self.state[index] = _LOST
+                self.table._change(index, _generation(word), _HELD, <uint64_t>self.owner_pid, _LOST, 0, False)
                 self.lost += 1
-                self.in_use -= 1
                 import warnings
                 warnings.warn(f"slot {index} is retired: its fence could not be recorded ({error!r})",
                               RuntimeWarning, stacklevel=1)
                 return 0
         if fence is None:
-            self._make_free(index, _HELD)
+            self._make_free(index, word, _HELD)
         else:
             self.fences[index] = fence
             self.fence_order.append(index)
-            pthread_mutex_lock(&self.mutex)
-            self.state[index] = _FENCED
+            self.table._change(index, _generation(word), _HELD, <uint64_t>self.owner_pid, _FENCED,
+                               <uint64_t>self.owner_pid, False)
             self.fenced += 1
-            self.in_use -= 1
-            pthread_mutex_unlock(&self.mutex)
-        if self.closed and self.in_use == 0:
-            self._drain()
+        if self.closed:
+            self.settle()
         return 0
 
     cdef int _settle_fences(self) except -1:
@@ -358,10 +551,19 @@ cdef class SlotPool:
             on_drained()
         return 0
 
+    def settle(self) -> bool:
+        """For a closed pool: release the memory (on_drained) if no slot is held, in
+        flight or leased any more; True once released."""
+        if self.closed and not self.is_drained and self.owner_pid == getpid():
+            if self.in_use == 0 and self.fenced == 0 and _LEASED not in self.table.states():
+                self._drain()
+        return self.is_drained
+
     def close(self) -> None:
         """Hand out no more slots; wake every waiter (it raises); wait for the GPU work
         on fenced slots; call on_drained now if no slot is out, else when the last one
-        comes back. In a forked child, only marks this copy closed."""
+        comes back (slots leased by workers count as out: see :meth:`settle`). In a
+        forked child, only marks this copy closed."""
         if self.closed:
             return
         pthread_mutex_lock(&self.mutex)
@@ -371,8 +573,7 @@ cdef class SlotPool:
         if self.owner_pid != getpid():
             return
         self._settle_fences()
-        if self.in_use == 0:
-            self._drain()
+        self.settle()
 
     @property
     def drained(self) -> bool:
@@ -390,13 +591,24 @@ cdef class SlotPool:
             return -1
         return index
 
+    def __reduce__(self):
+        raise TypeError(_NOT_PICKLED)
+
+
+_NOT_PICKLED = (
+    "pool memory does not travel by pickle: it is page-locked (and CUDA-registered) in the process "
+    "that made it. In a DataLoader, wrap the loader in numafast.torch.NumaLoader, whose workers write "
+    "into the pool through its shared mapping; elsewhere, send the tensors (torch copies them into "
+    "shared memory) or make a pool in the other process")
+
 
 @cython.freelist(64)
 @cython.auto_pickle(False)
 cdef class Slot:
-    """One slot of a :class:`SlotPool`, handed out by ``acquire()``: its memory as
-    writable bytes (buffer protocol). The slot goes back to the pool when this object
-    is gone, which is never before the last array, memoryview or tensor over it."""
+    """One slot of a :class:`SlotPool`, handed out by ``acquire()`` or ``adopt()``: its
+    memory as writable bytes (buffer protocol). The slot goes back to the pool when
+    this object is gone, which is never before the last array, memoryview or tensor
+    over it. In a forked child the memory stays readable (the child's private copy)."""
 
     cdef SlotPool pool
     cdef readonly Py_ssize_t index
@@ -429,8 +641,6 @@ cdef class Slot:
         return self.pool.slot_bytes
 
     def __getbuffer__(self, Py_buffer *view, int flags):
-        if self.pool.owner_pid != getpid():
-            raise BufferError("this slot's memory is not mapped in a forked child (MADV_DONTFORK)")
         view.buf = self.pool.base + self.index * self.pool.stride
         view.obj = self
         view.len = <Py_ssize_t>self.nbytes
@@ -450,6 +660,9 @@ cdef class Slot:
     def __dealloc__(self):
         if self.pool is not None:
             self.pool._give_back(self.index)
+
+    def __reduce__(self):
+        raise TypeError(_NOT_PICKLED)
 
     def __repr__(self) -> str:
         return (f"<Slot {self.index}: {self.nbytes} of {self.pool.slot_bytes} bytes at "

@@ -29,16 +29,36 @@ NODE = GPU_NODE if GPU_NODE is not None else numafast.pages.local_node()
 SPIN_CYCLES = 2_000_000_000
 
 
-def test_a_pool_registers_its_memory_once_and_unregisters_it() -> None:
+def test_a_pool_registers_its_memory_and_unregisters_it() -> None:
     with numafast.PinnedPool(NODE, 8 * MIB, 2) as pool:
         assert pool.registered and pool.locked
         stats = pool.stats()
-        assert stats.bytes_registered == stats.bytes_mapped == 16 * MIB
+        assert stats.bytes_registered == stats.bytes_mapped == numafast._libnuma.slot_table_bytes(2) + 16 * MIB
         tensor = torch.frombuffer(pool.acquire(), dtype=torch.uint8)
         assert tensor.is_pinned()  # CUDA itself says the memory is page-locked for it
         pool._resources.unpin()  # what closing does once the last slot is back
         assert not tensor.is_pinned()
         del tensor
+
+
+def test_registration_in_chunks_pins_every_slot_and_unpins_them_all() -> None:
+    from numafast import cuda
+
+    with numafast.PinnedPool(NODE, 3 * MIB, 6, register="off") as pool:
+        region = pool._resources.region
+        registration = cuda.Registration(
+            region.address, region.size, unit=pool._slots.stride, head=numafast._libnuma.slot_table_bytes(6), limit=8 * MIB
+        )
+        assert len(registration.ranges) == 3  # two 3 MiB slots a piece
+        slots = [pool.acquire() for _ in range(6)]
+        tensors = [torch.frombuffer(slot, dtype=torch.uint8) for slot in slots]
+        assert all(tensor.is_pinned() for tensor in tensors)
+        device = [tensor.fill_(index).to("cuda", non_blocking=True) for index, tensor in enumerate(tensors)]
+        torch.cuda.synchronize()
+        assert all(bool((copy == index).all()) for index, copy in enumerate(device))
+        registration.unregister()
+        assert not any(tensor.is_pinned() for tensor in tensors)
+        del tensors, slots
 
 
 def test_a_slot_is_not_reused_while_a_copy_from_it_is_in_flight() -> None:
@@ -93,7 +113,8 @@ def test_numa_loader_copies_batches_to_the_device_on_a_side_stream() -> None:
     del ours
     gc.collect()
     stats = loader.stats()
-    assert sum(s.in_use for s in stats) == 0 and all(s.bytes_registered for s in stats)
+    assert sum(s.in_use for s in stats.pools) == 0 and all(s.bytes_registered for s in stats.pools)
+    assert stats.landed > 0  # the workers collated into registered slots
 
 
 def test_the_hook_pins_in_pytorchs_own_pin_thread() -> None:
@@ -106,6 +127,8 @@ def test_the_hook_pins_in_pytorchs_own_pin_thread() -> None:
         assert isinstance(batch, dict) and batch["image"].is_pinned()
         assert any(pool.contains(batch["image"].data_ptr()) for pool in hook.pools.pools)
         assert bool((batch["image"][0] == 4 * index).all())
+    stats = hook.stats()
+    assert stats is not None and stats.landed > 0  # torch's pin step copied nothing for those
     hook.remove()
 
 

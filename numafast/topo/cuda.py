@@ -80,10 +80,10 @@ def nvml_uuids() -> dict[str, str]:
 
 
 def torch_uuids() -> dict[str, str]:
-    """UUID -> PCI address of each device torch.cuda sees (numafast.torch.cuda, the one
+    """UUID -> PCI address of each device torch.cuda sees (numafast.cuda, the one
     module that touches torch.cuda, asks); empty without torch or CUDA."""
     try:
-        from numafast.torch import cuda
+        from numafast import cuda
     except ImportError:
         return {}
     return cuda.device_uuids() if cuda.usable() else {}

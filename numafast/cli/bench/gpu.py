@@ -5,7 +5,7 @@ Rows are host memory nodes, columns CUDA devices. Each row gets one page-locked,
 CUDA-registered buffer on its node (a :class:`numafast.PinnedPool` slot, whose pages
 are checked against the kernel before any timing); a cell is the median GB/s of
 several copies of the whole buffer, timed with CUDA events by
-:mod:`numafast.torch.cuda`, the one module that touches ``torch.cuda``. One big copy
+:mod:`numafast.cuda`, the one module that touches ``torch.cuda``. One big copy
 on one stream can hide a NUMA penalty that several concurrent copies show, hence
 the concurrent matrices (:data:`CONCURRENT_STREAMS` streams, each a share of the buffer).
 """
@@ -35,7 +35,7 @@ def unavailable(machine: Topology) -> str | None:
     if not machine.gpus:
         return NO_GPU
     try:
-        from numafast.torch import cuda
+        from numafast import cuda
     except ImportError as error:
         return f"the GPU matrices need PyTorch with CUDA (pip install numafast[torch]): {error}"
     if not cuda.usable():
@@ -50,7 +50,7 @@ def transfer_bytes(run: Run) -> int:
 def measure(run: Run, name: str) -> Matrix:
     """One GPU x host-node matrix, cell by cell; a cell that cannot be measured says why."""
     from numafast.cli.bench.measure import Cell, measure_grid  # measure.py imports this module
-    from numafast.torch import cuda
+    from numafast import cuda
 
     to_device = name.startswith("h2d")
     streams = CONCURRENT_STREAMS if "concurrent" in name else 1

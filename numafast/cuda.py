@@ -1,9 +1,12 @@
 """The one module of numafast that touches ``torch.cuda``, through PyTorch's public API
 only: registering pool memory with CUDA, the events that keep a pool slot from being
-reused while a copy still reads it, and the side stream NumaLoader copies on.
+reused while a copy still reads it, the side stream NumaLoader copies on, the GPUs'
+identities for the topology and the bench's transfer timings.
 
-Nothing here runs without a usable CUDA device; everything that calls in checks
-:func:`usable` first, so numafast works wherever torch or a GPU is missing.
+It sits in the core (the pools and the topology use it, as does numafast.torch) and
+is imported only where used, after PyTorch: nothing here runs without a usable CUDA
+device, and everything that calls in checks :func:`usable` first, so numafast
+works wherever torch or a GPU is missing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "REGISTER_CHUNK_BYTES",
     "CopyStream",
     "Registration",
     "SlotEvents",
@@ -23,12 +27,18 @@ __all__ = [
     "transfer_gbps",
     "usable",
     "why_not_usable",
+    "register_ranges",
     "with_index",
 ]
 
 # cudaHostRegisterPortable: the memory counts as pinned in every CUDA context of the
 # process, not only the current device's (as torch/cuda/_pin_memory_utils.py does).
 HOST_REGISTER_PORTABLE = 1
+# Registration pins at most this much per cudaHostRegister call: Linux 6.11 to 6.13
+# refuse to pin more than 2 GiB at once, and the driver holds global locks for the
+# whole call (registering hundreds of GiB in one call stalls every other CUDA process
+# of the machine for minutes); between chunks the lock is free.
+REGISTER_CHUNK_BYTES = 1 << 30
 
 # torch.cuda's constructors and cudart, as the typed callables they are (torch leaves them unannotated).
 _cudart: Callable[[], Any] = torch.cuda.cudart
@@ -56,29 +66,68 @@ def with_index(device: torch.device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _error_text(code: int) -> str:
-    describe = getattr(_cudart(), "cudaGetErrorString", None)
-    return f"cudaError {code}" + (f": {describe(code)}" if describe is not None else "")
+def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
+                    limit: int = REGISTER_CHUNK_BYTES) -> list[tuple[int, int]]:
+    """``[address, address + nbytes)`` cut into ``(start, length)`` pieces of whole
+    ``unit``s (a pool's slot stride) of at most ``limit`` bytes each, the first one
+    holding ``head`` bytes more (the slot table): no slot is split between two
+    registrations, since a copy must read from one. A unit larger than ``limit`` is
+    a piece of its own."""
+    if nbytes <= 0 or unit <= 0 or head < 0 or head > nbytes:
+        raise ValueError(f"cannot cut {nbytes} bytes in units of {unit} after a head of {head}")
+    per_piece = max(limit // unit, 1) * unit
+    ranges = []
+    start, end = address, address + nbytes
+    first = min(head + per_piece, nbytes)
+    while start < end:
+        length = min(first if start == address else per_piece, end - start)
+        ranges.append((start, length))
+        start += length
+    return ranges
 
 
 class Registration:
-    """Host memory registered with CUDA (cudaHostRegister): copies from and to it run
-    as DMA from page-locked memory. The driver pins the pages for DMA, so they can no
-    longer migrate: register only memory that is already where it should be."""
+    """Host memory registered with CUDA (cudaHostRegister) in the pieces of
+    :func:`register_ranges`: copies from and to it run as DMA from page-locked
+    memory. The driver pins the pages for DMA, so they can no longer migrate:
+    register only memory that is already where it should be. A failure part way
+    unregisters the pieces already done, in reverse: never half-registered.
 
-    def __init__(self, address: int, nbytes: int) -> None:
-        code = int(_cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE))
-        if code != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: {_error_text(code)}")
+    ``runtime`` is what answers ``cudaHostRegister`` / ``cudaHostUnregister`` /
+    ``cudaGetErrorString``: ``torch.cuda.cudart()`` unless given (a test can give a
+    recorder to check the order of calls; that tests this class, not CUDA).
+    """
+
+    def __init__(self, address: int, nbytes: int, *, unit: int | None = None, head: int = 0,
+                 limit: int = REGISTER_CHUNK_BYTES, runtime: Any = None) -> None:
+        self.runtime = _cudart() if runtime is None else runtime
+        self.ranges: list[tuple[int, int]] = []
+        for start, length in register_ranges(address, nbytes, unit=unit or nbytes, head=head, limit=limit):
+            code = int(self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE))
+            if code != 0:
+                done = len(self.ranges)
+                self.unregister()
+                raise RuntimeError(
+                    f"cudaHostRegister of {length} bytes at {start:#x} (piece {done + 1} of {nbytes} bytes at "
+                    f"{address:#x}) failed: {self._error_text(code)}; the {done} pieces before it were unregistered"
+                )
+            self.ranges.append((start, length))
         self.address: int | None = address
 
+    def _error_text(self, code: int) -> str:
+        describe = getattr(self.runtime, "cudaGetErrorString", None)
+        return f"cudaError {code}" + (f": {describe(code)}" if describe is not None else "")
+
     def unregister(self) -> None:
-        """cudaHostUnregister, once."""
-        address, self.address = self.address, None
-        if address is not None:
-            code = int(_cudart().cudaHostUnregister(address))
+        """cudaHostUnregister of every piece, last first, once."""
+        ranges, self.ranges, self.address = self.ranges, [], None
+        failures = []
+        for start, _length in reversed(ranges):
+            code = int(self.runtime.cudaHostUnregister(start))
             if code != 0:
-                raise RuntimeError(f"cudaHostUnregister at {address:#x} failed: {_error_text(code)}")
+                failures.append(f"{start:#x}: {self._error_text(code)}")
+        if failures:
+            raise RuntimeError(f"cudaHostUnregister failed at {', '.join(failures)}")
 
 
 class _Fence:

@@ -1,0 +1,188 @@
+"""A pinned pool seen from another process: how a DataLoader worker fills a slot that
+the main process then reads without a copy.
+
+The main process owns the pool (:class:`numafast.PinnedPool`): its memfd, its lock
+and its CUDA registration. :meth:`PinnedPool.share` gives a :class:`PoolHandle`,
+small and picklable; a worker maps the same file with :class:`PoolView` (through
+the descriptor it inherited, or ``/proc/OWNER/fd/N`` when it was spawned), leases
+a free slot from the slot table at the start of the file with one
+compare-and-swap, writes the batch there and sends the slot's index and
+generation. The main process adopts the slot (:meth:`PinnedPool.adopt`) and gives
+it back like any other when the last tensor over it is gone. A lease whose worker
+dies is ended by the owner (:meth:`PinnedPool.reclaim_orphans`); the generation,
+bumped whenever a slot becomes free, makes a late message about it harmless.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
+
+from numafast import _libnuma
+
+__all__ = ["BoardHandle", "PoolBoard", "PoolHandle", "PoolView", "open_shared_file"]
+
+# A board lists at most this many pools (a loader's pools of one slot size, and the
+# ones it is retiring); each entry is a PoolHandle's six fields.
+BOARD_ENTRIES = 16
+_ENTRY = struct.Struct("6q")
+_HEADER = struct.Struct("2q")  # version (odd while the owner writes), entries
+BOARD_BYTES = _HEADER.size + BOARD_ENTRIES * _ENTRY.size
+
+
+@dataclass(frozen=True)
+class PoolHandle:
+    """Where another process finds a pool: the owner's process id and descriptor of
+    the memfd, and its inode, which tells that descriptor still is that file."""
+
+    owner_pid: int
+    fd: int
+    inode: int
+    nbytes: int
+    node: int
+    slot_bytes: int
+
+
+@dataclass(frozen=True)
+class BoardHandle:
+    """Where another process finds a :class:`PoolBoard` (as :class:`PoolHandle` does a pool)."""
+
+    owner_pid: int
+    fd: int
+    inode: int
+
+
+def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
+    """A read-write descriptor of file ``fd`` of process ``owner_pid``: this process's own
+    copy when it inherited it (a forked worker), else the owner's through /proc (a
+    spawned one); ``inode`` tells it is still that file. OSError naming ``what``
+    and why when neither can be opened."""
+    for path in (f"/proc/self/fd/{fd}", f"/proc/{owner_pid}/fd/{fd}"):
+        try:
+            opened = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        if os.fstat(opened).st_ino == inode:
+            return opened
+        os.close(opened)
+    raise OSError(
+        f"cannot open {what} of process {owner_pid} (its descriptor {fd}, inode {inode}) from process "
+        f"{os.getpid()}: the owner is gone, or this process may not read its /proc/PID/fd"
+    )
+
+
+class PoolBoard:
+    """The pools a loader's workers may fill now, in a small shared file the owner
+    rewrites whenever its pools change (a first pool sized by the first batches, a
+    bigger one, one more) and every worker reads before each batch: pools reach
+    workers that were started before them, without restarting them. A version
+    number, odd while the owner writes, lets a reader retry a torn read."""
+
+    def __init__(self) -> None:
+        self.owner_pid = os.getpid()
+        self.fd = os.memfd_create("numafast-pool-board", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, BOARD_BYTES)
+        self.memory = mmap.mmap(self.fd, BOARD_BYTES)
+        self.version = 0
+
+    def handle(self) -> BoardHandle:
+        return BoardHandle(self.owner_pid, self.fd, os.fstat(self.fd).st_ino)
+
+    def publish(self, pools: Sequence[PoolHandle]) -> None:
+        """Make ``pools`` (the first BOARD_ENTRIES of them) what workers see."""
+        pools = list(pools)[:BOARD_ENTRIES]
+        self.version += 1  # odd: being written
+        _HEADER.pack_into(self.memory, 0, self.version, len(pools))
+        for position, pool in enumerate(pools):
+            _ENTRY.pack_into(self.memory, _HEADER.size + position * _ENTRY.size, *astuple(pool))
+        self.version += 1
+        _HEADER.pack_into(self.memory, 0, self.version, len(pools))
+
+    def close(self) -> None:
+        if os.getpid() == self.owner_pid and self.fd >= 0:
+            self.memory.close()
+            os.close(self.fd)
+            self.fd = -1
+
+
+class BoardReader:
+    """A :class:`PoolBoard` read from a worker: :meth:`pools` gives the pools listed
+    now, mapped into this process (each mapped once, unmapped when dropped)."""
+
+    def __init__(self, handle: BoardHandle) -> None:
+        fd = open_shared_file(handle.owner_pid, handle.fd, handle.inode, "a loader's pool board")
+        try:
+            self.memory = mmap.mmap(fd, BOARD_BYTES, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.version = -1
+        self.views: list[PoolView] = []
+
+    def _read(self) -> tuple[int, list[PoolHandle]]:
+        while True:
+            version, count = _HEADER.unpack_from(self.memory, 0)
+            if version % 2:
+                continue
+            if version == self.version:
+                return version, []
+            entries = [
+                PoolHandle(*_ENTRY.unpack_from(self.memory, _HEADER.size + position * _ENTRY.size))
+                for position in range(min(count, BOARD_ENTRIES))
+            ]
+            if _HEADER.unpack_from(self.memory, 0)[0] == version:
+                return version, entries
+
+    def pools(self) -> list[PoolView]:
+        """The pools listed now; OSError when one of them cannot be mapped here."""
+        version, entries = self._read()
+        if version != self.version:
+            known = {view.handle: view for view in self.views}
+            self.views = [known.get(entry) or PoolView(entry) for entry in entries]
+            for handle, view in known.items():
+                if handle not in entries:
+                    view.close()
+            self.version = version
+        return self.views
+
+
+class PoolView:
+    """``handle``'s pool mapped shared into this process, to lease and fill slots.
+
+    OSError (naming the file and why) when the pool cannot be mapped here: the owner
+    is gone, or this process may not open its descriptors (another user, a sandbox).
+    """
+
+    def __init__(self, handle: PoolHandle) -> None:
+        self.handle = handle
+        fd = open_shared_file(handle.owner_pid, handle.fd, handle.inode, f"the node-{handle.node} pool")
+        try:
+            region = _libnuma.mmap_shared(handle.nbytes, fd)
+        finally:
+            os.close(fd)
+        self.table = _libnuma.SlotTable.attach(region)
+        self.memory = memoryview(region)
+
+    def lease(self, timeout: float) -> tuple[int, int] | None:
+        """A free slot leased to this process, ``(index, generation)``; None when none came
+        free within ``timeout`` seconds."""
+        lease: tuple[int, int] | None = self.table.claim(timeout)
+        return lease
+
+    def slot(self, index: int) -> memoryview:
+        """The writable memory of slot ``index``."""
+        start = self.table.offset(index)
+        return self.memory[start : start + self.handle.slot_bytes]
+
+    def give_up(self, index: int, generation: int) -> None:
+        """End this process's lease of a slot it will not send (its batch failed)."""
+        self.table.unclaim(index, generation)
+
+    def close(self) -> None:
+        """Let the mapping go: unmapped once no memoryview or tensor over a slot is left."""
+        try:
+            self.memory.release()
+        except BufferError:
+            pass  # still viewed: unmapped with the last view

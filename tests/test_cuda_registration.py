@@ -1,0 +1,84 @@
+"""How numafast.cuda cuts a pool into cudaHostRegister calls, and undoes a failure.
+
+Linux 6.11 to 6.13 refuse to pin more than 2 GiB in one call, and the driver holds
+global locks for the whole of each call: registration goes in pieces of at most
+1 GiB, never splitting a slot. These tests check the pieces and the order of the
+calls against a runtime that records them (no GPU is involved or pretended: the
+real registration is tested in test_pool_cuda.py where a GPU is).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from numafast import cuda  # noqa: E402
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def test_pieces_cover_the_region_in_whole_slots_of_at_most_the_limit() -> None:
+    head, stride, slots = 4096, 300 * MIB, 11
+    ranges = cuda.register_ranges(1 << 40, head + stride * slots, unit=stride, head=head)
+    assert ranges[0] == (1 << 40, head + 3 * stride)  # the table rides with the first slots
+    assert all(length == 3 * stride for _, length in ranges[1:-1]) and ranges[-1][1] == 2 * stride
+    assert all(start + length == following for (start, length), (following, _) in zip(ranges, ranges[1:]))
+    assert sum(length for _, length in ranges) == head + stride * slots
+    assert all(length - (head if index == 0 else 0) <= cuda.REGISTER_CHUNK_BYTES for index, (_, length) in enumerate(ranges))
+
+
+def test_a_slot_larger_than_the_limit_is_a_piece_of_its_own() -> None:
+    ranges = cuda.register_ranges(0, 4096 + 3 * 3 * GIB, unit=3 * GIB, head=4096)
+    assert [length for _, length in ranges] == [4096 + 3 * GIB, 3 * GIB, 3 * GIB]
+
+
+@pytest.mark.parametrize(("size", "unit", "head"), [(0, 1, 0), (10, 0, 0), (10, 1, 11), (10, 1, -1)])
+def test_nonsense_is_refused(size: int, unit: int, head: int) -> None:
+    with pytest.raises(ValueError, match="cannot cut"):
+        cuda.register_ranges(0, size, unit=unit, head=head)
+
+
+class Recorder:
+    """Answers cudaHostRegister / cudaHostUnregister as the runtime would, failing the
+    ``fail_at``-th registration, and records every call."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.fail_at = fail_at
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", address))
+        registered = sum(1 for call, _ in self.calls if call == "register")
+        return 2 if registered == self.fail_at else 0  # 2: cudaErrorMemoryAllocation
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", address))
+        return 0
+
+    def cudaGetErrorString(self, code: int) -> str:  # noqa: N802
+        return "out of memory"
+
+
+def test_a_failure_part_way_unregisters_the_pieces_done_last_first() -> None:
+    runtime = Recorder(fail_at=3)
+    with pytest.raises(RuntimeError, match=r"piece 3 .* failed: cudaError 2: out of memory; the 2 pieces before it"):
+        cuda.Registration(0x10000, 4096 + 8 * MIB, unit=MIB, head=4096, limit=2 * MIB, runtime=runtime)
+    starts = [0x10000, 0x10000 + 4096 + 2 * MIB, 0x10000 + 4096 + 4 * MIB]
+    assert runtime.calls == [
+        ("register", starts[0]), ("register", starts[1]), ("register", starts[2]),
+        ("unregister", starts[1]), ("unregister", starts[0]),
+    ]  # fmt: skip
+
+
+def test_unregistering_goes_last_first_once() -> None:
+    runtime: Any = Recorder()
+    registration = cuda.Registration(0, 4096 + 4 * MIB, unit=MIB, head=4096, limit=2 * MIB, runtime=runtime)
+    assert len(registration.ranges) == 2
+    registration.unregister()
+    registration.unregister()
+    assert [call for call, _ in runtime.calls] == ["register", "register", "unregister", "unregister"]
+    assert runtime.calls[2][1] > runtime.calls[3][1]

@@ -1,0 +1,217 @@
+"""A pinned pool filled by other processes: slots leased by forked and spawned
+processes through the pool's memfd, adopted by the owner without a copy, never
+handed out twice, reclaimed from a process that died holding one.
+
+What the other process wrote is read back in the owner; where its pages are, asked
+of the kernel (move_pages through pagemap_nodes) from the owner's mapping.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import numafast
+from numafast import _libnuma
+from numafast.pool_share import BoardReader, PoolBoard, PoolView
+from sysfs_truth import node_cpus, online_nodes, pagemap_nodes
+
+TESTS = Path(__file__).resolve().parent
+NODES = online_nodes()
+MIB = 1 << 20
+
+
+def in_child(work: object) -> int:
+    """Fork, run ``work()`` in the child, return its exit status (0 when it returned 0)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            code = work()  # type: ignore[operator]
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_forked_worker_fills_a_slot_that_the_owner_adopts_without_a_copy() -> None:
+    with numafast.PinnedPool(NODES[0], MIB, 2) as pool:
+        handle = pool.share()
+        read, write = os.pipe()
+
+        def worker() -> int:
+            view = PoolView(handle)
+            lease = view.lease(1.0)
+            assert lease is not None
+            np.frombuffer(view.slot(lease[0]), dtype=np.uint8)[:1000] = 42
+            os.write(write, f"{lease[0]} {lease[1]}".encode())
+            return 0
+
+        assert in_child(worker) == 0
+        index, generation = map(int, os.read(read, 100).split())
+        assert pool.stats().leased == 1 and pool.stats().free == 1
+        slot = pool.adopt(index, generation, 1000)
+        assert set(np.asarray(slot).tolist()) == {42}
+        assert set(pagemap_nodes(slot.address, 1000)) == {NODES[0]}
+        with pytest.raises(LookupError, match="no longer leased"):
+            pool.adopt(index, generation, 1000)  # never twice
+        stats = pool.stats()
+        assert (stats.in_use, stats.leased, stats.adopted) == (1, 0, 1)
+        del slot
+        gc.collect()
+        assert pool.stats().free == 2
+        os.close(read)
+        os.close(write)
+
+
+def test_a_spawned_process_maps_the_pool_through_proc() -> None:
+    """A process that did not inherit the memfd (spawn, forkserver) opens it as
+    /proc/OWNER/fd/N; the inode tells it found the right file."""
+    with numafast.PinnedPool(NODES[0], MIB, 2) as pool:
+        handle = pool.share()
+        code = (
+            "import sys, numpy as np\n"
+            "from numafast.pool_share import PoolHandle, PoolView\n"
+            "view = PoolView(PoolHandle(*map(int, sys.argv[1:])))\n"
+            "index, generation = view.lease(1.0)\n"
+            "np.frombuffer(view.slot(index), dtype=np.uint8)[:10] = 7\n"
+            "print(index, generation)\n"
+        )
+        fields = [str(value) for value in vars(handle).values()]
+        result = subprocess.run([sys.executable, "-c", code, *fields], capture_output=True, text=True, timeout=120,
+                                cwd=TESTS.parent)
+        assert result.returncode == 0, result.stderr
+        index, generation = map(int, result.stdout.split())
+        slot = pool.adopt(index, generation, 10)
+        assert bytes(slot) == bytes([7] * 10)
+        del slot
+
+
+def test_a_wrong_or_vanished_pool_is_refused_by_name() -> None:
+    with numafast.PinnedPool(NODES[0], MIB, 1) as pool:
+        handle = pool.share()
+    from dataclasses import replace
+
+    with pytest.raises(OSError, match=f"cannot open the node-{NODES[0]} pool of process {os.getpid()}"):
+        PoolView(handle)  # closed: its file is gone
+    with numafast.PinnedPool(NODES[0], MIB, 1) as pool:
+        with pytest.raises(OSError, match=r"inode 1\)"):
+            PoolView(replace(pool.share(), inode=1))
+    with pytest.raises(ValueError, match="holds no numafast slot table"):
+        _libnuma.SlotTable.attach(_libnuma.mmap_anonymous(4096))
+
+
+def test_a_process_that_dies_holding_a_slot_gives_it_back_through_the_owner() -> None:
+    with numafast.PinnedPool(NODES[0], MIB, 2) as pool:
+        handle = pool.share()
+
+        def dies_holding_one() -> int:
+            assert PoolView(handle).lease(1.0) is not None
+            os.kill(os.getpid(), 9)
+            return 1
+
+        assert in_child(dies_holding_one) == -9
+        (index, generation, pid), = pool._slots.table.leases()
+        assert pool.stats().leased == 1
+        assert pool.reclaim_orphans() == 1
+        stats = pool.stats()
+        assert (stats.leased, stats.free, stats.reclaimed) == (0, 2, 1)
+        with pytest.raises(LookupError):  # a late message about that lease reads nothing
+            pool.adopt(index, generation, 10)
+        again = pool.acquire()
+        assert pool._slots.table.states()[again.index] == _libnuma.SLOT_STATES["held"]
+        del again
+
+
+def test_many_processes_claiming_at_once_never_share_a_slot() -> None:
+    """Each of 4 processes claims slots as fast as it can, writes its pid over the
+    slot, checks it is still there, and gives the slot up: any slot handed out
+    twice at once shows another pid."""
+    with numafast.PinnedPool(NODES[0], 4096, 3, lock="off") as pool:
+        handle = pool.share()
+
+        def claimer() -> int:
+            view = PoolView(handle)
+            me = np.uint32(os.getpid())
+            for _ in range(3000):
+                lease = view.lease(5.0)
+                if lease is None:
+                    return 2
+                words = np.frombuffer(view.slot(lease[0]), dtype=np.uint32)
+                words[:64] = me
+                if not (words[:64] == me).all():
+                    return 3
+                view.give_up(*lease)
+            return 0
+
+        children = []
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(claimer())
+            children.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+        assert codes == [0, 0, 0, 0]
+        assert pool.stats().free == 3 and pool.stats().leased == 0
+
+
+def test_the_board_tells_running_processes_about_new_pools() -> None:
+    board = PoolBoard()
+    go_read, go_write = os.pipe()
+    read_once, read_once_write = os.pipe()
+    answer_read, answer_write = os.pipe()
+    with numafast.PinnedPool(NODES[0], MIB, 1) as first, numafast.PinnedPool(NODES[0], 2 * MIB, 1) as second:
+        board.publish([first.share()])
+
+        def watcher() -> int:
+            reader = BoardReader(board.handle())
+            sizes = [view.handle.slot_bytes for view in reader.pools()]
+            os.write(read_once_write, b"x")
+            os.read(go_read, 1)  # the owner publishes again meanwhile
+            sizes += [view.handle.slot_bytes for view in reader.pools()]
+            os.write(answer_write, " ".join(map(str, sizes)).encode())
+            return 0
+
+        pid = os.fork()
+        if pid == 0:
+            os._exit(watcher())
+        os.read(read_once, 1)
+        board.publish([second.share(), first.share()])
+        os.write(go_write, b"x")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.read(answer_read, 100).decode().split() == [str(MIB), str(2 * MIB), str(MIB)]
+    board.close()
+
+
+@pytest.mark.numa(nodes=4)
+def test_a_worker_on_another_node_writes_into_the_pools_node() -> None:
+    """The pool's policy is the file's own (shared policy), and its pages exist before
+    any worker writes: a worker running on node 3 fills a node-1 slot on node 1."""
+    pool_node, worker_node = 1, 3
+    with numafast.PinnedPool(pool_node, 4 * MIB, 2) as pool:
+        handle = pool.share()
+
+        def worker() -> int:
+            os.sched_setaffinity(0, node_cpus(worker_node))
+            with numafast.numa_local(worker_node):
+                view = PoolView(handle)
+                lease = view.lease(1.0)
+                assert lease is not None
+                np.frombuffer(view.slot(lease[0]), dtype=np.uint8)[:] = 5
+                mine = np.frombuffer(view.slot(lease[0]), dtype=np.uint8)
+                address = mine.__array_interface__["data"][0]
+                return 0 if set(pagemap_nodes(address, 4 * MIB)) == {pool_node} else 4
+
+        assert in_child(worker) == 0
+        (index, generation, _pid), = pool._slots.table.leases()
+        slot = pool.adopt(index, generation, 4 * MIB)
+        assert set(np.asarray(slot)[:: 4096].tolist()) == {5}
+        assert set(pagemap_nodes(slot.address, 4 * MIB)) == {pool_node}
+        del slot
