@@ -1,9 +1,10 @@
-"""NumaLoader: the wrapped DataLoader's batches, in node-local pinned memory, from
-workers and a pin thread that run on the node.
+"""NumaLoader: the wrapped DataLoader's batches, collated by workers on the node
+straight into node-local, page-locked slots, behaving as the DataLoader does.
 
-Where the workers and the pin thread may run is read from the kernel
-(sched_getaffinity inside each worker, /proc/self/task/TID/status for the pin
-thread); where the batches are, from pagemap and the sysfs memory blocks.
+Every comparison is with a stock DataLoader built the same way and run in the same
+test. Where the workers may run is read from the kernel (sched_getaffinity inside
+each worker), where the batches are from pagemap and the sysfs memory blocks,
+whether they are locked from /proc/self/smaps.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 import gc
 import os
 import random
-import threading
+import signal
+import subprocess
+import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +36,7 @@ from sysfs_truth import (
 )
 
 torch = pytest.importorskip("torch")
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, IterableDataset  # noqa: E402
 
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
@@ -110,55 +115,177 @@ def wait_until(condition: Any, seconds: float = 60.0) -> bool:
     return False
 
 
-def pin_threads() -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name == "numafast_pin"]
+def held_in_pools(loader: Any, batches: list[Any]) -> bool:
+    """Every batch's values tensor lies in one of the loader's pools."""
+    pools = loader.pools.pools
+    return all(any(pool.contains(batch["values"].data_ptr()) for pool in pools) for batch in batches)
+
+
+def shared_memory_mappings() -> list[str]:
+    """The mappings of this process that torch's shared-memory tensors use."""
+    names = [line.split(maxsplit=5)[5] for line in Path("/proc/self/maps").read_text().splitlines() if len(line.split()) > 5]
+    return [name for name in names if "torch_" in name or name.startswith("/dev/shm/")]
+
+
+class Shards(IterableDataset):  # type: ignore[type-arg]
+    """An IterableDataset whose workers yield shards of different lengths (0..count)."""
+
+    def __init__(self, count: int, reported: int | None = None) -> None:
+        self.count, self.reported = count, reported
+
+    def __len__(self) -> int:
+        return self.reported if self.reported is not None else self.count
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for index in range(worker, self.count, workers):
+            if worker == 0 and index > self.count // 2:
+                return  # worker 0 stops early: an uneven shard
+            yield {"values": torch.full((512,), float(index)), "index": index}
+
+
+def kill_on_batch(samples: list[Any]) -> Any:
+    """A collate function whose worker is killed (SIGKILL) while it holds a slot."""
+    if any(sample["index"] == 7 for sample in samples):
+        time.sleep(0.5)  # the worker's queue thread has sent the batches before this one by then
+        os.kill(os.getpid(), signal.SIGKILL)
+    return torch.utils.data.default_collate(samples)
 
 
 # ---------------------------------------------------------------- the same batches
 
 
 @SEMANTICS
-def test_yields_the_stock_loaders_batches_in_order_pinned_on_the_node() -> None:
-    dataset = Numbers(20)
-    stock = list(make_loader(dataset))
-    loader = numafast.torch.NumaLoader(make_loader(dataset), node=NODES[0])
-    assert len(loader) == len(stock) == 7
+@pytest.mark.parametrize("workers", [0, 1, 4])
+def test_yields_the_stock_loaders_batches_in_order_landed_on_the_node(workers: int) -> None:
+    dataset = Numbers(40)
+    stock = list(make_loader(dataset, num_workers=workers))
+    loader = numafast.torch.NumaLoader(make_loader(dataset, num_workers=workers), node=NODES[0])
+    assert len(loader) == len(stock) == 14
     ours = list(loader)
     assert len(ours) == len(stock) and all(map(same, stock, ours))
-    pools = loader.pools.pools
-    assert len(pools) == 2  # 7 batches kept, 4 slots a pool: it grew once
-    assert all(any(pool.contains(batch["values"].data_ptr()) for pool in pools) for batch in ours)
-    assert all(kib(smaps_of(pool._slots.address)["Locked"]) >= pool.slots * pool.slot_bytes for pool in pools)
+    assert held_in_pools(loader, ours)
+    assert all(kib(smaps_of(pool._slots.address)["Locked"]) >= pool.slots * pool.slot_bytes for pool in loader.pools.pools)
+    stats = loader.stats()
+    # The first batches size the pool and are copied in; later ones were collated in a
+    # slot by the process that made them, or copied when the consumer held every slot.
+    assert stats.batches == 14 and stats.landed + stats.copied == 14 and stats.landed > 0
+    assert stats.fallbacks["first batches"] >= 1, stats
     del ours
     gc.collect()
+    assert sum(pool.in_use + pool.leased for pool in loader.stats().pools) == 0
+
+
+@SEMANTICS
+def test_landed_batches_copy_nothing_and_make_no_shared_memory_files() -> None:
+    dataset = Numbers(48, size=16384)
+    loader = numafast.torch.NumaLoader(make_loader(dataset, batch_size=4, num_workers=2), node=NODES[0], slots=16)
+    list(loader)  # the first epoch sizes the pool
+    copied = loader.stats().bytes_copied
+    before = set(shared_memory_mappings())
+    ours = list(loader)
+    assert loader.stats().bytes_copied == copied and loader.stats().copied == loader.stats().fallbacks["first batches"]
+    assert held_in_pools(loader, ours) and set(shared_memory_mappings()) <= before
+    stock_loader = make_loader(dataset, batch_size=4, num_workers=2)
+    list(stock_loader)
+    stock = list(stock_loader)  # its second epoch, as ours; torch's way maps shared-memory files
+    assert set(shared_memory_mappings()) - before
+    assert all(map(same, stock, ours))
+
+
+@SEMANTICS
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterable_dataset_with_uneven_shards_gives_the_stock_batches(workers: int) -> None:
+    stock = list(DataLoader(Shards(23), batch_size=3, num_workers=workers))
+    ours = list(numafast.torch.NumaLoader(DataLoader(Shards(23), batch_size=3, num_workers=workers)))
+    assert len(ours) == len(stock) and all(map(same, stock, ours))
+
+
+@SEMANTICS
+def test_the_length_warning_comes_from_the_same_next_call_as_the_stock_loaders() -> None:
+    def warned_at(iterable: Any) -> list[int]:
+        positions = []
+        assert len(iterable) == 2  # torch warns only once len() was asked
+        iterator = iter(iterable)
+        for position in range(100):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    next(iterator)
+                except StopIteration:
+                    return positions
+            if any(str(w.message).startswith("Length of IterableDataset") for w in caught):
+                positions.append(position)
+        return positions
+
+    stock = warned_at(DataLoader(Shards(23, reported=4), batch_size=2, num_workers=2))
+    ours = warned_at(numafast.torch.NumaLoader(DataLoader(Shards(23, reported=4), batch_size=2, num_workers=2)))
+    assert stock and ours == stock
+
+
+@SEMANTICS
+def test_persistent_workers_give_the_same_batches_every_epoch_and_land_them_all() -> None:
+    dataset = Numbers(18)
+    stock = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True)
+    loader = numafast.torch.NumaLoader(DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True))
+    expected = list(stock)
+    for _epoch in range(3):
+        assert all(map(same, expected, list(loader)))
     stats = loader.stats()
-    assert sum(s.in_use for s in stats) == 0 and sum(s.acquired for s in stats) == 7
+    # The workers started before any pool existed; the pool reached them without a restart.
+    assert stats.landed >= 2 * len(expected), stats
+
+
+@SEMANTICS
+def test_in_order_false_gives_the_same_batches() -> None:
+    dataset = Numbers(30)
+    stock = list(make_loader(dataset, in_order=False, shuffle=False))
+    ours = list(numafast.torch.NumaLoader(make_loader(dataset, in_order=False, shuffle=False)))
+    key = lambda batch: batch["index"].tolist()  # noqa: E731
+    assert sorted(map(key, stock)) == sorted(map(key, ours))
+    by_key = {tuple(key(batch)): batch for batch in stock}
+    assert all(same(by_key[tuple(key(batch))], batch) for batch in ours)
+
+
+@SEMANTICS
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawned_workers_map_the_pool_and_land_batches(context: str) -> None:
+    dataset = Numbers(16)
+    options = {"batch_size": 2, "num_workers": 1, "multiprocessing_context": context, "persistent_workers": True}
+    stock = list(DataLoader(dataset, **options))
+    loader = numafast.torch.NumaLoader(DataLoader(dataset, **options))
+    for _epoch in range(2):
+        assert all(map(same, stock, list(loader)))
+    assert loader.stats().landed >= len(stock), loader.stats()  # through /proc/PID/fd of this process
 
 
 @SEMANTICS
 def test_a_consumer_that_keeps_random_earlier_batches_sees_them_unchanged() -> None:
-    dataset = Numbers(60, size=2048)
+    dataset = Numbers(90, size=2048)
     stock = list(make_loader(dataset))
-    loader = numafast.torch.NumaLoader(make_loader(dataset), node=NODES[0], slots=3, prefetch=2)
+    loader = numafast.torch.NumaLoader(make_loader(dataset), node=NODES[0], slots=6, prefetch=2)
     chooser = random.Random(1)
     kept: dict[int, Any] = {}
     for position, batch in enumerate(loader):
         if chooser.random() < 0.5:
             kept[position] = batch
-        if len(kept) > 5:
+        if len(kept) > 4:
             kept.pop(chooser.choice(sorted(kept)))  # let an old one go: its slot is reused
     assert kept and all(same(stock[position], batch) for position, batch in kept.items())
-    assert loader.pools.grown > 0  # more batches kept than slots: the pools grew instead of stalling
+    assert loader.stats().landed > 0
 
 
 @SEMANTICS
-def test_persistent_workers_give_the_same_batches_every_epoch() -> None:
-    dataset = Numbers(9)
-    stock = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True)
-    loader = numafast.torch.NumaLoader(DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True))
-    expected = list(stock)
-    for _epoch in range(2):
-        assert all(map(same, expected, list(loader)))
+def test_a_consumer_keeping_more_batches_than_slots_never_hangs() -> None:
+    dataset = Numbers(60)
+    stock = list(make_loader(dataset))
+    loader = numafast.torch.NumaLoader(make_loader(dataset), node=NODES[0], slots=3)
+    with pytest.warns(RuntimeWarning, match=r"copied by the main process \(no free slot\).*slots= \(now 3 per pool\)"):
+        ours = list(loader)
+    assert all(map(same, stock, ours))
+    stats = loader.stats()
+    assert stats.fallbacks["no free slot"] > 0 and loader.pools.grown > 0
 
 
 @SEMANTICS
@@ -175,39 +302,119 @@ def test_the_datasets_exceptions_come_out_in_their_place_and_iteration_goes_on()
             assert same(left, right)
 
 
+KILLED_CHILD = """
+import gc, os, re, signal, sys
+sys.path.insert(0, "tests")
+from test_torch_loader import DataLoader, Numbers, kill_on_batch, numafast
+options = {"batch_size": 2, "num_workers": 1, "collate_fn": kill_on_batch, "timeout": 60}
+loader = DataLoader(Numbers(20), **options)
+if sys.argv[1] == "numafast":
+    loader = numafast.torch.NumaLoader(loader)
+try:
+    for _batch in loader:
+        pass
+    print("no error")
+except RuntimeError as error:
+    # torch's SIGCHLD handler may raise again for the same dead worker: no more of it.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    print(re.sub(r"pid\\(s\\) [0-9, ]+|pid [0-9]+", "pid N", str(error)))
+if sys.argv[1] == "numafast":
+    gc.collect()
+    pools = loader.stats().pools  # ends the dead worker's lease
+    print(sum(pool.leased for pool in pools), sum(pool.reclaimed for pool in pools))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
 @SEMANTICS
-def test_a_single_process_loader_works_too() -> None:
-    dataset = Numbers(7)
+def test_a_worker_killed_while_it_holds_a_slot_gives_the_dataloaders_own_error_and_the_slot_back() -> None:
+    def run(kind: str) -> list[str]:
+        result = subprocess.run([sys.executable, "-c", KILLED_CHILD, kind], capture_output=True, text=True,
+                                timeout=300, cwd=Path(__file__).resolve().parent.parent)
+        return result.stdout.splitlines() or [result.stderr]
+
+    stock, ours = run("stock"), run("numafast")
+    # DataLoader's own error: its SIGCHLD handler names the signal, unless the broken pipe is seen first.
+    own_errors = ("DataLoader worker (pid N) is killed by signal: Killed. ", "DataLoader worker (pid N) exited unexpectedly")
+    assert stock[0] in own_errors, stock
+    assert ours[0] in own_errors, ours
+    leased, reclaimed = map(int, ours[1].split())
+    assert leased == 0 and reclaimed == 1, ours
+
+
+def test_iterating_installs_torchs_sigchld_handler_as_the_stock_loader_does() -> None:
+    code = (
+        "import torch, numafast.torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "from torch.utils.data._utils import signal_handling\n"
+        "print(sum(1 for _ in numafast.torch.NumaLoader(DataLoader(list(range(8)), num_workers=1))))\n"
+        "print(signal_handling._SIGCHLD_handler_set)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.stdout.split() == ["8", "True"], result.stderr
+
+
+@SEMANTICS
+def test_a_single_process_loader_collates_into_the_slot_itself() -> None:
+    dataset = Numbers(12)
     stock = list(DataLoader(dataset, batch_size=2))
-    assert all(map(same, stock, numafast.torch.NumaLoader(DataLoader(dataset, batch_size=2))))
+    loader = numafast.torch.NumaLoader(DataLoader(dataset, batch_size=2))
+    ours = list(loader)
+    assert all(map(same, stock, ours)) and held_in_pools(loader, ours)
+    assert loader.stats().landed == 5 and loader.stats().copied == 1
+
+
+# ---------------------------------------------------------------- the DataLoader's surface
+
+
+def test_every_public_dataloader_attribute_reads_through_and_the_frozen_ones_are_refused() -> None:
+    dataset = Numbers(10)
+    stock = DataLoader(dataset, batch_size=3, num_workers=2, drop_last=True, prefetch_factor=3)
+    loader = numafast.torch.NumaLoader(stock)
+    for name in ("dataset", "batch_size", "sampler", "batch_sampler", "num_workers", "collate_fn", "drop_last",
+                 "prefetch_factor", "persistent_workers", "generator", "timeout", "worker_init_fn",
+                 "multiprocessing_context", "in_order"):
+        assert getattr(loader, name) is getattr(stock, name), name
+    for name in ("batch_size", "sampler", "batch_sampler", "dataset", "drop_last", "persistent_workers"):
+        with pytest.raises(ValueError, match=f"{name} attribute should not be set after NumaLoader is initialized"):
+            setattr(loader, name, None)
+        with pytest.raises(ValueError, match=f"{name} attribute should not be set after DataLoader is initialized"):
+            setattr(stock, name, None)
+    loader.timeout = 5  # DataLoader allows it: it reaches the wrapped loader
+    assert stock.timeout == 5 and len(loader) == len(stock) == 3
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        loader.nonsense  # noqa: B018
 
 
 # ---------------------------------------------------------------- shutting down
 
 
 @SEMANTICS
-def test_an_early_break_stops_the_pin_thread_and_the_workers() -> None:
+def test_an_early_break_returns_promptly_and_stops_the_workers() -> None:
     loader = numafast.torch.NumaLoader(make_loader(Numbers(300), num_workers=2))
     workers = set()
+    start = time.monotonic()
     for position, batch in enumerate(loader):
         workers.update(batch["pid"].tolist())
         if position == 3:
             break
     del batch
-    assert wait_until(lambda: not pin_threads())
+    assert time.monotonic() - start < 30
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}/status") for pid in workers)), workers
     gc.collect()
-    assert sum(s.in_use for s in loader.stats()) == 0  # the queued batches were let go
+    assert sum(pool.in_use + pool.leased for pool in loader.stats().pools) == 0  # the queued batches were let go
 
 
 @SEMANTICS
 def test_dropping_a_half_read_loader_cleans_up() -> None:
-    iterator = iter(numafast.torch.NumaLoader(make_loader(Numbers(300))))
+    loader = numafast.torch.NumaLoader(make_loader(Numbers(300)))
+    iterator = iter(loader)
     first = next(iterator)
     pool_address = first["values"].data_ptr()
-    del iterator, first
+    del iterator, first, loader
     gc.collect()
-    assert wait_until(lambda: not pin_threads())
     assert wait_until(lambda: smaps_of(pool_address) == {})  # the pool went with the loader
 
 
@@ -223,6 +430,7 @@ def test_dropping_a_half_read_loader_cleans_up() -> None:
         (DataLoader(range(4)), {"slots": -1}, numafast.InvalidSizeError, "slots must be"),
         (DataLoader(range(4)), {"node": 99}, numafast.InvalidNodeError, "node 99 does not exist"),
         (DataLoader(range(4)), {"device": "meta"}, ValueError, "copies to a CUDA device"),
+        (DataLoader(range(4)), {"device": "banana"}, ValueError, "device 'banana' is not a device: give a CUDA device"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(loader: Any, options: dict[str, Any], error: type, match: str) -> None:
@@ -241,17 +449,22 @@ def test_a_cuda_device_without_cuda_says_why() -> None:
 
 
 def check_placement(node: int, *, workers: int) -> None:
-    """A NumaLoader on ``node``: where its workers and pin thread may run, what memory
-    policy the workers have, and where its batches are, all asked of the kernel."""
+    """A NumaLoader on ``node``: where its workers may run, what memory policy they
+    have, where its batches are and that they are locked and were not copied, all
+    asked of the kernel; and that the iterating thread got its own placement back."""
     cpus = sorted(cpu for near in nearest_cpu_nodes(node) for cpu in node_cpus(near))
-    loader = DataLoader(Numbers(6, size=2048), batch_size=2, num_workers=workers, worker_init_fn=set_marker)
-    iterator = iter(numafast.torch.NumaLoader(loader, node=node))
-    first = next(iterator)
-    # The pin thread is alive until it has queued the end: the queue (2) is full before that.
-    thread_cpus = parse_list(task_status(iterator.pin_thread_id)["Cpus_allowed_list"])  # type: ignore[attr-defined]
-    assert thread_cpus == cpus, (node, thread_cpus)
-    batches = [first, *iterator]
-    assert len(batches) == 3 and loader.worker_init_fn is set_marker  # put back once the workers started
+    mine = os.sched_getaffinity(0)
+    loader = DataLoader(Numbers(12, size=4096), batch_size=2, num_workers=workers, worker_init_fn=set_marker)
+    wrapped = numafast.torch.NumaLoader(loader, node=node)
+    list(wrapped)  # the first epoch sizes the pool
+    batches = list(wrapped)
+    assert os.sched_getaffinity(0) == mine  # iter() forked the workers inside the node's scope, then left it
+    assert len(batches) == 6 and loader.worker_init_fn is set_marker  # put back once the workers started
+    stats = wrapped.stats()
+    assert stats.landed >= 6 and stats.copied == stats.fallbacks["first batches"], stats  # no byte copied in epoch 2
+    assert held_in_pools(wrapped, batches)
+    for pool in wrapped.pools.pools:
+        assert kib(smaps_of(pool._slots.address)["Locked"]) >= pool.slots * pool.slot_bytes
     for batch in batches:
         assert batch["seed"].tolist() in ([1000, 1000], [1001, 1001])  # the user's worker_init_fn ran too
         assert all(row == cpus for row in _per_sample(batch["cpus"])), (node, batch["cpus"])
@@ -266,12 +479,12 @@ def _per_sample(collated_cpus: Any) -> list[list[int]]:
     return [list(row) for row in zip(*[column.tolist() for column in collated_cpus])]
 
 
-def test_workers_and_the_pin_thread_run_on_the_node_here() -> None:
+def test_workers_run_on_the_node_and_batches_land_there_here() -> None:
     check_placement(NODES[0], workers=2)
 
 
 @pytest.mark.numa(nodes=4)
-def test_workers_and_the_pin_thread_run_on_each_node() -> None:
+def test_workers_run_on_each_node_and_batches_land_there() -> None:
     for node in CPU_NODES:
         check_placement(node, workers=1)
 

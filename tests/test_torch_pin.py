@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
 from numafast.torch.batch import ALIGNMENT, flatten  # noqa: E402
-from numafast.torch.hook import PIN_THREAD_NAME, NodeBatch, PinMemoryHook  # noqa: E402
+from numafast.torch.collate import Fallback, FallbackReason, SlotBatch  # noqa: E402
+from numafast.torch.hook import PIN_THREAD_NAME, PinMemoryHook  # noqa: E402
 
 NODES = online_nodes()
 MIB = 1 << 20
@@ -68,8 +69,12 @@ def tensors_equal(left: Any, right: Any) -> bool:
         fields = [f.name for f in dataclasses.fields(left)]
         return type(left) is type(right) and all(tensors_equal(getattr(left, f), getattr(right, f)) for f in fields)
     if isinstance(left, np.ndarray):
-        return left is right
+        return isinstance(right, np.ndarray) and left.dtype == right.dtype and bool(np.array_equal(left, right))
     return bool(left == right or left is right)
+
+
+def address_of(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
 
 
 def nodes_of(tensor: torch.Tensor) -> set[int | None]:
@@ -87,9 +92,11 @@ def test_pin_keeps_the_structure_and_values_and_puts_every_tensor_in_one_slot(po
     pinned = numafast.torch.pin(batch, pool)
     assert tensors_equal(batch, pinned)
     assert pinned["again"] is pinned["image"]  # one copy for the one tensor
-    assert pinned["labels"][1:] == ["text", 3.5, None] and pinned["frozen"].values[1] is batch["frozen"].values[1]
+    assert pinned["labels"][1:] == ["text", 3.5, None]
+    assert pool.contains(address_of(pinned["frozen"].values[1]))  # NumPy arrays are pinned too
     assert pinned["sample"].count == 2 and isinstance(pinned["sample"].meta, OrderedDict)
     tensors = [t for t in flatten(pinned)[0] if t.numel()]
+    assert address_of(pinned["frozen"].values[1]) % ALIGNMENT == 0
     assert all(pool.contains(t.data_ptr()) for t in tensors)
     assert all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
     assert len({pool._slots.index_of(t.data_ptr()) for t in tensors}) == 1
@@ -134,6 +141,21 @@ def test_a_batch_larger_than_a_slot_names_both_sizes(pool: Any) -> None:
     assert pool.stats().in_use == 0
 
 
+def test_leaves_pin_cannot_see_into_are_named_once(pool: Any) -> None:
+    class Opaque:
+        def __init__(self) -> None:
+            self.tensor = torch.ones(3)
+
+    with pytest.warns(RuntimeWarning, match=r"pin\(\) leaves .*Opaque where they are"):
+        pinned = numafast.torch.pin({"x": torch.ones(2), "other": Opaque()}, pool)
+    assert pool.contains(pinned["x"].data_ptr())
+
+
+def test_pin_refuses_what_is_not_a_pool() -> None:
+    with pytest.raises(TypeError, match="pin\\(\\) copies into a numafast.PinnedPool, not a dict"):
+        numafast.torch.pin([torch.ones(2)], {})  # type: ignore[arg-type]
+
+
 def test_tensors_that_cannot_be_pinned_are_refused(pool: Any) -> None:
     with pytest.raises(numafast.InvalidBufferError, match="tensor 0 of the batch is torch.sparse_coo"):
         numafast.torch.pin({"x": torch.eye(3).to_sparse()}, pool)
@@ -153,7 +175,9 @@ def test_the_hook_installs_nothing_where_torch_does_not_pin() -> None:
     collate = loader.collate_fn
     if torch.accelerator.is_available():
         pytest.skip("an accelerator is here: the hook installs (tested in test_pool_cuda.py)")
-    hook = numafast.torch.pin_memory_hook(loader)
+    with pytest.warns(RuntimeWarning, match="pin_memory_hook installs nothing: PyTorch finds no accelerator") as caught:
+        hook = numafast.torch.pin_memory_hook(loader)
+    assert len(caught) == 1
     assert not hook.installed and "no accelerator" in hook.reason and loader.collate_fn is collate
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
@@ -191,19 +215,27 @@ def run_as_torch_pin_thread(batches: list[Any]) -> tuple[list[Any], list[int]]:
 
 
 @pytest.mark.parametrize("node", NODES)
-def test_hooked_batches_reach_torch_pin_step_and_come_out_on_the_node(node: int) -> None:
+def test_hooked_batches_land_in_slots_and_torch_pin_step_copies_nothing(node: int) -> None:
     if not node_cpus(node):
         pytest.skip(f"node {node} has no CPUs for a pin thread (covered by the pool tests)")
     dataset = [torch.full((64, 1024), float(i)) for i in range(6)]
     loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=1)
     own_collate = loader.collate_fn
     hook = PinMemoryHook(loader, node, None, slots=4, installed=True, reason="")  # what pin_memory_hook makes
-    collated = list(loader)  # real workers run the wrapped collate function
-    assert all(isinstance(batch, NodeBatch) for batch in collated)
+    assert hook.pools is not None
+    first = list(loader)  # real workers run numafast's collate: no pool yet, so they send batches as torch does
+    assert all(isinstance(batch, Fallback) for batch in first)
+    run_as_torch_pin_thread(first)  # the pin step copies them in, and sizes the pool
+    del first
+    copied = hook.pools.stats().bytes_copied
+    collated = list(loader)  # now the workers collate into the pool's slots
+    assert all(isinstance(batch, SlotBatch) for batch in collated)
     pinned, cpus = run_as_torch_pin_thread(collated)
     assert cpus == node_cpus(node)  # the pin thread bound itself to the node
+    stats = hook.pools.stats()
+    assert stats.bytes_copied == copied and stats.landed == 3  # nothing copied: the batches were already there
     for index, batch in enumerate(pinned):
-        assert isinstance(batch, torch.Tensor) and hook.pools is not None
+        assert isinstance(batch, torch.Tensor)
         assert bool((batch[0] == 2 * index).all()) and bool((batch[1] == 2 * index + 1).all())
         assert nodes_of(batch) == {node}
         assert any(pool.contains(batch.data_ptr()) for pool in hook.pools.pools)
@@ -212,9 +244,16 @@ def test_hooked_batches_reach_torch_pin_step_and_come_out_on_the_node(node: int)
 
 
 def test_a_hook_batch_outlives_nothing_it_should_not() -> None:
-    batch = NodeBatch(torch.ones(3), hook_id=10**9)
-    with pytest.raises(RuntimeError, match="pin_memory_hook that made this batch is gone"):
+    batch = Fallback(10**9, torch.ones(3), FallbackReason.FIRST_BATCHES)
+    with pytest.raises(RuntimeError, match="loader or hook that made this batch is gone"):
         batch.pin_memory()
+
+
+def test_the_hook_checks_its_node_even_where_it_installs_nothing() -> None:
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, pin_memory=True)
+    with pytest.raises(numafast.InvalidNodeError, match="node 99"):
+        numafast.torch.pin_memory_hook(loader, node=99)
+    assert loader.collate_fn is torch.utils.data.default_collate
 
 
 @pytest.mark.numa(nodes=3)
@@ -235,6 +274,7 @@ def test_ten_thousand_pinned_batches_grow_nothing() -> None:
     with numafast.PinnedPool(NODES[0], 64 << 10, 3) as pool:
         for _ in range(100):
             numafast.torch.pin(batch, pool)
+        gc.collect()  # pools of earlier tests' loaders go now, not while this one counts
         before = _process_footprint()
         for _ in range(10_000):
             pinned = numafast.torch.pin(batch, pool)

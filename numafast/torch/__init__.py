@@ -3,22 +3,25 @@ pin step and host buffers sit on the GPU's NUMA node.
 
 - :func:`empty` / :func:`zeros`: tensors over node-bound, pre-faulted memory;
 - :func:`pin`: a nested batch copied into a slot of a :class:`numafast.PinnedPool`;
-- :class:`NumaLoader`: wraps a DataLoader (``pin_memory=False``) and does the pin
-  step (and, with a CUDA device, the host-to-device copy) on the node;
+- :class:`NumaLoader`: wraps a DataLoader (``pin_memory=False``); its workers run
+  on the node and collate each batch straight into a node-local, page-locked
+  slot (and, with a CUDA device, the host-to-device copies are queued ahead);
 - :func:`pin_memory_hook`: one line for loaders that keep ``pin_memory=True``.
 
-Importing numafast never imports torch; importing this package does. Of its
-modules, only :mod:`numafast.torch.cuda` touches ``torch.cuda``, and only where
-CUDA is usable.
+Importing numafast never imports torch; importing this package does. Only
+:mod:`numafast.cuda` touches ``torch.cuda``, and only where CUDA is usable.
 """
 
 from numafast.torch.batch import pin, record_stream
-from numafast.torch.hook import NodeBatch, PinMemoryHook, pin_memory_hook
+from numafast.torch.collate import FallbackReason
+from numafast.torch.hook import PinMemoryHook, pin_memory_hook
 from numafast.torch.loader import NumaLoader, WorkerPlacement
+from numafast.torch.pools import LoaderStats
 from numafast.torch.tensors import empty, zeros
 
 __all__ = [
-    "NodeBatch",
+    "FallbackReason",
+    "LoaderStats",
     "NumaLoader",
     "PinMemoryHook",
     "WorkerPlacement",

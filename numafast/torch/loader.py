@@ -1,50 +1,51 @@
-"""NumaLoader: a DataLoader whose workers, pin step and host buffers sit on the GPU's node.
+"""NumaLoader: a DataLoader whose workers and host buffers sit on the GPU's node, and
+whose batches arrive page-locked there without a copy.
 
-Stock PyTorch pins every batch in one thread of the main process that runs wherever
-the scheduler puts it, into a NUMA-blind caching allocator. NumaLoader wraps a
-DataLoader built with ``pin_memory=False`` and does that step itself:
+Stock PyTorch collates each batch in a worker into a fresh shared-memory file, then
+copies it again in a pin thread of the main process that runs wherever the
+scheduler puts it, into a NUMA-blind caching allocator. NumaLoader wraps a
+DataLoader built with ``pin_memory=False``:
 
-* the workers run on the node's CPUs with the node's memory policy: they are forked
-  by a thread bound to the node (a fork inherits the forking thread's affinity and
-  policy), and the binding is applied again inside each worker, before the user's
-  own ``worker_init_fn``, since some OpenMP runtimes reset affinity after fork and
-  a spawned worker inherits nothing;
-* its own pin thread, bound to the node, copies each batch into a slot of a
-  node-local, page-locked pool sized from the first batch;
-* with a CUDA ``device`` that thread also queues the host-to-device copies on a side
-  stream, ``prefetch`` batches ahead, and the consumer gets device tensors; a slot
-  is reused once its copy is done (a CUDA event on the side stream).
+* it iterates the DataLoader in the caller's own thread, as the DataLoader would
+  be: every warning, error, signal handler and shutdown is the DataLoader's own,
+  at the same call;
+* the workers run on the node's CPUs with the node's memory policy: ``iter()``
+  forks them inside a ``numa_local(node)`` scope (a fork inherits the forking
+  thread's affinity and policy), and the binding is applied again inside each
+  worker, before the user's own ``worker_init_fn``, since some OpenMP runtimes
+  reset affinity after fork and a spawned worker inherits nothing;
+* the workers collate each batch straight into a slot of a shared, node-local,
+  page-locked pool (:mod:`numafast.torch.collate`): the main process copies no
+  byte; a batch that cannot land in a slot is copied in, with the reason counted;
+* with a CUDA ``device`` the host-to-device copies of the next ``prefetch``
+  batches are queued on a side stream from the same thread, and the consumer gets
+  device tensors; a slot is reused once its copy is done (a CUDA event).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import warnings
-import weakref
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from numafast import cuda
 from numafast._validate import check_node
-from numafast.binding import bind
+from numafast.binding import bind, numa_local
 from numafast.errors import CudaUnavailable, InvalidGpuError, InvalidSizeError
 from numafast.pages import local_node
-from numafast.pool import PoolStats
-from numafast.torch import cuda
 from numafast.torch.batch import flatten, record_stream
-from numafast.torch.pools import NodePools
+from numafast.torch.collate import Fallback, SlotBatch, SlotCollate
+from numafast.torch.pools import LoaderStats, NodePools
 from numafast.topo import topology
 
 __all__ = ["NumaLoader", "WorkerPlacement", "gpu_node", "resolve_device"]
 
-# How often a blocked pin thread or consumer looks whether it should stop.
-POLL_S = 0.1
-# How long closing an iterator waits for the pin thread to finish its current batch.
-JOIN_TIMEOUT_S = 60.0
+# DataLoader attributes that it refuses to change once built (DataLoader.__setattr__).
+FROZEN_ATTRIBUTES = frozenset(("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,13 @@ def resolve_device(device: object) -> torch.device | None:
         return None
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(f"device {device!r}: give a CUDA device ('cuda:0', 0, torch.device) or None")
-    resolved = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    try:
+        resolved = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    except RuntimeError:
+        raise ValueError(
+            f"device {device!r} is not a device: give a CUDA device ('cuda', 'cuda:1', 1, torch.device) "
+            "or None / 'cpu' for host batches"
+        ) from None
     if resolved.type == "cpu":
         return None
     if resolved.type != "cuda":
@@ -92,17 +99,21 @@ def gpu_node(device: torch.device) -> int:
 
 
 class NumaLoader:
-    """Wrap ``loader`` (a DataLoader with ``pin_memory=False``) so that its workers and
-    pin step run on ``node`` and its batches come out page-locked on that node, or,
-    with a CUDA ``device``, already on the device.
+    """Wrap ``loader`` (a DataLoader with ``pin_memory=False``) so that its workers run on
+    ``node`` and its batches come out page-locked on that node, or, with a CUDA
+    ``device``, already on the device.
 
     ``node`` defaults to the device's node from the topology, or without a device to
-    the calling thread's node. ``slots`` is the size of each pinned pool (default
-    ``prefetch + 2``: the batches queued, the one being filled and the one the
-    consumer holds); when the consumer keeps more batches than that, another pool
-    is added rather than stalling. ``strict`` binds the workers' memory to the node
-    instead of preferring it. Iterating gives the same batches, in the same order,
-    with the same exceptions, as the wrapped loader; ``len()`` is the same too.
+    the calling thread's node. ``slots`` is the size of each pinned pool (default:
+    the batches the DataLoader keeps in flight, ``prefetch_factor`` x
+    ``num_workers``, plus ``prefetch`` with a device, plus two for the batch being
+    filled and the one the consumer holds); when the consumer keeps more, another
+    pool is added rather than stalling. ``strict`` binds the workers' memory to the
+    node instead of preferring it; ``lock`` is the pools' :class:`~numafast.LockMode`.
+
+    It reads like the DataLoader it wraps: the same batches, order, exceptions,
+    warnings and ``len()``, and every public attribute (``dataset``, ``batch_size``,
+    ``num_workers``...), with the same ones refused on assignment.
     """
 
     def __init__(
@@ -127,23 +138,51 @@ class NumaLoader:
             raise InvalidSizeError(f"prefetch must be a positive integer, not {prefetch!r}")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise InvalidSizeError(f"slots must be a positive integer or None, not {slots!r}")
-        self.loader = loader
-        self.device = resolve_device(device)
+        resolved = resolve_device(device)
         if node is None:
-            node = gpu_node(self.device) if self.device is not None else local_node()
-        self.node = check_node(node)
-        self.prefetch = prefetch
-        self.strict = strict
-        self.pools = NodePools(self.node, slots or prefetch + 2, lock=lock)
+            node = gpu_node(resolved) if resolved is not None else local_node()
+        checked = check_node(node)
+        in_flight = (loader.prefetch_factor or 0) * loader.num_workers + (prefetch if resolved is not None else 0)
+        own: dict[str, object] = {
+            "loader": loader,
+            "device": resolved,
+            "node": checked,
+            "prefetch": prefetch,
+            "strict": strict,
+            "pools": NodePools(checked, slots or in_flight + 2, lock=lock),
+        }
+        for name, value in own.items():  # past __setattr__, which forwards DataLoader attributes
+            object.__setattr__(self, name, value)
+        self.loader: DataLoader[Any]
+        self.device: torch.device | None
+        self.node: int
+        self.prefetch: int
+        self.strict: bool
+        self.pools: NodePools
+
+    def __getattr__(self, name: str) -> Any:
+        # Only what NumaLoader lacks: the wrapped DataLoader's public attributes.
+        if name.startswith("_") or name == "loader":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FROZEN_ATTRIBUTES:
+            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized")
+        if name in vars(self) or name.startswith("_") or not hasattr(self.loader, name):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)  # DataLoader's own settings (num_workers, collate_fn...)
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> _NumaLoaderIterator:
         return _NumaLoaderIterator(self)
 
-    def stats(self) -> list[PoolStats]:
-        """The counters of the pinned pools in use (see :class:`numafast.PoolStats`)."""
+    def stats(self) -> LoaderStats:
+        """How the batches arrived (see :class:`numafast.torch.LoaderStats`) and the
+        counters of the pinned pools in use."""
         return self.pools.stats()
 
     def __repr__(self) -> str:
@@ -151,15 +190,17 @@ class NumaLoader:
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
 
 
-class _End:
-    """The wrapped loader is exhausted."""
-
-
-@dataclass
-class _Raised:
-    """The wrapped loader (or the pin step) raised this for the batch at this place."""
-
-    error: BaseException
+def _iterate_placed(loader: DataLoader[Any], placement: WorkerPlacement, collate: SlotCollate) -> Any:
+    """iter(loader) with the workers' init and collate functions set to numafast's; the
+    loader's own attributes are put back at once (the DataLoader reads them when it
+    makes its iterator and starts its workers, inside iter)."""
+    own_init, own_collate = loader.worker_init_fn, loader.collate_fn
+    loader.worker_init_fn = placement if loader.num_workers else own_init
+    loader.collate_fn = collate
+    try:
+        return iter(loader)
+    finally:
+        loader.worker_init_fn, loader.collate_fn = own_init, own_collate
 
 
 @dataclass
@@ -171,154 +212,85 @@ class _OnDevice:
     rebuild: Callable[[list[torch.Tensor]], Any]
 
 
-class _Pipe:
-    """What the consumer and the pin thread share; never a reference to the iterator,
-    so that dropping the iterator ends the thread."""
+@dataclass
+class _Raised:
+    """The wrapped loader raised this at this batch (met while prefetching)."""
 
-    def __init__(self, depth: int) -> None:
-        self.batches: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        self.thread_id: int | None = None
-
-    def put(self, item: Any) -> bool:
-        """Queue ``item``; False when told to stop first."""
-        while not self.stop.is_set():
-            try:
-                self.batches.put(item, timeout=POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-
-def _pin_loop(pipe: _Pipe, owner: NumaLoader) -> None:
-    """The pin thread: bound to the node, it iterates the wrapped loader (whose workers
-    it forks), pins each batch and, with a device, queues its copy."""
-    pipe.thread_id = threading.get_native_id()
-    loader, node = owner.loader, owner.node
-    pools = owner.pools
-    copier: cuda.CopyStream | None = None
-    try:
-        bind(node)  # this thread only lives to pin: it stays on the node
-        if owner.device is not None:
-            copier = cuda.CopyStream(owner.device)
-        batches = _iterate_placed(loader, WorkerPlacement(node, owner.strict, loader.worker_init_fn))
-    except BaseException as error:  # noqa: BLE001 - handed to the consumer
-        pipe.put(_Raised(error))
-        return
-    try:
-        while not pipe.stop.is_set():
-            try:
-                batch = next(batches)
-            except StopIteration:
-                pipe.put(_End())
-                return
-            except Exception as error:  # the dataset's own exception, in its place
-                if not pipe.put(_Raised(error)):
-                    return
-                continue
-            try:
-                item = pools.pin(batch)
-                del batch
-                if copier is not None:
-                    item = _to_device(item, copier)
-            except Exception as error:
-                item = _Raised(error)
-            if not pipe.put(item):
-                return
-            del item
-    finally:
-        # Dropping the wrapped iterator shuts its workers down, here, in the one
-        # thread that ever used it.
-        del batches
-
-
-def _iterate_placed(loader: DataLoader[Any], placement: WorkerPlacement) -> Iterator[Any]:
-    """iter(loader) with ``placement`` as its workers' init function; the loader's own
-    attribute is put back at once (workers read it when they are created, inside iter)."""
-    if loader.num_workers == 0:
-        return iter(loader)
-    own = loader.worker_init_fn
-    loader.worker_init_fn = placement
-    try:
-        return iter(loader)
-    finally:
-        loader.worker_init_fn = own
-
-
-def _to_device(pinned: Any, copier: cuda.CopyStream) -> _OnDevice:
-    tensors, rebuild = flatten(pinned)
-    copies, ready = copier.to_device(tensors)
-    # The slots come back as `pinned` goes; they are reused once the side stream is done.
-    record_stream(pinned, copier.stream)
-    return _OnDevice(copies, ready, rebuild)
-
-
-def _shut_down(pipe: _Pipe, thread: threading.Thread) -> None:
-    """Stop the pin thread and free what it queued; runs when the iterator is dropped."""
-    pipe.stop.set()
-    while True:  # pinned batches in the queue hold slots: let them go
-        try:
-            pipe.batches.get_nowait()
-        except queue.Empty:
-            break
-    if thread is not threading.current_thread():
-        thread.join(JOIN_TIMEOUT_S)
-        if thread.is_alive():
-            warnings.warn(
-                f"NumaLoader's pin thread did not stop within {JOIN_TIMEOUT_S:g} s (a worker still busy?)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+    error: BaseException
 
 
 class _NumaLoaderIterator:
-    """One pass over a NumaLoader."""
+    """One pass over a NumaLoader, driven by the thread that iterates it."""
 
     def __init__(self, owner: NumaLoader) -> None:
         self._owner = owner
-        self._pipe = _Pipe(owner.prefetch)
-        self.pin_thread = threading.Thread(target=_pin_loop, args=(self._pipe, owner), name="numafast_pin", daemon=True)
-        self._finalizer = weakref.finalize(self, _shut_down, self._pipe, self.pin_thread)
-        self.pin_thread.start()
-        self._done = False
-
-    @property
-    def pin_thread_id(self) -> int | None:
-        """The kernel's id of the pin thread (see /proc/self/task/ID), once it has started."""
-        return self._pipe.thread_id
+        self._pools = owner.pools
+        loader = owner.loader
+        # The workers are forked here, inside the node's scope: they start on its CPUs
+        # with its memory policy (the calling thread gets its own back on leaving).
+        with numa_local(owner.node, strict=owner.strict):
+            self._inner: Any = _iterate_placed(
+                loader, WorkerPlacement(owner.node, owner.strict, loader.worker_init_fn), owner.pools.collate(loader.collate_fn)
+            )
+        self._copier = cuda.CopyStream(owner.device) if owner.device is not None else None
+        self._ahead: deque[_OnDevice | _Raised] = deque()
+        self._exhausted = False
 
     def __iter__(self) -> _NumaLoaderIterator:
         return self
 
     def __len__(self) -> int:
-        return len(self._owner)
+        return len(self._inner) if self._inner is not None else len(self._owner)
 
     def __next__(self) -> Any:
-        if self._done:
+        if self._inner is None:
             raise StopIteration
-        while True:
-            try:
-                item = self._pipe.batches.get(timeout=POLL_S)
-                break
-            except queue.Empty:
-                if not self.pin_thread.is_alive() and self._pipe.batches.empty():
-                    self.close()
-                    raise RuntimeError("NumaLoader's pin thread ended without a word") from None
-        if isinstance(item, _End):
+        if self._copier is None:
+            return self._arrived(next(self._inner))
+        self._queue_copies()
+        if not self._ahead:
             self.close()
             raise StopIteration
+        item = self._ahead.popleft()
         if isinstance(item, _Raised):
             error = item.error
             del item
             raise error
-        if isinstance(item, _OnDevice):
-            cuda.hand_over(item.copies, item.ready)
-            return item.rebuild(item.copies)
-        return item
+        cuda.hand_over(item.copies, item.ready)
+        return item.rebuild(item.copies)
+
+    def _arrived(self, item: Any) -> Any:
+        """A batch as the consumer sees it, from what the DataLoader yielded."""
+        if isinstance(item, SlotBatch):
+            return self._pools.receive(item)
+        if isinstance(item, Fallback):
+            return self._pools.copy_in(item)
+        return self._pools.pin(item)  # from workers started without numafast's collate
+
+    def _queue_copies(self) -> None:
+        """Keep the copies of the next ``prefetch`` batches queued on the side stream;
+        stop at an error, which the consumer meets at its own batch."""
+        assert self._copier is not None
+        while not self._exhausted and len(self._ahead) <= self._owner.prefetch:
+            if self._ahead and isinstance(self._ahead[-1], _Raised):
+                return
+            try:
+                pinned = self._arrived(next(self._inner))
+            except StopIteration:
+                self._exhausted = True
+                return
+            except Exception as error:  # the dataset's own exception, in its place
+                self._ahead.append(_Raised(error))
+                return
+            tensors, rebuild = flatten(pinned)
+            copies, ready = self._copier.to_device(tensors)
+            # The slots come back as `pinned` goes; they are reused once the side stream is done.
+            record_stream(pinned, self._copier.stream)
+            self._ahead.append(_OnDevice(copies, ready, rebuild))
 
     def close(self) -> None:
-        """Stop now: the pin thread ends, the wrapped loader's workers shut down, and
-        the batches it queued are released. Also happens when the iterator is dropped."""
-        self._done = True
-        self._finalizer()
+        """Stop now: the wrapped iterator is dropped (the DataLoader shuts its workers
+        down, as when its own iterator is dropped) and the queued copies released.
+        Also happens when this iterator is dropped."""
+        self._inner = None
+        self._ahead.clear()

@@ -1,5 +1,5 @@
-"""NodePools: the pinned pools of one node that a loader's pin step fills, sized by the
-batches themselves.
+"""NodePools: the pinned pools of one node that a loader's batches land in, sized by the
+batches themselves, and the main process's end of the workers' slot hand-out.
 
 A loader cannot know its batch size in bytes before the first batch, nor how many
 batches its consumer keeps. So the first batch sizes the slots (with headroom for
@@ -8,24 +8,66 @@ the batches that vary), a batch that outgrows them starts a pool with bigger slo
 slot is held by batches the consumer still keeps, another pool of the same size is
 added rather than waiting for a slot that would never come back. A slot that is
 only in flight (a GPU copy still reading it) is waited for instead: it is free soon.
+
+Every change is published on a :class:`~numafast.pool_share.PoolBoard` that the
+workers read before each batch, so running workers start filling new pools at once.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import TypeVar
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from numafast.errors import PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot
-from numafast.torch.batch import fill, flatten, layout
+from numafast.pool_share import PoolBoard
+from numafast.torch.batch import fill, flatten, layout, opaque_leaves
+from numafast.torch.collate import Fallback, FallbackReason, SlotBatch, SlotCollate
+from numafast.torch.packing import SlotFull, SlotPacker, unpack
 
-__all__ = ["NodePools"]
+__all__ = ["LoaderStats", "NodePools", "owners"]
 
 Batch = TypeVar("Batch")
 
 # Slots are this much larger than the batch that sized them, rounded up to SLOT_GRAIN.
 HEADROOM = 1.25
 SLOT_GRAIN = 1 << 16
+
+# The NodePools of this process by id: what a batch from a worker names to be received.
+owners: weakref.WeakValueDictionary[int, NodePools] = weakref.WeakValueDictionary()
+_owner_ids = itertools.count(1)
+
+_FIXES = {
+    FallbackReason.NO_FREE_SLOT: "every slot was held (batches the consumer keeps, batches queued in the "
+    "DataLoader, copies to the GPU); pass a larger slots= (now {slots} per pool)",
+    FallbackReason.TOO_LARGE: "the batch was larger than a slot ({slot_bytes} bytes); the pool was resized to "
+    "fit it. If batch sizes vary, the first batches should be the largest",
+    FallbackReason.CANNOT_MAP: "{detail}. Its batches are copied by the main process instead; use the fork "
+    "start method, or let the workers read the main process's /proc/PID/fd",
+}
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """How a loader's batches reached the consumer. ``landed + copied == batches``."""
+
+    node: int
+    batches: int
+    landed: int
+    """Batches collated straight into a slot: no byte copied by the main process."""
+    copied: int
+    """Batches the main process copied into a slot."""
+    bytes_copied: int
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    """Copied batches by :class:`~numafast.torch.collate.FallbackReason` (its value)."""
+    pools: list[PoolStats] = field(default_factory=list)
+    """The counters of the pools in use now (retiring ones not included)."""
 
 
 class NodePools:
@@ -47,17 +89,106 @@ class NodePools:
         self.retired: list[PinnedPool] = []
         self.grown = 0
         self.resized = 0
-        self._mutex = threading.Lock()
+        self.landed = 0
+        self.copied = 0
+        self.bytes_copied = 0
+        self.fallbacks: Counter[str] = Counter()
+        self.warned: set[str] = set()
+        self.before_receive: Callable[[], None] | None = None
+        """Called before each batch is received (the hook binds PyTorch's pin thread)."""
+        self.board = PoolBoard()
+        self.owner_id = next(_owner_ids)
+        self._by_inode: dict[int, PinnedPool] = {}
+        self._mutex = threading.RLock()
+        owners[self.owner_id] = self
+
+    def collate(self, collate_fn: Callable[[Any], Any]) -> SlotCollate:
+        """The collate function for a DataLoader whose batches should land here."""
+        return SlotCollate(collate_fn, self)
+
+    # ------------------------------------------------------------ batches arriving
+
+    def receive(self, message: SlotBatch) -> Any:
+        """The batch a worker packed into one of these pools, over this process's mapping."""
+        if self.before_receive is not None:
+            self.before_receive()
+        with self._mutex:
+            pool = self._by_inode.get(message.inode)
+            if pool is None:
+                raise RuntimeError(
+                    f"a batch arrived in slot {message.index} of a node-{self.node} pool this loader no longer has"
+                )
+            slot = pool.adopt(message.index, message.generation, message.nbytes)
+            message.taken = True
+            self.landed += 1
+        for kind in message.unpinned:
+            self._warn_once(
+                kind, f"batch leaves of kind {kind} are not pinned (numafast places dense CPU tensors and NumPy "
+                "arrays): they reach the consumer as the collate function made them"
+            )
+        self._settle_retired()
+        return unpack(message.payload, slot)
+
+    def copy_in(self, fallback: Fallback) -> Any:
+        """A batch that came the copying way, copied into a slot here."""
+        if self.before_receive is not None:
+            self.before_receive()
+        return self._copy(fallback.batch, fallback.reason, fallback.detail)
+
+    def drop(self, message: SlotBatch) -> None:
+        """A worker's batch dropped unread (an iterator shut down, a persistent worker's
+        epoch reset): its slot is free again."""
+        with self._mutex:
+            pool = self._by_inode.get(message.inode)
+            if pool is not None:
+                pool.reclaim(message.index, message.generation, message.sender)
+        self._settle_retired()
+
+    def collate_here(self, samples: Any, collate: SlotCollate) -> Any:
+        """Collate in this process (a loader without workers): into a slot directly when
+        a pool exists and the collate function is torch's default, else a copy."""
+        if not self.pools or not collate.direct:
+            reason = FallbackReason.FIRST_BATCHES if not self.pools else None
+            return self._copy(collate.collate_fn(samples), reason)
+        slot, _pool = self._acquire(self.pools[0].slot_bytes)
+        try:
+            batch = collate.fill(SlotPacker(memoryview(slot)), samples)
+        except SlotFull:
+            del slot
+            return self._copy(collate.collate_fn(samples), FallbackReason.TOO_LARGE)
+        self.landed += 1
+        return batch
+
+    def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "") -> Any:
+        if reason is not None:
+            self.fallbacks[reason.value] += 1
+            if reason is not FallbackReason.FIRST_BATCHES:
+                slot_bytes = self.pools[0].slot_bytes if self.pools else 0
+                fix = _FIXES[reason].format(slots=self.slots, slot_bytes=slot_bytes, detail=detail)
+                self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
+        self.copied += 1
+        return self.pin(batch)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(f"numafast loader on node {self.node}: {message}", RuntimeWarning, stacklevel=6)
+
+    # ------------------------------------------------------------ copying
 
     def pin(self, batch: Batch) -> Batch:
         """``batch`` copied into a slot on this node (see :func:`numafast.torch.pin`)."""
-        tensors, rebuild = flatten(batch)
+        for kind in opaque_leaves(batch):
+            self._warn_once(kind, f"batch leaves of type {kind} are not pinned: numafast places tensors and "
+                            "NumPy arrays inside dicts, lists, tuples, namedtuples and dataclasses")
+        tensors, rebuild = flatten(batch, arrays=True)
         if not tensors:
             return batch
         plan = layout(tensors)
         if not plan.nbytes:
             return rebuild(fill(None, tensors, plan, ()))
         slot, pool = self._acquire(plan.nbytes)
+        self.bytes_copied += plan.nbytes
         return rebuild(fill(slot, tensors, plan, pool.cpus))
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
@@ -69,12 +200,15 @@ class NodePools:
                     return pool.acquire(nbytes, 0), pool
                 except PoolExhaustedError:
                     pass
-            in_flight = [pool for pool in self.pools if pool.stats().in_flight]
-            if not in_flight:
+            self.reclaim_orphans()
+            # Only a slot in flight to the GPU is free soon; a leased one becomes a batch.
+            busy = [pool for pool in self.pools if pool.stats().in_flight]
+            if not busy:
                 self.grown += 1
                 self.pools.append(self._new_pool(self.pools[0].slot_bytes))
+                self._publish()
                 return self.pools[-1].acquire(nbytes, 0), self.pools[-1]
-        return in_flight[0].acquire(nbytes, None), in_flight[0]
+        return busy[0].acquire(nbytes, None), busy[0]
 
     def _resize(self, nbytes: int) -> None:
         if self.pools:
@@ -84,14 +218,43 @@ class NodePools:
         self.retired.extend(self.pools)
         slot_bytes = -(-int(nbytes * HEADROOM) // SLOT_GRAIN) * SLOT_GRAIN
         self.pools = [self._new_pool(slot_bytes)]
+        self._publish()
 
     def _new_pool(self, slot_bytes: int) -> PinnedPool:
-        return PinnedPool(self.node, slot_bytes, self.slots, lock=self.lock, register=self.register, timeout=None)
+        pool = PinnedPool(self.node, slot_bytes, self.slots, lock=self.lock, register=self.register, timeout=None)
+        self._by_inode[pool.share().inode] = pool
+        return pool
 
-    def stats(self) -> list[PoolStats]:
-        """The counters of each pool in use now (retired ones not included)."""
-        return [pool.stats() for pool in self.pools]
+    def _publish(self) -> None:
+        self.board.publish([pool.share() for pool in self.pools])
+
+    def _settle_retired(self) -> None:
+        with self._mutex:
+            for pool in list(self.retired):
+                if pool.settle():
+                    self.retired.remove(pool)
+                    self._by_inode = {inode: known for inode, known in self._by_inode.items() if known is not pool}
+
+    def reclaim_orphans(self) -> int:
+        """Free the slots leased to workers that are gone (see PinnedPool.reclaim_orphans)."""
+        return sum(pool.reclaim_orphans() for pool in [*self.pools, *self.retired])
+
+    # ------------------------------------------------------------ state
+
+    def stats(self) -> LoaderStats:
+        self.reclaim_orphans()
+        self._settle_retired()
+        return LoaderStats(
+            node=self.node,
+            batches=self.landed + self.copied,
+            landed=self.landed,
+            copied=self.copied,
+            bytes_copied=self.bytes_copied,
+            fallbacks=dict(self.fallbacks),
+            pools=[pool.stats() for pool in self.pools],
+        )
 
     def close(self) -> None:
         for pool in [*self.pools, *self.retired]:
             pool.close()
+        self.board.close()

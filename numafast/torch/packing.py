@@ -1,0 +1,205 @@
+"""A batch packed into one pool slot by whichever process fills it, and unpacked over
+the owner's mapping of the same slot.
+
+:class:`SlotPacker` lays tensors out in a slot, each on an :data:`ALIGNMENT`
+boundary. It serves two ways: as torch's own ``collate`` with a map whose tensor
+function stacks the samples straight into the slot (``torch.stack(out=...)``: the
+batch is made where it will be read, no copy), and as the pickler of the finished
+batch, which turns each tensor or NumPy array into a small reference to its bytes
+in the slot (copying those that are not there yet) and pickles everything else as
+it is. Any batch that torch could send from a worker can be packed: dicts, lists,
+namedtuples, dataclasses, a user's own classes. :func:`unpack` rebuilds it in the
+owner with tensors and arrays over the slot.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+
+from numafast import _libnuma
+
+__all__ = ["ALIGNMENT", "SlotFull", "SlotPacker", "unpack"]
+
+# Where each tensor starts inside a slot: the CUDA caching allocator's block size,
+# so a copy engine reads every tensor from an aligned address.
+ALIGNMENT = 512
+
+# A reference to bytes in the slot: ("t", offset, dtype name, shape, requires_grad)
+# for a tensor, ("a", offset, dtype str, shape) for a NumPy array.
+Ref = tuple[Any, ...]
+CollateFn = Callable[..., Any]
+# The keys of torch's default_collate_fn_map whose functions return a new tensor.
+_NUMBER_KINDS: tuple[Any, ...] = (float, int, (np.bool_, np.number, np.object_))
+
+
+class SlotFull(Exception):
+    """The batch does not fit in the slot."""
+
+
+def _plain_array(value: np.ndarray[Any, Any]) -> bool:
+    """A NumPy array of plain numbers (no objects, no fields) that is not empty."""
+    return value.size > 0 and not value.dtype.hasobject and value.dtype.fields is None
+
+
+class SlotPacker:
+    """Lays a batch out in ``memory`` (one slot, writable)."""
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+        self.capacity = len(memory)
+        self.end = 0
+        self.placed: dict[int, tuple[object, Ref]] = {}
+        self.copies: list[tuple[int, Any]] = []
+        self.unpinned: set[str] = set()
+        """Kinds of tensors left as they are (sparse, nested, on a device)."""
+
+    def _reserve(self, nbytes: int) -> int:
+        start = -(-self.end // ALIGNMENT) * ALIGNMENT
+        if start + nbytes > self.capacity:
+            raise SlotFull(f"{start + nbytes} bytes needed, the slot holds {self.capacity}")
+        self.end = start + nbytes
+        return start
+
+    def tensor(self, dtype: torch.dtype, shape: Sequence[int], requires_grad: bool = False) -> torch.Tensor:
+        """A new tensor in the slot (uninitialised; an empty one outside it)."""
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        start = self._reserve(numel * dtype.itemsize)
+        tensor = torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=start).view(tuple(shape))
+        if requires_grad:
+            tensor.requires_grad_()
+        self.placed[id(tensor)] = (tensor, ("t", start, str(dtype).removeprefix("torch."), tuple(shape), requires_grad))
+        return tensor
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` copied into the slot (now, by torch: for small and strided ones)."""
+        if not _placeable(tensor):
+            return tensor
+        copy = self.tensor(tensor.dtype, tensor.shape)
+        copy.copy_(tensor)
+        return copy
+
+    # ---------------------------------------------------------------- collating into the slot
+
+    def collate_map(self) -> dict[Any, CollateFn]:
+        """torch's ``default_collate_fn_map`` with every tensor it makes made in the slot:
+        given to ``torch.utils.data._utils.collate.collate``, it is ``default_collate``
+        (the same structure, types and errors) with the batch landing in place."""
+        collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
+        for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
+            if kind in collate_map:
+                collate_map[kind] = self._placing(collate_map[kind])
+        collate_map[torch.Tensor] = self._stack
+        return collate_map
+
+    def _stack(self, batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+        first = batch[0]
+        if first.is_nested or first.layout != torch.strided or first.device.type != "cpu":
+            own: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's own answer
+            return own
+        return torch.stack(list(batch), 0, out=self.tensor(first.dtype, (len(batch), *first.shape)))
+
+    def _placing(self, make: CollateFn) -> CollateFn:
+        def collate_in_slot(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+            return self.place(make(batch, collate_fn_map=collate_fn_map))
+
+        return collate_in_slot
+
+    # ---------------------------------------------------------------- packing
+
+    def pack(self, batch: object, cpus: Sequence[int] = (), threads: int = 1) -> bytes:
+        """``batch`` pickled with its tensors and arrays as references into the slot; those
+        not in it yet are copied there (in one GIL-free gather copy, ``threads`` threads
+        on ``cpus``). SlotFull when they do not fit."""
+        out = io.BytesIO()
+        _Packer(out, self).dump(batch)
+        if self.copies:
+            offsets = [offset for offset, _source in self.copies]
+            _libnuma.gather_copy(self.memory, offsets, [source for _offset, source in self.copies], cpus, threads)
+            self.copies.clear()
+        return out.getvalue()
+
+    def reference(self, value: object) -> Ref | None:
+        """The slot reference for ``value`` (placing it first), or None to pickle it as is."""
+        known = self.placed.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        if type(value) in (torch.Tensor, torch.nn.Parameter):
+            tensor: torch.Tensor = value  # type: ignore[assignment]
+            if not _placeable(tensor):
+                if tensor.numel():
+                    self.unpinned.add(f"{tensor.layout} tensor on {tensor.device}")
+                return None
+            if _copies_as_bytes(tensor):
+                target = self.tensor(tensor.dtype, tensor.shape, tensor.requires_grad)
+                start = self.placed[id(target)][1][1]
+                self.copies.append((start, tensor.detach().reshape(-1).view(torch.uint8).numpy()))
+            else:
+                target = self.tensor(tensor.dtype, tensor.shape, tensor.requires_grad)
+                with torch.no_grad():
+                    target.copy_(tensor)
+            ref = self.placed[id(target)][1]
+        elif type(value) is np.ndarray and _plain_array(value):
+            start = self._reserve(value.nbytes)
+            self.copies.append((start, np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
+            ref = ("a", start, value.dtype.str, value.shape)
+        else:
+            return None
+        self.placed[id(value)] = (value, ref)
+        return ref
+
+
+def _placeable(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0
+
+
+def _copies_as_bytes(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
+class _Packer(pickle.Pickler):
+    def __init__(self, out: io.BytesIO, packer: SlotPacker) -> None:
+        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
+        self.packer = packer
+
+    def persistent_id(self, obj: Any) -> Ref | None:
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            return self.packer.reference(obj)
+        return None
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, payload: bytes, slot: Any) -> None:
+        super().__init__(io.BytesIO(payload))
+        self.slot = slot
+        self.made: dict[Ref, Any] = {}  # one object per reference, as in the packed batch
+
+    def persistent_load(self, ref: Any) -> Any:
+        made = self.made.get(ref)
+        if made is None:
+            made = self.made[ref] = _over_slot(self.slot, ref)
+        return made
+
+
+def _over_slot(slot: Any, ref: Ref) -> Any:
+    kind, offset, dtype, shape = ref[:4]
+    count = math.prod(shape)
+    if kind == "t":
+        tensor = torch.frombuffer(slot, dtype=getattr(torch, dtype), count=count, offset=offset).view(shape)
+        return tensor.requires_grad_() if ref[4] else tensor
+    return np.frombuffer(slot, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
+
+
+def unpack(payload: bytes, slot: Any) -> Any:
+    """The batch :meth:`SlotPacker.pack` packed, with its tensors and arrays over ``slot``
+    (each holds a reference to it: the slot comes back when the last is gone)."""
+    return _Unpacker(payload, slot).load()
