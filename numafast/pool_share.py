@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import weakref
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
@@ -87,6 +88,7 @@ class PoolBoard:
         os.ftruncate(self.fd, BOARD_BYTES)
         self.memory = mmap.mmap(self.fd, BOARD_BYTES)
         self.version = 0
+        self._closer = weakref.finalize(self, _close_board, self.memory, self.fd)
 
     def handle(self) -> BoardHandle:
         return BoardHandle(self.owner_pid, self.fd, os.fstat(self.fd).st_ino)
@@ -102,10 +104,13 @@ class PoolBoard:
         _HEADER.pack_into(self.memory, 0, self.version, len(pools))
 
     def close(self) -> None:
-        if os.getpid() == self.owner_pid and self.fd >= 0:
-            self.memory.close()
-            os.close(self.fd)
-            self.fd = -1
+        """Unmap and close the file (also when the board is collected)."""
+        self._closer()
+
+
+def _close_board(memory: mmap.mmap, fd: int) -> None:
+    memory.close()
+    os.close(fd)
 
 
 class BoardReader:

@@ -122,9 +122,10 @@ def held_in_pools(loader: Any, batches: list[Any]) -> bool:
 
 
 def shared_memory_mappings() -> list[str]:
-    """The mappings of this process that torch's shared-memory tensors use."""
+    """The mappings of this process that torch's shared-memory tensors use (its files
+    are /dev/shm/torch_*, unlinked once mapped; multiprocessing's semaphores aside)."""
     names = [line.split(maxsplit=5)[5] for line in Path("/proc/self/maps").read_text().splitlines() if len(line.split()) > 5]
-    return [name for name in names if "torch_" in name or name.startswith("/dev/shm/")]
+    return [name for name in names if name.startswith("/dev/shm/torch_")]
 
 
 class Shards(IterableDataset):  # type: ignore[type-arg]
@@ -388,6 +389,25 @@ def test_every_public_dataloader_attribute_reads_through_and_the_frozen_ones_are
         loader.nonsense  # noqa: B018
 
 
+@SEMANTICS
+def test_a_sampler_with_set_epoch_reshuffles_as_the_stock_one() -> None:
+    from torch.utils.data.distributed import DistributedSampler
+
+    def epochs(loader: Any) -> list[list[int]]:
+        seen = []
+        for epoch in range(3):
+            loader.sampler.set_epoch(epoch)
+            seen.append([index for batch in loader for index in batch["index"].tolist()])
+        return seen
+
+    def make() -> DataLoader:  # type: ignore[type-arg]
+        dataset = Numbers(24)
+        return DataLoader(dataset, batch_size=4, num_workers=2, sampler=DistributedSampler(dataset, 2, 1, seed=3))
+
+    stock = epochs(make())
+    assert stock[0] != stock[1] and epochs(numafast.torch.NumaLoader(make())) == stock
+
+
 # ---------------------------------------------------------------- shutting down
 
 
@@ -457,21 +477,25 @@ def check_placement(node: int, *, workers: int) -> None:
     loader = DataLoader(Numbers(12, size=4096), batch_size=2, num_workers=workers, worker_init_fn=set_marker)
     wrapped = numafast.torch.NumaLoader(loader, node=node)
     list(wrapped)  # the first epoch sizes the pool
-    batches = list(wrapped)
-    assert os.sched_getaffinity(0) == mine  # iter() forked the workers inside the node's scope, then left it
-    assert len(batches) == 6 and loader.worker_init_fn is set_marker  # put back once the workers started
-    stats = wrapped.stats()
-    assert stats.landed >= 6 and stats.copied == stats.fallbacks["first batches"], stats  # no byte copied in epoch 2
-    assert held_in_pools(wrapped, batches)
-    for pool in wrapped.pools.pools:
-        assert kib(smaps_of(pool._slots.address)["Locked"]) >= pool.slots * pool.slot_bytes
-    for batch in batches:
+    before = set(shared_memory_mappings())
+    count = 0
+    for batch in wrapped:  # each checked, then let go, as a training loop does
+        count += 1
+        assert held_in_pools(wrapped, [batch])
         assert batch["seed"].tolist() in ([1000, 1000], [1001, 1001])  # the user's worker_init_fn ran too
         assert all(row == cpus for row in _per_sample(batch["cpus"])), (node, batch["cpus"])
         modes = batch["policy"][0].tolist()
         nodes = _per_sample(batch["policy"][1])
         assert modes == [numafast._libnuma.MPOL_PREFERRED] * 2 and nodes == [[node], [node]], batch["policy"]
         assert set(pagemap_nodes(batch["values"].data_ptr(), batch["values"].nbytes)) == {node}
+        assert set(shared_memory_mappings()) <= before  # no shared-memory file for a landed batch
+    del batch
+    assert os.sched_getaffinity(0) == mine  # iter() forked the workers inside the node's scope, then left it
+    assert count == 6 and loader.worker_init_fn is set_marker  # put back once the workers started
+    stats = wrapped.stats()
+    assert stats.batches == 12 and stats.copied == stats.fallbacks["first batches"] < 6, stats  # none copied in epoch 2
+    for pool in wrapped.pools.pools:
+        assert kib(smaps_of(pool._slots.address)["Locked"]) >= pool.slots * pool.slot_bytes
 
 
 def _per_sample(collated_cpus: Any) -> list[list[int]]:
