@@ -43,7 +43,8 @@ def table(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, tuple[
     every case's ratio to the group's first (baseline) case."""
     groups: dict[str, dict[str, tuple[float, str]]] = {}
     yield groups
-    lines = [f"\npinned pools on node {NODE}, medians of {ROUNDS} rounds:"]
+    title = getattr(request.module, "TITLE", "pinned pools")
+    lines = [f"\n{title} on node {NODE}, medians of {ROUNDS} rounds:"]
     for group, cases in groups.items():
         lines.append(f"  {group}")
         base_name, (base, unit) = next(iter(cases.items()))
@@ -257,7 +258,7 @@ def test_pipeline_numa_loader(benchmark, table) -> None:  # type: ignore[no-unty
 
     loader = numafast.torch.NumaLoader(image_loader(torch), node=NODE)
     record(benchmark, table, f"pipeline, {WORKERS} workers, 3x224x224 float32",
-           "NumaLoader (workers and pin thread on the node, pinned pool)", lambda: sum(len(b[1]) for b in loader),
+           "NumaLoader (workers on the node, batches collated into its pinned pool)", lambda: sum(len(b[1]) for b in loader),
            unit="samples/s", scale=samples_per_second)  # fmt: skip
 
 
