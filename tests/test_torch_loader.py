@@ -451,6 +451,7 @@ def test_dropping_a_half_read_loader_cleans_up() -> None:
         (DataLoader(range(4)), {"node": 99}, numafast.InvalidNodeError, "node 99 does not exist"),
         (DataLoader(range(4)), {"device": "meta"}, ValueError, "copies to a CUDA device"),
         (DataLoader(range(4)), {"device": "banana"}, ValueError, "device 'banana' is not a device: give a CUDA device"),
+        (DataLoader(range(4)), {"lock": "bogus"}, ValueError, "lock='bogus': choose one of 'auto', 'required'"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(loader: Any, options: dict[str, Any], error: type, match: str) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from numafast.errors import PoolExhaustedError
-from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot
+from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, _parse_mode
 from numafast.pool_share import PoolBoard
 from numafast.torch.batch import fill, flatten, layout, opaque_leaves
 from numafast.torch.collate import Fallback, FallbackReason, SlotBatch, SlotCollate
@@ -83,8 +83,9 @@ class NodePools:
     ) -> None:
         self.node = node
         self.slots = slots
-        self.lock = lock
-        self.register = register
+        # Checked now, not at the first batch that makes a pool.
+        self.lock: LockMode = _parse_mode(lock, LockMode, "lock")
+        self.register: RegisterMode = _parse_mode(register, RegisterMode, "register")
         self.pools: list[PinnedPool] = []
         self.retired: list[PinnedPool] = []
         self.grown = 0
