@@ -477,7 +477,9 @@ def check_placement(node: int, *, workers: int) -> None:
     mine = os.sched_getaffinity(0)
     loader = DataLoader(Numbers(12, size=4096), batch_size=2, num_workers=workers, worker_init_fn=set_marker)
     wrapped = numafast.torch.NumaLoader(loader, node=node)
-    list(wrapped)  # the first epoch sizes the pool
+    for _batch in wrapped:  # the first epoch sizes the pool
+        pass
+    del _batch
     before = set(shared_memory_mappings())
     count = 0
     for batch in wrapped:  # each checked, then let go, as a training loop does
