@@ -74,9 +74,11 @@ def remote_problems(memory: dict[MemoryClass, ClassUsage], expectation: Expectat
         if len(remote) == 1:
             where = f"node {next(iter(remote))}"
         remote_labels = {name: sum(c for n, c in held.items() if n in remote) for name, held in sorted(usage.labels.items())}
-        what = ", ".join(f"{name} {format_bytes(count)}" for name, count in remote_labels.items() if count)
+        what = ", ".join(f"{name} {format_bytes(count)}" for name, count in remote_labels.items()
+                         if count and name != memory_class.display)  # fmt: skip
         problems.append(f"{format_bytes(sum(remote.values()))} of {memory_class.display} memory "
-                        f"({sum(remote.values()) / total:.0%}) on {where} ({what}); {expectation.reason}")  # fmt: skip
+                        f"({sum(remote.values()) / total:.0%}) on {where}{f' ({what})' if what else ''}; "
+                        f"{expectation.reason}")  # fmt: skip
     return problems
 
 
@@ -139,7 +141,7 @@ def policy_findings(mappings: tuple[Mapping, ...], expectation: Expectation, all
         if memory_class is not None and misplacing(mapping.policy, expectation):
             groups.setdefault((memory_class, mapping.policy), []).append(mapping)
     findings: list[PolicyFinding] = []
-    for (memory_class, policy), members in groups.items():
+    for (memory_class, policy), members in sorted(groups.items(), key=lambda group: list(MemoryClass).index(group[0][0])):
         node_bytes: dict[int, int] = {}
         for mapping in members:
             for node, count in mapping.node_bytes.items():
@@ -150,6 +152,14 @@ def policy_findings(mappings: tuple[Mapping, ...], expectation: Expectation, all
                                       dict(sorted(node_bytes.items())), sorted({label(m) for m in members}),
                                       inherited, cause, fix))  # fmt: skip
     return findings
+
+
+def policy_problem(finding: PolicyFinding) -> str:
+    """``64.0 MiB of page-locked memory (numafast pool) under interleave:0-3: CAUSE; fix: FIX``."""
+    labels = [name for name in finding.labels if name != finding.memory_class.display]
+    what = f" ({', '.join(labels)})" if labels else ""
+    return (f"{format_bytes(finding.size)} of {finding.memory_class.display} memory{what} under {finding.policy}: "
+            f"{finding.cause}; fix: {finding.fix}")  # fmt: skip
 
 
 def thread_problems(groups: list[ThreadGroup], expectation: Expectation) -> list[str]:
@@ -180,8 +190,7 @@ def audit_process(process: Process, expectation: Expectation, max_remote: float,
     problems = thread_problems(groups, expectation)
     if expectation.node is not None:
         problems += remote_problems(memory, expectation, max_remote)
-    problems += [f"{format_bytes(f.size)} of {f.memory_class.display} memory ({', '.join(f.labels)}) under "
-                 f"{f.policy}: {f.cause}; fix: {f.fix}" for f in findings]  # fmt: skip
+    problems += [policy_problem(finding) for finding in findings]
     return ProcessAudit(process.pid, "wrong" if problems else "ok", process.ppid, process.name, None, groups,
                         memory, remote_share, findings, problems)  # fmt: skip
 
