@@ -42,7 +42,8 @@ def guest_node_of_cpu(cpu: int) -> int:
 def fixture_process(case: str) -> Process:
     """A process as captured: its main thread, and its mappings."""
     status = dict(line.split(":\t", 1) for line in (FIXTURES / f"{case}.status").read_text().splitlines())
-    thread = Thread(int(status["Pid"]), tuple(parse_ids(status["Cpus_allowed_list"])), tuple(parse_ids(status["Mems_allowed_list"])))
+    cpus, mems = (tuple(parse_ids(status[field])) for field in ("Cpus_allowed_list", "Mems_allowed_list"))
+    thread = Thread(int(status["Pid"]), cpus, mems)
     mappings = join(parse_numa_maps((FIXTURES / f"{case}.numa_maps").read_text()),
                     parse_smaps((FIXTURES / f"{case}.smaps").read_text()))  # fmt: skip
     return Process(int(status["Pid"]), int(status["PPid"]), status["Name"], (thread,), mappings)
@@ -128,7 +129,8 @@ def test_an_interleaved_locked_pool_is_reported_with_policy_size_cause_and_fix()
     audit = audit_process(fixture_process("interleave-all-locked-pool"), on_node(0), 0.1, GUEST_NODES,
                           guest_node_of_cpu)  # fmt: skip
     locked = next(f for f in audit.policies if f.memory_class is MemoryClass.PAGE_LOCKED)
-    assert (locked.policy, locked.size, locked.labels, locked.inherited) == ("interleave:0-3", 8 * MIB, ["numafast pool"], True)
+    assert (locked.policy, locked.size, locked.labels) == ("interleave:0-3", 8 * MIB, ["numafast pool"])
+    assert locked.inherited
     assert locked.node_bytes == {node: 2 * MIB for node in GUEST_NODES}
     assert locked.cause == (
         "started under numactl --interleave=all (or set_mempolicy): page-locked staging buffers interleaved over nodes 0-3"
@@ -142,7 +144,10 @@ def test_an_interleaved_locked_pool_is_reported_with_policy_size_cause_and_fix()
 @replay
 @pytest.mark.parametrize(
     ("case", "node", "policy", "numactl"),
-    [("preferred-2", 1, "prefer:2", "--preferred=2"), ("preferred-many-0-1", 0, "prefer (many):0-1", "--preferred-many=0-1")],
+    [
+        ("preferred-2", 1, "prefer:2", "--preferred=2"),
+        ("preferred-many-0-1", 0, "prefer (many):0-1", "--preferred-many=0-1"),
+    ],
 )
 def test_prefer_policies_off_the_node_are_findings(case: str, node: int, policy: str, numactl: str) -> None:
     audit = audit_process(fixture_process(case), on_node(node), 0.1, GUEST_NODES, guest_node_of_cpu)

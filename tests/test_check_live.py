@@ -80,7 +80,9 @@ def audit_of(report: CheckReport, pid: int) -> ProcessAudit:
 
 
 @pytest.mark.numa(nodes=4)
-def test_shared_anonymous_memfd_and_dev_shm_memory_on_wrong_nodes_is_counted_and_named(capsys: pytest.CaptureFixture[str]) -> None:
+def test_shared_anonymous_memfd_and_dev_shm_memory_on_wrong_nodes_is_counted_and_named(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     maps = ["--map", "shared:8:3", "--map", "memfd:8:3:numafast-pool-test", "--map", "shm:8:2:torch_9_9_0"]
     with placed("numactl", "--cpunodebind=1", "--membind=1", *PLACED, *maps) as rank:
         pid = rank["pid"]
@@ -123,7 +125,9 @@ def test_children_bound_elsewhere_are_found_and_named(capsys: pytest.CaptureFixt
 
 
 @pytest.mark.numa(nodes=4)
-def test_a_child_started_under_interleave_all_with_a_locked_buffer_is_reported_with_policy_and_size(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_child_started_under_interleave_all_with_a_locked_buffer_is_reported_with_policy_and_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # The rank (sh) is on node 0; it starts a worker under numactl --interleave=all, which
     # locks an 8 MiB pool first touched under that policy.
     worker = f"numactl --interleave=all {' '.join(PLACED)} --cpu-node 0 --map memfd:8:task:lock:numafast-pool-0"
@@ -140,7 +144,8 @@ def test_a_child_started_under_interleave_all_with_a_locked_buffer_is_reported_w
     [finding] = [f for f in audit.policies if f.memory_class is MemoryClass.PAGE_LOCKED]
     assert (finding.policy, finding.size, finding.node_bytes, finding.labels) == ("interleave:0-3", 8 * MIB, kernel,
                                                                                   ["numafast pool"])  # fmt: skip
-    cause = "started under numactl --interleave=all (or set_mempolicy): page-locked staging buffers interleaved over nodes 0-3"
+    cause = ("started under numactl --interleave=all (or set_mempolicy): "
+             "page-locked staging buffers interleaved over nodes 0-3")
     assert finding.inherited and finding.cause == cause
     assert finding.fix == "start the rank with `numafast run --cpunodebind 0 --membind 0` instead"
     assert report.ranks[0].processes[0].status == "ok" and report.ranks[0].status == "wrong"
@@ -168,8 +173,8 @@ def test_a_well_placed_rank_with_workers_is_ok(capsys: pytest.CaptureFixture[str
 
 def test_a_process_that_exits_during_the_audit_is_reported_as_exited(capsys: pytest.CaptureFixture[str]) -> None:
     # bound to node 0, so that the rank is ok on a machine of several nodes too
-    parent = subprocess.Popen(["numactl", "--cpunodebind=0", "--membind=0", sys.executable, "-c", "import subprocess, sys; child = subprocess.Popen(['sleep', '300']);"
-                               "print(child.pid, flush=True); sys.stdin.read()"],
+    hold = "import subprocess, sys; child = subprocess.Popen(['sleep', '300']); print(child.pid, flush=True); sys.stdin.read()"
+    parent = subprocess.Popen(["numactl", "--cpunodebind=0", "--membind=0", sys.executable, "-c", hold],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert parent.stdout is not None

@@ -98,7 +98,8 @@ def unaudited(pid: int, status: str, reason: str | None, numbering: str | None =
                      processes=[ProcessAudit(pid, status, reason=reason)])  # fmt: skip
 
 
-def expectation_of(root: Process, args: argparse.Namespace, gpu_sites: GpuSites | None, visible: str | None) -> Expectation:
+def expectation_of(root: Process, args: argparse.Namespace, gpu_sites: GpuSites | None,
+                   visible: str | None) -> Expectation:  # fmt: skip
     """Where the rank belongs: --gpu's node, --node, or where its main process's threads run."""
     if gpu_sites is not None:
         return gpu_sites.expectation(visible)

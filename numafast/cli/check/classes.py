@@ -2,8 +2,8 @@
 
 Classes, most important first: ``page_locked`` memory is the host side of every
 copy to a GPU, and once registered for DMA it cannot migrate; ``shared`` memory
-is where DataLoader workers hand tensors over (torch's /dev/shm files and
-memfds, numafast's pools); ``anonymous`` is the heap and the rest of a
+is where DataLoader workers hand tensors over (torch's /dev/shm files,
+numafast's memfd pools); ``anonymous`` is the heap and the rest of a
 process's private data. Mapped files (libraries, datasets read through mmap)
 belong to none: they live in the page cache on whichever node first read them,
 shared by every process, and no binding of one process places them.
@@ -33,12 +33,12 @@ SHARED_MEMORY_PREFIXES = ("/dev/shm/", "/memfd:", "/SYSV")
 SHARED_ANONYMOUS = "/dev/zero (deleted)"
 
 # Names that tell what a shared mapping is: numafast's pools are memfds named
-# "numafast..."; torch moves tensors between processes in /dev/shm/torch_* files
-# (file_system strategy) or in memfds and files named torch_* (file_descriptor).
+# "numafast..."; torch (2.13 seen) moves tensors between processes in
+# /dev/shm/torch_PID_... files, under both sharing strategies (file_descriptor
+# unlinks them at once: "/dev/shm/torch_... (deleted)").
 LABELS = (
     ("/memfd:numafast", "numafast pool"),
     ("/dev/shm/torch_", "torch shared tensor"),
-    ("/memfd:torch_", "torch shared tensor"),
 )
 
 

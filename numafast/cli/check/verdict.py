@@ -73,7 +73,8 @@ def remote_problems(memory: dict[MemoryClass, ClassUsage], expectation: Expectat
         where = ", ".join(f"node {node} {format_bytes(count)}" for node, count in sorted(remote.items()))
         if len(remote) == 1:
             where = f"node {next(iter(remote))}"
-        remote_labels = {name: sum(c for n, c in held.items() if n in remote) for name, held in sorted(usage.labels.items())}
+        remote_labels = {name: sum(count for node, count in held.items() if node in remote)
+                         for name, held in sorted(usage.labels.items())}  # fmt: skip
         what = ", ".join(f"{name} {format_bytes(count)}" for name, count in remote_labels.items()
                          if count and name != memory_class.display)  # fmt: skip
         problems.append(f"{format_bytes(sum(remote.values()))} of {memory_class.display} memory "
@@ -125,8 +126,8 @@ def explain(policy: str, memory_class: MemoryClass, inherited: bool, all_nodes: 
 def process_policy(mappings: Iterable[Mapping]) -> str | None:
     """The policy of the process itself (set_mempolicy, numactl), as numa_maps shows it.
 
-    numa_maps prints a mapping's own policy (mbind) or else the process's: mapped
-    files, which no program mbinds, show the process's.
+    numa_maps prints a mapping's own policy (mbind) or else the main thread's:
+    mapped files, which programs do not mbind, show the main thread's.
     """
     counts = Counter(m.policy for m in mappings if m.path is not None and classify(m) is None)
     return counts.most_common(1)[0][0] if counts else None
