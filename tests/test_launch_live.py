@@ -203,7 +203,7 @@ def test_check_gpu_tells_a_well_placed_rank_from_a_misplaced_one(tmp_path: Path)
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr
     assert wrong.stdout.startswith(f"pid {child.pid}: wrong (GPU 0 on node 2;"), wrong.stdout
     assert "(nodes 3); GPU 0 is on node 2" in wrong.stdout
-    assert "of anonymous memory (100%) on node 3 (anonymous " in wrong.stdout, wrong.stdout
+    assert "of anonymous memory (100%) on node 3; GPU 0 is on node 2" in wrong.stdout, wrong.stdout
 
 
 @pytest.mark.numa(nodes=4)
