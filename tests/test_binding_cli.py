@@ -74,7 +74,8 @@ def test_run_binds_a_child_to_a_node_and_check_audits_it() -> None:
         child.communicate("")
     assert right.returncode == 0 and right.stdout.startswith(f"pid {child.pid}: ok (node 1;"), right.stdout
     assert wrong.returncode == 1 and f"pid {child.pid}: wrong (node 3;" in wrong.stdout, wrong.stdout
-    assert "(nodes 1)" in wrong.stdout and "of the pages are on nodes other than 3" in wrong.stdout
+    assert "(nodes 1); expected on node 3 (--node)" in wrong.stdout
+    assert "of anonymous memory (100%) on node 1; expected on node 3 (--node)" in wrong.stdout, wrong.stdout
 
 
 @pytest.mark.numa(nodes=4)

@@ -22,7 +22,6 @@ from numafast import (
     plan_rank,
 )
 from numafast.cli import main
-from numafast.cli.check import Audit
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 DGX = Topology.from_sysfs(FIXTURES / "dgx-h100")  # GPUs 0-3 on node 0 (CPUs 0-7,16-23), 4-7 on node 1
@@ -163,9 +162,3 @@ def test_check_gpu_options(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["check", "--gpu", "0", "--node", "0", str(os.getpid())])
     assert "not allowed with argument" in capsys.readouterr().err
-
-
-def test_pages_on_a_grace_hopper_gpus_own_node_are_local() -> None:
-    # CPUs on node 0, the GPU's HBM is node 2: both are local to the GPU; node 1 is remote.
-    audit = Audit(1, {}, {0: 50, 2: 30, 1: 20}, 0, [], (2,))
-    assert audit.remote_share() == pytest.approx(0.2)

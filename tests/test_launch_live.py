@@ -202,7 +202,8 @@ def test_check_gpu_tells_a_well_placed_rank_from_a_misplaced_one(tmp_path: Path)
     assert right.stdout.startswith(f"pid {child.pid}: ok (GPU 2 on node 3;"), right.stdout
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr
     assert wrong.stdout.startswith(f"pid {child.pid}: wrong (GPU 0 on node 2;"), wrong.stdout
-    assert "(nodes 3)" in wrong.stdout and "of the pages are on nodes other than 2" in wrong.stdout
+    assert "(nodes 3); GPU 0 is on node 2" in wrong.stdout
+    assert "of anonymous memory (100%) on node 3; GPU 0 is on node 2" in wrong.stdout, wrong.stdout
 
 
 @pytest.mark.numa(nodes=4)
@@ -235,9 +236,10 @@ def test_check_gpu_numbers_gpus_as_the_checked_process_does(tmp_path: Path) -> N
     assert check.returncode == 1, check.stdout + check.stderr  # the stranger cannot be checked
     assert lines[0].startswith(f"pid {rank.pid}: ok (GPU 0 on node 3;"), check.stdout
     assert lines[1] == f"  GPUs numbered by its CUDA_VISIBLE_DEVICES=2 (/proc/{rank.pid}/environ)", check.stdout
-    assert lines[2].startswith(f"pid {stranger.pid}: cannot check: "), check.stdout
-    assert "Permission denied" in lines[2], check.stdout
-    assert lines[3] == (
+    assert lines[2].startswith("  memory: anonymous node 3 "), check.stdout
+    assert lines[3].startswith(f"pid {stranger.pid}: cannot check: "), check.stdout
+    assert "Permission denied" in lines[3], check.stdout
+    assert lines[4] == (
         f"  note: /proc/{stranger.pid}/environ is unreadable (Permission denied); "
         "GPUs numbered by this checker's own CUDA_VISIBLE_DEVICES=1"
     ), check.stdout
