@@ -153,7 +153,8 @@ def test_a_full_pool_raises_or_waits_as_configured() -> None:
         threading.Timer(0.1, held.pop).start()  # another thread gives one back
         slot = pool.acquire(timeout=30)
         stats = pool.stats()
-        assert slot.index in (0, 1) and stats.waits == 3 and stats.wait_seconds >= 0.3
+        # 0.2 s timed out, then most of the timer's 0.1 s (it started before the wait did)
+        assert slot.index in (0, 1) and stats.waits == 3 and stats.wait_seconds >= 0.25
 
 
 def test_stats_add_up_under_threads_that_acquire_and_release() -> None:
