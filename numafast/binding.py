@@ -22,7 +22,7 @@ from contextlib import ContextDecorator
 from pathlib import Path
 
 from numafast import _libnuma
-from numafast._validate import check_cpus, cpus_near
+from numafast._validate import check_cpus, cpus_near, id_list, integer
 from numafast._validate import check_nodes as _validate_nodes
 from numafast._validate import format_ids, parse_ids
 from numafast.capabilities import capabilities
@@ -36,7 +36,7 @@ from numafast.errors import (
 )
 from numafast.topo.allowed import from_cgroup as allowed_from_cgroup
 from numafast.topo.files import read_fields
-from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, raise_refusal, seccomp_hint, set_mempolicy
+from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, mode_flags, raise_refusal, seccomp_hint, set_mempolicy
 
 __all__ = [
     "bind",
@@ -91,20 +91,20 @@ def _node_cpus(node: int, allowed: set[int]) -> list[int]:
     return cpus
 
 
-def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[int]:
+def _cpus_for(cpus: int | Iterable[int] | None, nodes: int | Iterable[int] | None) -> list[int]:
     """The CPU list of ``cpubind``/``bind``-style arguments, validated against :func:`cpus_allowed`."""
     if (cpus is None) == (nodes is None):
         raise TypeError("give exactly one of cpus= or nodes=")
     allowed = cpus_allowed()
     if nodes is not None:
         return sorted({cpu for node in _check_nodes(nodes) for cpu in _node_cpus(node, allowed)})
-    return check_cpus(cpus or (), allowed)
+    return check_cpus(cpus, allowed)
 
 
 # ---------------------------------------------------------------- the kernel calls, with refusals explained
 
 
-def _check_nodes(nodes: Iterable[object]) -> list[int]:
+def _check_nodes(nodes: object) -> list[int]:
     """_validate.check_nodes, with a seccomp refusal of its Mems_allowed query explained."""
     try:
         return _validate_nodes(nodes)
@@ -136,8 +136,8 @@ def _set_affinity(tid: int, cpus: list[int]) -> None:
 
 def _mode_word(mode: Mode, flags: Iterable[ModeFlag | str]) -> int:
     word = MODE_NUMBERS[mode]
-    for flag in flags:
-        word |= FLAG_BITS[ModeFlag(flag)]
+    for flag in mode_flags(flags):
+        word |= FLAG_BITS[flag]
     return word
 
 
@@ -244,12 +244,13 @@ def numa_local(node: int, *, strict: bool = False) -> Placement:
     return placement
 
 
-def cpubind(*, cpus: Iterable[int] | None = None, nodes: Iterable[int] | None = None) -> Placement:
-    """Run only on ``cpus``, or on the allowed CPUs of ``nodes``; memory policy untouched."""
+def cpubind(*, cpus: int | Iterable[int] | None = None, nodes: int | Iterable[int] | None = None) -> Placement:
+    """Run only on ``cpus``, or on the allowed CPUs of ``nodes`` (each one id or a list);
+    memory policy untouched."""
     return Placement(_cpus_for(cpus, nodes), None, [])
 
 
-def membind(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+def membind(nodes: int | Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     """Allocate only on ``nodes`` (MPOL_BIND): when they are full, the OOM killer, not another node."""
     return Placement(None, _mode_word(Mode.BIND, flags), _check_nodes(nodes))
 
@@ -259,14 +260,14 @@ def preferred(node: int, *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     return Placement(None, _mode_word(Mode.PREFERRED, flags), [_check_node(node)])
 
 
-def preferred_many(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+def preferred_many(nodes: int | Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     """Allocate on any of ``nodes`` while they have memory (MPOL_PREFERRED_MANY, Linux 5.15+)."""
     _require("preferred_many")
     return Placement(None, _mode_word(Mode.PREFERRED_MANY, flags), _check_nodes(nodes))
 
 
 def interleave(
-    nodes: Iterable[int], *, weights: Iterable[int] | None = None, flags: Iterable[ModeFlag | str] = ()
+    nodes: int | Iterable[int], *, weights: Iterable[int] | None = None, flags: Iterable[ModeFlag | str] = ()
 ) -> Placement:
     """Spread new pages round-robin over ``nodes`` (MPOL_INTERLEAVE).
 
@@ -276,12 +277,15 @@ def interleave(
     does not rewrite a setting that every process shares, so the weights must
     already be set there (the error says how) and are checked to match.
     """
-    nodes = list(nodes)
-    checked = _check_nodes(nodes)
+    try:
+        given = id_list(nodes)
+    except TypeError:
+        given = [nodes]  # _check_nodes names what is wrong with it
+    checked = _check_nodes(given)
     if weights is None:
         return Placement(None, _mode_word(Mode.INTERLEAVE, flags), checked)
     _require("weighted_interleave")
-    _check_weights(list(nodes), list(weights))
+    _check_weights([integer(node) for node in given], list(weights))
     return Placement(None, _mode_word(Mode.WEIGHTED_INTERLEAVE, flags), checked)
 
 
@@ -296,14 +300,15 @@ def _require(feature: str) -> None:
         raise PolicyUnsupported(f"{feature} is not available here: {capability.reason}")
 
 
-def _check_weights(nodes: list[int], weights: list[int]) -> None:
+def _check_weights(nodes: list[int | None], weights: list[object]) -> None:
     if len(weights) != len(nodes):
         raise InvalidWeightsError(f"{len(weights)} weights for {len(nodes)} nodes {nodes}; give one per node")
     for weight in weights:
-        if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= 255:
+        value = integer(weight)
+        if value is None or not 1 <= value <= 255:
             raise InvalidWeightsError(f"weight {weight!r} is not an integer in 1..255")
     system = {node: int((WEIGHTS_DIR / f"node{node}").read_text()) for node in nodes}
-    wanted = dict(zip(nodes, weights))
+    wanted = {node: integer(weight) for node, weight in zip(nodes, weights)}
     if system != wanted:
         commands = "; ".join(f"echo {w} > {WEIGHTS_DIR}/node{n}" for n, w in wanted.items())
         raise InvalidWeightsError(

@@ -176,7 +176,7 @@ release.set()
         (lambda: numafast.cpubind(cpus=[1.5]), numafast.InvalidCpuSetError, "not a CPU id"),
         (lambda: numafast.cpubind(), TypeError, "exactly one of cpus= or nodes="),
         (lambda: numafast.cpubind(cpus=[0], nodes=[0]), TypeError, "exactly one"),
-        (lambda: numafast.membind([NODE], flags=["sticky"]), ValueError, "'sticky' is not a valid ModeFlag"),
+        (lambda: numafast.membind([NODE], flags=["sticky"]), ValueError, "flag='sticky' is not one of 'static_nodes', 'relative_nodes'"),
         (lambda: numafast.interleave([NODE], weights=[1, 2]), numafast.InvalidWeightsError, "2 weights for 1 nodes"),
     ],
 )

@@ -10,14 +10,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
 
-from numafast._validate import format_ids
+from numafast._validate import format_ids, member
 from numafast.errors import InvalidGpuError, PlacementError
 from numafast.topo import Gpu, Topology, topology
 
-
-StrEnumT = TypeVar("StrEnumT", bound=Enum)
 
 
 class AffinityMode(str, Enum):
@@ -164,15 +161,6 @@ _PYTORCH_MODES = (AffinityMode.NODE, AffinityMode.SOCKET, AffinityMode.EXCLUSIVE
 def resolve_topology(given: Topology | None) -> Topology:
     """The topology a planning call was given, else this machine's (cached)."""
     return given if given is not None else topology()
-
-
-def member(enum: type[StrEnumT], value: object, name: str) -> StrEnumT:
-    """``enum(value)``, or a ValueError that lists the allowed values."""
-    try:
-        return enum(value)
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in enum)
-        raise ValueError(f"{name}={value!r} is not one of {choices}") from None
 
 
 def _cores_for(
