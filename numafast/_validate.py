@@ -53,10 +53,8 @@ def parse_ids(text: str) -> list[int]:
             continue
         match = _RANGE.fullmatch(part)
         if match is None or (match[2] is not None and int(match[2]) < int(match[1])):
-            raise ValueError(
-                f"{text.strip()!r}: {part!r} is neither a number nor a range A-B with A <= B "
-                "(a list is like 0-2,5)"
-            )
+            where = "" if part == text.strip() else f" in {text.strip()!r}"
+            raise ValueError(f"{part!r}{where} is neither a number nor a range A-B with A <= B (a list is like 0-2,5)")
         first = int(match[1])
         ids.extend(range(first, int(match[2] or first) + 1))
     return ids
@@ -84,7 +82,7 @@ def parse_list(text: str, allowed: Sequence[int], what: str) -> list[int]:
         try:
             ids = parse_ids(spec)
         except ValueError as error:
-            raise ValueError(f"{what} list {text!r} is malformed: {error}; {LIST_SYNTAX}; {allowed_text}") from None
+            raise ValueError(f"{what} list {error}; {LIST_SYNTAX}; {allowed_text}") from None
         if not ids:
             raise ValueError(f"{what} list {text!r} is empty; {LIST_SYNTAX}; {allowed_text}")
     if relative:
