@@ -15,11 +15,14 @@ context manager therefore affects only the thread that entered it.
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Generator, Iterable
 from contextlib import ContextDecorator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from numafast import _libnuma
 from numafast._validate import check_cpus, cpus_near, id_list, integer
@@ -199,6 +202,20 @@ class Placement(ContextDecorator):
         _entries.stack.append((self, (saved_cpus, cpus_changed, saved_policy)))
         return self
 
+    def __call__(self, func: F) -> F:  # type: ignore[override]
+        """As a decorator: the placement holds while ``func`` runs. For a generator
+        function, while its body runs: around every resumption, not between them (the
+        caller's code between two items runs under the caller's own placement)."""
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"a placement cannot decorate {func.__qualname__}, a coroutine or async generator "
+                "function: its thread runs other tasks at every await, which would run under it "
+                "too; enter the block with `with` around code that does not await"
+            )
+        if inspect.isgeneratorfunction(func):
+            return _around_each_resumption(self, func)  # type: ignore[return-value]
+        return super().__call__(func)  # type: ignore[return-value]
+
     def __exit__(self, *exc_info: object) -> None:
         stack = _entries.stack
         entered, saved = stack.pop()
@@ -215,6 +232,39 @@ class Placement(ContextDecorator):
         finally:
             if saved_policy is not None:
                 _set_mempolicy(*saved_policy)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _around_each_resumption(
+    placement: Placement, func: Callable[..., Generator[Any, Any, Any]]
+) -> Callable[..., Generator[Any, Any, Any]]:
+    """``func``'s generators, each step of which (next, send, throw, close) runs inside ``placement``."""
+
+    @functools.wraps(func)
+    def generator(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        with placement:
+            inner = func(*args, **kwargs)
+        step: Callable[[Any], Any] = inner.send
+        given: Any = None
+        while True:
+            with placement:
+                try:
+                    item = step(given)
+                except StopIteration as stop:
+                    return stop.value
+            try:
+                given = yield item
+                step = inner.send
+            except GeneratorExit:
+                with placement:
+                    inner.close()
+                raise
+            except BaseException as error:
+                step, given = inner.throw, error
+
+    return generator
 
 
 # numa_local's placement per (node, strict), validated once: topology does not
