@@ -20,7 +20,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--unbalanced", action="store_true", help="unique modes: split each node's cores fully")
     parser.add_argument("--min-cores", type=count(1), default=1, help="NVIDIA modes: fewer physical cores is an error")
     parser.add_argument("--max-cores", type=count(1), help="NVIDIA modes: at most this many physical cores per rank")
-    parser.add_argument("--memory", default="preferred", choices=[p.value for p in MemoryPolicy])
+    parser.add_argument(
+        "--memory", default="preferred", choices=[p.value for p in MemoryPolicy],
+        help="memory policy on each rank's node (default: preferred)",
+    )  # fmt: skip
     parser.add_argument("--workers", type=count(0), default=0, help="DataLoader workers per rank, for the load check")
     add_topology_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
