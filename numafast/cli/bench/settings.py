@@ -72,7 +72,7 @@ def resolve_settings(
     summary: dict[str, Any],
     gpu_problem: str | None,
     *,
-    nodes: Iterable[int] | None,
+    nodes: int | Iterable[int] | None,
     matrices: Iterable[str] | None,
     threads: int | None,
     size: int | None,
@@ -83,7 +83,7 @@ def resolve_settings(
     """Settings from :func:`numafast.bench`'s arguments (``gpu_problem``: why the GPU
     matrices cannot be measured here, None when they can); an exception naming the
     bad value and the allowed ones."""
-    chosen_nodes = check_nodes(machine.node_ids if nodes is None else list(nodes), need_allowed=False)
+    chosen_nodes = check_nodes(machine.node_ids if nodes is None else nodes, need_allowed=False)
     if matrices is None:
         names = list(CPU_MATRICES) + ([] if gpu_problem else list(GPU_MATRICES))
     else:
