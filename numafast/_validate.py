@@ -119,7 +119,7 @@ def id_list(ids: object) -> list[object]:
     if isinstance(ids, (str, bytes)):
         raise TypeError(f"{ids!r} is a string")
     try:
-        return list(ids)  # type: ignore[call-overload]
+        return list(ids)  # type: ignore[call-overload,no-any-return]
     except TypeError:
         raise TypeError(f"{ids!r} is neither an integer nor a list of them") from None
 

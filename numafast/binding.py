@@ -202,7 +202,7 @@ class Placement(ContextDecorator):
         _entries.stack.append((self, (saved_cpus, cpus_changed, saved_policy)))
         return self
 
-    def __call__(self, func: F) -> F:  # type: ignore[override]
+    def __call__(self, func: F) -> F:
         """As a decorator: the placement holds while ``func`` runs. For a generator
         function, while its body runs: around every resumption, not between them (the
         caller's code between two items runs under the caller's own placement)."""
@@ -214,7 +214,7 @@ class Placement(ContextDecorator):
             )
         if inspect.isgeneratorfunction(func):
             return _around_each_resumption(self, func)  # type: ignore[return-value]
-        return super().__call__(func)  # type: ignore[return-value]
+        return super().__call__(func)
 
     def __exit__(self, *exc_info: object) -> None:
         stack = _entries.stack

@@ -354,7 +354,7 @@ def check_shape(shape: object) -> tuple[int, ...]:
 def check_dtype(dtype: object) -> np.dtype:
     """``dtype`` as a NumPy dtype that raw memory can hold; TypeError naming it otherwise."""
     try:
-        checked = np.dtype(dtype)  # type: ignore[call-overload]
+        checked: np.dtype = np.dtype(dtype)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         raise TypeError(
             f"dtype {dtype!r} is not a NumPy data type; give one like 'float32', 'uint8', numpy.int64"

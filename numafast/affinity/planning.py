@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from numafast._validate import format_ids
-from numafast.affinity.modes import AffinityMode, Smt, cpus_for_gpu, job_gpus, member, resolve_topology, site_of
+from numafast._validate import format_ids, member
+from numafast.affinity.modes import AffinityMode, Smt, cpus_for_gpu, job_gpus, resolve_topology, site_of
 from numafast.topo import Topology
 
 

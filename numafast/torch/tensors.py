@@ -55,7 +55,7 @@ def zeros(
 
 def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
     """torch's two spellings, ``(2, 3)`` and ``((2, 3),)``, as one shape."""
-    return check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)  # type: ignore[arg-type]
+    return check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
 
 
 def _dtype(dtype: object) -> torch.dtype:
