@@ -394,3 +394,11 @@ def test_bench_modules_import_one_way() -> None:
         return next((c for m in imports.get(module, ()) if (c := cycle_from(m, (*path, module)))), None)
 
     assert [c for m in imports if (c := cycle_from(m, ()))] == []
+
+
+@pytest.mark.host_only("measures")
+@pytest.mark.skipif(len(online_nodes()) > 1, reason="with one node there is no remote cell to compare")
+def test_a_local_ratio_check_with_nothing_to_compare_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = bench_cli(capsys, "--quick", "--matrix", "read_gbps", "--expect-local-ratio", "3")
+    assert code == 0 and "read_gbps" in out
+    assert "numafast bench: --expect-local-ratio checked nothing: no row has both a local and a measured remote cell" in err
