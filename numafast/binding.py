@@ -1,8 +1,9 @@
 """Run a thread on a node's CPUs and allocate its memory there.
 
-Context managers (also usable as decorators) change the calling thread's CPU
-affinity and/or memory policy, and on exit restore exactly what was there
-before (CPU mask, policy mode, nodes and flags), also when the body raises:
+Context managers (also usable as decorators; on a generator function, around each
+resumption of its generators) change the calling thread's CPU affinity and/or
+memory policy, and on exit restore exactly what was there before (CPU mask,
+policy mode, nodes and flags), also when the body raises:
 :func:`numa_local`, :func:`cpubind`, :func:`membind`, :func:`preferred`,
 :func:`preferred_many`, :func:`interleave`, :func:`local_alloc`.
 :func:`bind` and :func:`bind_process` change placement for good.
