@@ -91,7 +91,7 @@ CASES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("numafast.bench(nodes='0')", "InvalidNodeError", ("nodes '0' is a string", "nodes here: ")),
     ("numafast.BenchResult.from_json('nope')", "ValueError", ("not a JSON text of schema numafast.bench/1",)),
     ("numafast.BenchResult.from_json('[]')", "ValueError", ("a numafast.bench/1 document is a JSON object, not list",)),
-    ("numafast.bench(quick=True, matrices=['read_gbps']).matrices['read_gbps'].value(4095, 0)",
+    (f"numafast.bench(nodes=[{NODE}], quick=True, matrices=['read_gbps']).matrices['read_gbps'].value(4095, {NODE})",
      "KeyError", ("read_gbps has no row 4095; its rows: ",)),
 ]
 
