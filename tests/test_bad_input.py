@@ -112,6 +112,11 @@ print(json.dumps(results))
 """
 
 
+pytestmark = pytest.mark.host_only(
+    "validation: the answers do not depend on the kernel's nodes, and the child takes minutes under TCG"
+)
+
+
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, list[object] | None]:
     """Each call's outcome in one child process: None, or [class, its MRO names, message]."""

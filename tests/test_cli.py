@@ -74,6 +74,7 @@ def test_malformed_lists_name_the_value_and_the_allowed_ones(text: str, message:
     assert "0-1" in str(raised.value)
 
 
+@pytest.mark.host_only("CPU lists do not depend on the nodes; a minute under TCG")
 def test_run_takes_numactls_cpu_list_syntax() -> None:
     allowed = sorted(os.sched_getaffinity(0))
     assert child_placement("--physcpubind", "all")[0] == allowed
@@ -91,6 +92,7 @@ def test_run_takes_numactls_node_list_syntax() -> None:
     assert child_placement("--interleave", "all")[1] == [3, nodes]
 
 
+@pytest.mark.host_only("argparse refuses them before anything is bound")
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -115,6 +117,7 @@ def test_plan_refuses_a_core_count_that_leaves_no_cpu_naming_the_option() -> Non
 # ---------------------------------------------------------------- a bare numafast, --help
 
 
+@pytest.mark.host_only("compares two outputs of show")
 def test_a_bare_numafast_runs_show_and_says_so() -> None:
     bare, show = numafast(), numafast("show")
 
