@@ -6,14 +6,29 @@ that a typo in a launcher script reads as such rather than as EINVAL.
 
 from __future__ import annotations
 
+import operator
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
+from enum import Enum
 from functools import cache
+from typing import TypeVar
 
 from numafast import _libnuma
 from numafast.errors import InvalidCpuSetError, InvalidNodeError, NodeNotAllowedError
 
 NODE_ONLINE = "/sys/devices/system/node/online"
+EnumT = TypeVar("EnumT", bound=Enum)
+
+
+def member(enum: type[EnumT], value: object, name: str) -> EnumT:
+    """``enum(value)`` (a member or its value), or a ValueError naming ``name``, the value
+    and the allowed values."""
+    try:
+        return enum(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum)
+        raise ValueError(f"{name}={value!r} is not one of {choices}") from None
 
 
 def format_ids(ids: Iterable[int]) -> str:
@@ -28,15 +43,85 @@ def format_ids(ids: Iterable[int]) -> str:
 
 
 def parse_ids(text: str) -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5]; tolerates the trailing newline and NUL bytes sysfs files may carry."""
+    """'0-2,5' -> [0, 1, 2, 5], the kernel's list format; tolerates the trailing newline
+    and NUL bytes sysfs files may carry. ValueError naming the text for anything else
+    ('3-1', '0-1-2', '0-', 'x')."""
     ids: list[int] = []
     for part in text.strip().strip("\x00").split(","):
         part = part.strip()
         if not part:
             continue
-        first, _, last = part.partition("-")
-        ids.extend(range(int(first), int(last or first) + 1))
+        match = _RANGE.fullmatch(part)
+        if match is None or (match[2] is not None and int(match[2]) < int(match[1])):
+            where = "" if part == text.strip() else f" in {text.strip()!r}"
+            raise ValueError(f"{part!r}{where} is neither a number nor a range A-B with A <= B (a list is like 0-2,5)")
+        first = int(match[1])
+        ids.extend(range(first, int(match[2] or first) + 1))
     return ids
+
+
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+LIST_SYNTAX = "numactl's syntax: all, 0-2,5, !1 (all but 1), +0-1 (the first two allowed)"
+
+
+def parse_list(text: str, allowed: Sequence[int], what: str) -> list[int]:
+    """A node or CPU list as numactl reads it: ``all`` (every allowed one), numbers and
+    ranges separated by commas, ``!LIST`` (every allowed one but those), ``+LIST``
+    (positions among the allowed ones: +0 is the first allowed). ``what`` ("node",
+    "cpu") names the values in the ValueError a malformed or empty list raises."""
+    ordered = sorted(allowed)
+    spec = text.strip()
+    invert = spec.startswith("!")
+    spec = spec[1:] if invert else spec
+    relative = spec.startswith("+")
+    spec = spec[1:] if relative else spec
+    allowed_text = f"allowed {what}s: {format_ids(ordered)}"
+    if spec == "all":
+        ids = list(ordered)
+    else:
+        try:
+            ids = parse_ids(spec)
+        except ValueError as error:
+            raise ValueError(f"{what} list {error}; {LIST_SYNTAX}; {allowed_text}") from None
+        if not ids:
+            raise ValueError(f"{what} list {text!r} is empty; {LIST_SYNTAX}; {allowed_text}")
+    if relative:
+        beyond = [i for i in ids if i >= len(ordered)]
+        if beyond:
+            raise ValueError(
+                f"{what} list {text!r}: +{format_ids(beyond)} counts past the {len(ordered)} allowed "
+                f"{what}s ({format_ids(ordered)}); + numbers positions among them from 0"
+            )
+        ids = [ordered[i] for i in ids]
+    if invert:
+        ids = sorted(set(ordered) - set(ids))
+        if not ids:
+            raise ValueError(f"{what} list {text!r} leaves no {what}; {allowed_text}")
+    return sorted(set(ids))
+
+
+def integer(value: object) -> int | None:
+    """``value`` as an int when it is an integer, Python's or NumPy's (``__index__``), but
+    not a bool; None otherwise (a float, a string, ...)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def id_list(ids: object) -> list[object]:
+    """A node or CPU argument as a list: one integer stands for itself, else an iterable
+    of them. TypeError for a string or anything not iterable (the caller names what is allowed)."""
+    if integer(ids) is not None:
+        return [ids]
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"{ids!r} is a string")
+    try:
+        return list(ids)  # type: ignore[call-overload,no-any-return]
+    except TypeError:
+        raise TypeError(f"{ids!r} is neither an integer nor a list of them") from None
 
 
 @cache
@@ -85,16 +170,23 @@ def check_node(node: object, *, need_allowed: bool = True) -> int:
     return check_nodes([node], need_allowed=need_allowed)[0]
 
 
-def check_nodes(nodes: Iterable[object], *, need_allowed: bool = True) -> list[int]:
-    """Sorted, de-duplicated node ids, each online and (by default) allowed by the cpuset."""
+def check_nodes(nodes: object, *, need_allowed: bool = True) -> list[int]:
+    """Sorted, de-duplicated node ids, each online and (by default) allowed by the cpuset.
+
+    ``nodes`` is one node or an iterable of them; Python and NumPy integers are node ids."""
     checked: set[int] = set()
     online = online_nodes()
-    for node in nodes:
-        if isinstance(node, bool) or not isinstance(node, int):
+    try:
+        given = id_list(nodes)
+    except TypeError as error:
+        raise InvalidNodeError(f"nodes {error}: give a node id or a list of them; nodes here: {format_ids(online)}") from None
+    for node in given:
+        node_id = integer(node)
+        if node_id is None:
             raise InvalidNodeError(f"node {node!r} is not an integer node id; nodes here: {format_ids(online)}")
-        if node not in online:
-            raise InvalidNodeError(f"node {node} does not exist; nodes here: {format_ids(online)}")
-        checked.add(node)
+        if node_id not in online:
+            raise InvalidNodeError(f"node {node_id} does not exist; nodes here: {format_ids(online)}")
+        checked.add(node_id)
     if not checked:
         raise InvalidNodeError(f"no node given; nodes here: {format_ids(online)}")
     if need_allowed:
@@ -108,16 +200,23 @@ def check_nodes(nodes: Iterable[object], *, need_allowed: bool = True) -> list[i
     return sorted(checked)
 
 
-def check_cpus(cpus: Iterable[object], allowed: set[int] | None = None) -> list[int]:
+def check_cpus(cpus: object, allowed: set[int] | None = None) -> list[int]:
     """Sorted, de-duplicated CPU ids, non-empty and all within ``allowed``
-    (default: the calling thread's affinity)."""
-    checked: set[int] = set()
-    for cpu in cpus:
-        if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
-            raise InvalidCpuSetError(f"cpu {cpu!r} is not a CPU id (a non-negative integer)")
-        checked.add(cpu)
+    (default: the calling thread's affinity). ``cpus`` is one CPU or an iterable of them."""
     if allowed is None:
         allowed = allowed_cpus()
+    try:
+        given = id_list(cpus)
+    except TypeError as error:
+        raise InvalidCpuSetError(f"cpus {error}: give a CPU id or a list of them; allowed CPUs: {format_ids(allowed)}") from None
+    checked: set[int] = set()
+    for cpu in given:
+        cpu_id = integer(cpu)
+        if cpu_id is None or cpu_id < 0:
+            raise InvalidCpuSetError(
+                f"cpu {cpu!r} is not a CPU id (a non-negative integer); allowed CPUs: {format_ids(allowed)}"
+            )
+        checked.add(cpu_id)
     if not checked:
         raise InvalidCpuSetError(f"empty CPU set; allowed CPUs: {format_ids(allowed)}")
     forbidden = checked.difference(allowed)

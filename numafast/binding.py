@@ -1,8 +1,9 @@
 """Run a thread on a node's CPUs and allocate its memory there.
 
-Context managers (also usable as decorators) change the calling thread's CPU
-affinity and/or memory policy, and on exit restore exactly what was there
-before (CPU mask, policy mode, nodes and flags), also when the body raises:
+Context managers (also usable as decorators; on a generator function, around each
+resumption of its generators) change the calling thread's CPU affinity and/or
+memory policy, and on exit restore exactly what was there before (CPU mask,
+policy mode, nodes and flags), also when the body raises:
 :func:`numa_local`, :func:`cpubind`, :func:`membind`, :func:`preferred`,
 :func:`preferred_many`, :func:`interleave`, :func:`local_alloc`.
 :func:`bind` and :func:`bind_process` change placement for good.
@@ -15,14 +16,17 @@ context manager therefore affects only the thread that entered it.
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Generator, Iterable
 from contextlib import ContextDecorator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from numafast import _libnuma
-from numafast._validate import check_cpus, cpus_near
+from numafast._validate import check_cpus, cpus_near, id_list, integer
 from numafast._validate import check_nodes as _validate_nodes
 from numafast._validate import format_ids, parse_ids
 from numafast.capabilities import capabilities
@@ -36,7 +40,7 @@ from numafast.errors import (
 )
 from numafast.topo.allowed import from_cgroup as allowed_from_cgroup
 from numafast.topo.files import read_fields
-from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, raise_refusal, seccomp_hint, set_mempolicy
+from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, mode_flags, raise_refusal, seccomp_hint, set_mempolicy
 
 __all__ = [
     "bind",
@@ -91,20 +95,20 @@ def _node_cpus(node: int, allowed: set[int]) -> list[int]:
     return cpus
 
 
-def _cpus_for(cpus: Iterable[int] | None, nodes: Iterable[int] | None) -> list[int]:
+def _cpus_for(cpus: int | Iterable[int] | None, nodes: int | Iterable[int] | None) -> list[int]:
     """The CPU list of ``cpubind``/``bind``-style arguments, validated against :func:`cpus_allowed`."""
     if (cpus is None) == (nodes is None):
         raise TypeError("give exactly one of cpus= or nodes=")
     allowed = cpus_allowed()
     if nodes is not None:
         return sorted({cpu for node in _check_nodes(nodes) for cpu in _node_cpus(node, allowed)})
-    return check_cpus(cpus or (), allowed)
+    return check_cpus(cpus, allowed)
 
 
 # ---------------------------------------------------------------- the kernel calls, with refusals explained
 
 
-def _check_nodes(nodes: Iterable[object]) -> list[int]:
+def _check_nodes(nodes: object) -> list[int]:
     """_validate.check_nodes, with a seccomp refusal of its Mems_allowed query explained."""
     try:
         return _validate_nodes(nodes)
@@ -136,8 +140,8 @@ def _set_affinity(tid: int, cpus: list[int]) -> None:
 
 def _mode_word(mode: Mode, flags: Iterable[ModeFlag | str]) -> int:
     word = MODE_NUMBERS[mode]
-    for flag in flags:
-        word |= FLAG_BITS[ModeFlag(flag)]
+    for flag in mode_flags(flags):
+        word |= FLAG_BITS[flag]
     return word
 
 
@@ -199,6 +203,20 @@ class Placement(ContextDecorator):
         _entries.stack.append((self, (saved_cpus, cpus_changed, saved_policy)))
         return self
 
+    def __call__(self, func: F) -> F:
+        """As a decorator: the placement holds while ``func`` runs. For a generator
+        function, while its body runs: around every resumption, not between them (the
+        caller's code between two items runs under the caller's own placement)."""
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"a placement cannot decorate {func.__qualname__}, a coroutine or async generator "
+                "function: its thread runs other tasks at every await, which would run under it "
+                "too; enter the block with `with` around code that does not await"
+            )
+        if inspect.isgeneratorfunction(func):
+            return _around_each_resumption(self, func)  # type: ignore[return-value]
+        return super().__call__(func)
+
     def __exit__(self, *exc_info: object) -> None:
         stack = _entries.stack
         entered, saved = stack.pop()
@@ -215,6 +233,39 @@ class Placement(ContextDecorator):
         finally:
             if saved_policy is not None:
                 _set_mempolicy(*saved_policy)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _around_each_resumption(
+    placement: Placement, func: Callable[..., Generator[Any, Any, Any]]
+) -> Callable[..., Generator[Any, Any, Any]]:
+    """``func``'s generators, each step of which (next, send, throw, close) runs inside ``placement``."""
+
+    @functools.wraps(func)
+    def generator(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        with placement:
+            inner = func(*args, **kwargs)
+        step: Callable[[Any], Any] = inner.send
+        given: Any = None
+        while True:
+            with placement:
+                try:
+                    item = step(given)
+                except StopIteration as stop:
+                    return stop.value
+            try:
+                given = yield item
+                step = inner.send
+            except GeneratorExit:
+                with placement:
+                    inner.close()
+                raise
+            except BaseException as error:
+                step, given = inner.throw, error
+
+    return generator
 
 
 # numa_local's placement per (node, strict), validated once: topology does not
@@ -244,12 +295,13 @@ def numa_local(node: int, *, strict: bool = False) -> Placement:
     return placement
 
 
-def cpubind(*, cpus: Iterable[int] | None = None, nodes: Iterable[int] | None = None) -> Placement:
-    """Run only on ``cpus``, or on the allowed CPUs of ``nodes``; memory policy untouched."""
+def cpubind(*, cpus: int | Iterable[int] | None = None, nodes: int | Iterable[int] | None = None) -> Placement:
+    """Run only on ``cpus``, or on the allowed CPUs of ``nodes`` (each one id or a list);
+    memory policy untouched."""
     return Placement(_cpus_for(cpus, nodes), None, [])
 
 
-def membind(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+def membind(nodes: int | Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     """Allocate only on ``nodes`` (MPOL_BIND): when they are full, the OOM killer, not another node."""
     return Placement(None, _mode_word(Mode.BIND, flags), _check_nodes(nodes))
 
@@ -259,14 +311,14 @@ def preferred(node: int, *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     return Placement(None, _mode_word(Mode.PREFERRED, flags), [_check_node(node)])
 
 
-def preferred_many(nodes: Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
+def preferred_many(nodes: int | Iterable[int], *, flags: Iterable[ModeFlag | str] = ()) -> Placement:
     """Allocate on any of ``nodes`` while they have memory (MPOL_PREFERRED_MANY, Linux 5.15+)."""
     _require("preferred_many")
     return Placement(None, _mode_word(Mode.PREFERRED_MANY, flags), _check_nodes(nodes))
 
 
 def interleave(
-    nodes: Iterable[int], *, weights: Iterable[int] | None = None, flags: Iterable[ModeFlag | str] = ()
+    nodes: int | Iterable[int], *, weights: Iterable[int] | None = None, flags: Iterable[ModeFlag | str] = ()
 ) -> Placement:
     """Spread new pages round-robin over ``nodes`` (MPOL_INTERLEAVE).
 
@@ -276,12 +328,15 @@ def interleave(
     does not rewrite a setting that every process shares, so the weights must
     already be set there (the error says how) and are checked to match.
     """
-    nodes = list(nodes)
-    checked = _check_nodes(nodes)
+    try:
+        given = id_list(nodes)
+    except TypeError:
+        given = [nodes]  # _check_nodes names what is wrong with it
+    checked = _check_nodes(given)
     if weights is None:
         return Placement(None, _mode_word(Mode.INTERLEAVE, flags), checked)
     _require("weighted_interleave")
-    _check_weights(list(nodes), list(weights))
+    _check_weights([integer(node) for node in given], list(weights))
     return Placement(None, _mode_word(Mode.WEIGHTED_INTERLEAVE, flags), checked)
 
 
@@ -296,14 +351,15 @@ def _require(feature: str) -> None:
         raise PolicyUnsupported(f"{feature} is not available here: {capability.reason}")
 
 
-def _check_weights(nodes: list[int], weights: list[int]) -> None:
+def _check_weights(nodes: list[int | None], weights: list[object]) -> None:
     if len(weights) != len(nodes):
         raise InvalidWeightsError(f"{len(weights)} weights for {len(nodes)} nodes {nodes}; give one per node")
     for weight in weights:
-        if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= 255:
+        value = integer(weight)
+        if value is None or not 1 <= value <= 255:
             raise InvalidWeightsError(f"weight {weight!r} is not an integer in 1..255")
     system = {node: int((WEIGHTS_DIR / f"node{node}").read_text()) for node in nodes}
-    wanted = dict(zip(nodes, weights))
+    wanted = {node: integer(weight) for node, weight in zip(nodes, weights)}
     if system != wanted:
         commands = "; ".join(f"echo {w} > {WEIGHTS_DIR}/node{n}" for n, w in wanted.items())
         raise InvalidWeightsError(

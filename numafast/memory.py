@@ -29,7 +29,7 @@ from numpy.typing import DTypeLike
 
 from numafast import _libnuma
 from numafast._buffers import PAGE_SIZE, Span, flat_bytes, require_whole_pages
-from numafast._validate import allowed_cpus, check_node, check_nodes, cpus_near, format_ids
+from numafast._validate import allowed_cpus, check_node, check_nodes, cpus_near, format_ids, integer
 from numafast.errors import (
     InvalidNodeError,
     InvalidSizeError,
@@ -80,13 +80,11 @@ def empty(
     Its contents are zero, as fresh anonymous memory always is.
     """
     dims = check_shape(shape)
-    dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise TypeError(f"dtype {dtype} holds Python objects, which cannot live in raw memory")
+    checked = check_dtype(dtype)
     count = math.prod(dims)
-    buffer = allocate(count * dtype.itemsize, node=node, nodes=nodes, hugepages=hugepages)
+    buffer = allocate(count * checked.itemsize, node=node, nodes=nodes, hugepages=hugepages)
     # NumPy's stubs take any buffer (PEP 688) only for Python 3.12 and later.
-    return np.frombuffer(buffer, dtype=dtype, count=count).reshape(dims)  # type: ignore[call-overload,no-any-return]
+    return np.frombuffer(buffer, dtype=checked, count=count).reshape(dims)  # type: ignore[call-overload,no-any-return]
 
 
 def zeros(
@@ -120,8 +118,10 @@ def allocate(
     node; interleaved, only whole huge pages in a multiple of the node count, from
     the start, so that every node holds its share to within one base page.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+    size = integer(nbytes)
+    if size is None or size <= 0:
         raise InvalidSizeError(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
+    nbytes = size
     targets = _target_nodes(node, nodes)
     thp = _thp_size(THP_ENABLED_FILE if shared_file is None else THP_SHMEM_FILE)
     # Whole pages: mbind and madvise act on the pages wholly inside a buffer, and the
@@ -207,7 +207,7 @@ def mbind(
         choices = ", ".join(m.value for m in MBIND_MODES)
         raise ValueError(f"mode {str(getattr(mode, 'value', mode))!r}: choose one of {choices}")
     mode = Mode(mode)
-    targets = check_nodes([nodes] if isinstance(nodes, int) else nodes)
+    targets = check_nodes(nodes)
     if mode is Mode.PREFERRED and len(targets) != 1:
         raise InvalidNodeError(f"mode 'preferred' takes one node, not {format_ids(targets)}")
     flat = flat_bytes(buf, writable=True)
@@ -343,20 +343,44 @@ def migrate(buf: object, node: int) -> int:
     return moved
 
 
-def check_shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    """``shape`` as a tuple of ints, if it has at least one element and no negative dimension."""
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    for dim in dims:
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
-            raise TypeError(f"shape {shape!r}: {dim!r} is not an integer")
-        if dim < 0:
-            raise InvalidSizeError(f"shape {shape!r}: negative dimension {dim}")
+def check_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, if it has at least one element and no negative dimension.
+
+    A shape is an integer or a sequence of them, Python's or NumPy's; a float, a bool or
+    a string is refused with a TypeError naming it."""
+    if integer(shape) is not None:
+        given: tuple[object, ...] = (shape,)
+    elif isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise TypeError(f"shape {shape!r} is neither an integer nor a sequence of integers (like 4096 or (2, 3))")
+    else:
+        given = tuple(shape)
+    dims: list[int] = []
+    for dim in given:
+        size = integer(dim)
+        if size is None:
+            raise TypeError(f"shape {shape!r}: {dim!r} is not an integer; dimensions are integers >= 1")
+        if size < 0:
+            raise InvalidSizeError(f"shape {shape!r}: negative dimension {size}; dimensions are integers >= 1")
+        dims.append(size)
     if math.prod(dims) == 0:
         raise InvalidSizeError(f"shape {shape!r} holds no element; numafast allocates whole pages")
-    return tuple(int(d) for d in dims)
+    return tuple(dims)
 
 
-def _target_nodes(node: int | None, nodes: Iterable[int] | None) -> list[int]:
+def check_dtype(dtype: object) -> np.dtype:
+    """``dtype`` as a NumPy dtype that raw memory can hold; TypeError naming it otherwise."""
+    try:
+        checked: np.dtype = np.dtype(dtype)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"dtype {dtype!r} is not a NumPy data type; give one like 'float32', 'uint8', numpy.int64"
+        ) from None
+    if checked.hasobject:
+        raise TypeError(f"dtype {checked} holds Python objects, which cannot live in raw memory; give a numeric dtype")
+    return checked
+
+
+def _target_nodes(node: int | None, nodes: int | Iterable[int] | None) -> list[int]:
     if node is not None and nodes is not None:
         raise ValueError("give node= (bind to one node) or nodes= (interleave), not both")
     if nodes is not None:

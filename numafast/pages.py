@@ -121,7 +121,9 @@ def placement(obj: object, node: int | None = None) -> PlacementReport:
 
     ``node`` is the node the batch should be on (default: the calling thread's, see
     local_node). Memory two leaves share (the same buffer twice) counts once; leaves
-    that are no host buffer (GPU tensors, strided views) are listed in ``skipped``.
+    that are no host buffer (GPU tensors, strided views) and objects it cannot see
+    into (a custom batch class, a set) are listed in ``skipped`` with the reason;
+    scalars (str, int, float, None) hold no memory to place and are left out.
     """
     target = local_node() if node is None else check_node(node, need_allowed=False)
     leaves: dict[str, PageNodes] = {}
@@ -130,6 +132,12 @@ def placement(obj: object, node: int | None = None) -> PlacementReport:
     total: dict[int, int] = {}
     untouched = 0
     for path, leaf in _leaves(obj, "", set()):
+        if not _is_buffer(leaf):
+            skipped[path] = (
+                f"a {type(leaf).__name__} is none of a buffer, mapping, list, tuple or dataclass: "
+                "numafast cannot see into it"
+            )
+            continue
         try:
             flat = flat_bytes(leaf, writable=False)
         except InvalidBufferError as error:
@@ -146,8 +154,11 @@ def placement(obj: object, node: int | None = None) -> PlacementReport:
     return PlacementReport(target, PageNodes(total, untouched), leaves, skipped)
 
 
+_SCALARS = (str, int, float, complex, bool, type(None))
+
+
 def _is_buffer(obj: object) -> bool:
-    if isinstance(obj, (str, int, float, complex, bool)) or obj is None:
+    if isinstance(obj, _SCALARS):
         return False
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
@@ -176,7 +187,10 @@ def _leaves(obj: object, path: str, parents: set[int]) -> Iterator[tuple[str, ob
         children = ((f"{path}[{key!r}]", value) for key, value in obj.items())
     elif isinstance(obj, (list, tuple)):
         children = ((f"{path}[{index}]", value) for index, value in enumerate(obj))
+    elif isinstance(obj, _SCALARS):
+        return  # no memory of its own to place (a label, a count)
     else:
+        yield path, obj  # an object numafast cannot see into: placement() lists it as skipped
         return
     parents.add(id(obj))
     for child_path, child in children:

@@ -16,8 +16,8 @@ from enum import Enum
 from typing import NoReturn
 
 from numafast import _libnuma
-from numafast._validate import check_nodes, format_ids
-from numafast.errors import LibnumaError, PolicyNotPermitted, PolicyUnsupported
+from numafast._validate import check_nodes, format_ids, integer, member, online_nodes
+from numafast.errors import InvalidNodeError, LibnumaError, PolicyNotPermitted, PolicyUnsupported
 
 
 class Mode(str, Enum):
@@ -68,6 +68,16 @@ _MODES_BY_NUMBER = {number: mode for mode, number in MODE_NUMBERS.items()}
 _ALL_FLAG_BITS = sum(FLAG_BITS.values())
 # The kernel release that introduced each mode newer than the original four.
 _MODE_SINCE = {Mode.LOCAL: "3.8", Mode.PREFERRED_MANY: "5.15", Mode.WEIGHTED_INTERLEAVE: "6.9"}
+# Modes that set_mempolicy(2) refuses (EINVAL) without nodes, and those it refuses with some.
+_NEED_NODES = (Mode.BIND, Mode.INTERLEAVE, Mode.PREFERRED_MANY, Mode.WEIGHTED_INTERLEAVE)
+_TAKE_NO_NODES = (Mode.DEFAULT, Mode.LOCAL)
+
+
+def mode_flags(flags: Iterable[ModeFlag | str] | ModeFlag | str) -> frozenset[ModeFlag]:
+    """Mode flags given as members or names (one, or an iterable); ValueError naming a bad
+    one and the allowed names."""
+    given = [flags] if isinstance(flags, str) else list(flags)
+    return frozenset(member(ModeFlag, flag, "flag") for flag in given)
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,22 @@ class Policy:
     mode: Mode
     nodes: tuple[int, ...] = ()
     flags: frozenset[ModeFlag] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        # Names are accepted for the mode and flags, integers of any kind for nodes;
+        # anything else is refused here, naming what is allowed.
+        object.__setattr__(self, "mode", member(Mode, self.mode, "mode"))
+        object.__setattr__(self, "flags", mode_flags(self.flags))
+        nodes = [self.nodes] if integer(self.nodes) is not None else self.nodes
+        checked: list[int] = []
+        for node in nodes:
+            node_id = integer(node)
+            if node_id is None or node_id < 0:
+                raise InvalidNodeError(
+                    f"Policy nodes {self.nodes!r}: {node!r} is not an integer node id; nodes here: {format_ids(online_nodes())}"
+                )
+            checked.append(node_id)
+        object.__setattr__(self, "nodes", tuple(sorted(checked)))
 
     @classmethod
     def from_kernel(cls, mode_word: int, nodes: Iterable[int]) -> Policy:
@@ -99,6 +125,12 @@ def get_policy() -> Policy:
 
 def set_policy(policy: Policy) -> None:
     """Make ``policy`` the calling thread's memory policy; nodes are validated first."""
+    if policy.mode in _NEED_NODES and not policy.nodes:
+        raise InvalidNodeError(
+            f"mode {policy.mode.value!r} needs at least one node, none given; nodes here: {format_ids(online_nodes())}"
+        )
+    if policy.mode in _TAKE_NO_NODES and policy.nodes:
+        raise InvalidNodeError(f"mode {policy.mode.value!r} takes no nodes, given {format_ids(policy.nodes)}")
     if policy.nodes:
         check_nodes(policy.nodes, need_allowed=ModeFlag.RELATIVE_NODES not in policy.flags)
     set_mempolicy(*policy.to_kernel())

@@ -4,7 +4,9 @@
 One Python function per C call, named after it without the ``numa_`` prefix. A C
 call that fails raises :class:`LibnumaError` (an ``OSError``) naming the call. The
 GIL is released around every call that enters the kernel or reads sysfs. Policy,
-validation and friendly errors belong to the pure-Python layer in ``numafast``.
+validation and friendly errors belong to the pure-Python layer in ``numafast``; the
+one exception is a node or CPU id this machine lacks, which every call taking one
+refuses with numafast's InvalidNodeError or InvalidCpuSetError, naming those here.
 
 The module is built from several include files, one per concern, so that each
 stays small: core (topology queries, bitmask conversion), policy (CPU binding

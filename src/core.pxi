@@ -82,6 +82,33 @@ cdef list _bits_and_free(bitmask *mask, str call, int err):
         numa_bitmask_free(mask)
 
 
+cdef int _require_node(long node) except -1:
+    """InvalidNodeError naming ``node`` and the nodes here, unless this machine has it.
+
+    libnuma answers an unknown node with ERANGE, ENOENT or a distance of 0, none of
+    which says what was wrong; the one check here serves every call that takes a node.
+    """
+    if numa_nodes_ptr == NULL:  # libnuma found no node directory: leave it to the call
+        return 0
+    if 0 <= node < <long>numa_nodes_ptr.size and numa_bitmask_isbitset(numa_nodes_ptr, <unsigned int>node):
+        return 0
+    # Imported here: both modules import this one.
+    from numafast._validate import format_ids
+    from numafast.errors import InvalidNodeError
+
+    raise InvalidNodeError(f"node {node} does not exist; nodes here: {format_ids(_bits_of(numa_nodes_ptr))}")
+
+
+cdef int _require_cpu(long cpu) except -1:
+    """InvalidCpuSetError naming ``cpu`` and the CPUs here, unless it is one of them."""
+    cdef int configured = numa_num_configured_cpus()
+    if 0 <= cpu < configured:
+        return 0
+    from numafast.errors import InvalidCpuSetError
+
+    raise InvalidCpuSetError(f"cpu {cpu} does not exist; CPUs here: 0-{configured - 1}")
+
+
 # ---------------------------------------------------------------- availability and sizes
 
 def available() -> int:
@@ -140,6 +167,7 @@ def node_size64(int node) -> tuple[int, int]:
     cdef long long free_bytes = 0
     cdef long long total
     cdef int err
+    _require_node(node)
     with nogil:
         libc_errno.errno = 0
         total = numa_node_size64(node, &free_bytes)
@@ -152,6 +180,8 @@ def node_size64(int node) -> tuple[int, int]:
 def distance(int node1, int node2) -> int:
     """numa_distance(): the SLIT distance (10 = local), or 0 when the kernel has none."""
     cdef int d
+    _require_node(node1)
+    _require_node(node2)
     with nogil:
         d = numa_distance(node1, node2)
     return d
@@ -160,6 +190,7 @@ def distance(int node1, int node2) -> int:
 def node_of_cpu(int cpu) -> int:
     """numa_node_of_cpu(): the node a CPU belongs to."""
     cdef int node, err
+    _require_cpu(cpu)
     with nogil:
         libc_errno.errno = 0
         node = numa_node_of_cpu(cpu)
@@ -176,6 +207,7 @@ def node_to_cpus(int node) -> list[int]:
     if cpus == NULL:
         raise MemoryError("numa_allocate_cpumask")
     try:
+        _require_node(node)
         with nogil:
             libc_errno.errno = 0
             rc = numa_node_to_cpus(node, cpus)

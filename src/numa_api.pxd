@@ -9,6 +9,9 @@ cdef extern from "<numa.h>" nogil:
         unsigned long size
         unsigned long *maskp
 
+    # The nodes this machine has (libnuma reads them from sysfs when it loads).
+    bitmask *numa_nodes_ptr
+
     int numa_bitmask_isbitset(const bitmask *, unsigned int)
     bitmask *numa_bitmask_setall(bitmask *)
     bitmask *numa_bitmask_clearall(bitmask *)

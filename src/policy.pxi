@@ -56,6 +56,8 @@ def bind(nodes) -> None:
 def run_on_node(int node) -> None:
     """numa_run_on_node(): run on the CPUs of ``node``; -1 runs on all CPUs."""
     cdef int rc, err
+    if node != -1:
+        _require_node(node)
     with nogil:
         libc_errno.errno = 0
         rc = numa_run_on_node(node)
@@ -120,6 +122,8 @@ def get_membind() -> list[int]:
 def set_preferred(int node) -> None:
     """numa_set_preferred(): allocate from ``node`` first, elsewhere when it is full; -1 = local."""
     cdef int err
+    if node != -1:
+        _require_node(node)
     with nogil:
         libc_errno.errno = 0
         numa_set_preferred(node)

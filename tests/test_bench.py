@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 import numafast
 from numafast.cli import main
 from numafast.cli.bench import parse_size
-from numafast.cli.bench.health import h2d_failures, local_ratio_failures
+from numafast.cli.bench.health import check_local_ratio, h2d_failures, local_ratio_failures
 from numafast.cli.bench.result import MATRICES, SCHEMA, BenchResult, check_document
 from numafast.cli.bench.run import Run, Unmeasurable, check_threads
 from numafast.cli.bench.settings import Settings
@@ -44,20 +45,33 @@ def bench_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str,
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--nodes", "4095"], "node 4095 does not exist; nodes here: "),
-        (["--threads", "0"], "threads must be a whole number of at least 1, not 0"),
-        (["--repetitions", "0"], "repetitions must be a whole number of at least 1, not 0"),
-        (["--expect-local-ratio", "0.5"], "give a number >= 1"),
-        (["--expect-h2d", "20"], "--expect-h2d needs CUDA (the h2d_gbps matrix): no CUDA device here"),
-        (["--matrix", "d2h_gbps"], "d2h_gbps needs CUDA: no CUDA device here"),
+        (["--nodes", "4095"], "numafast bench: node 4095 does not exist; nodes here: "),
+        (["--expect-h2d", "20"], "numafast bench: --expect-h2d needs CUDA (the h2d_gbps matrix): no CUDA device here"),
+        (["--matrix", "d2h_gbps"], "numafast bench: d2h_gbps needs CUDA: no CUDA device here"),
+        # Refused as the options are read (argparse: exit status 2, the usage first).
+        (["--nodes", "3-1"], "argument --nodes: node list '3-1' is neither a number nor a range A-B with A <= B"),
+        (["--threads", "0"], "argument --threads: '0': give an integer >= 1"),
+        (["--repetitions", "0"], "argument --repetitions: '0': give an integer >= 1"),
+        (["--expect-local-ratio", "0.5"], "argument --expect-local-ratio: '0.5': give a finite number >= 1"),
+        (["--expect-local-ratio", "inf"], "argument --expect-local-ratio: 'inf': give a finite number >= 1"),
+        (["--expect-h2d", "-1"], "argument --expect-h2d: '-1': give a finite number > 0"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
     if "CUDA" in message and numafast.topology().gpus:
         pytest.skip("this machine has a GPU: the CUDA errors are for machines without one")
-    code, out, err = bench_cli(capsys, *args)
-    assert code == 1 and out == ""
-    assert err.startswith("numafast bench: ") and message in err, err
+    try:
+        code, out, err = bench_cli(capsys, *args)
+    except SystemExit as exit:
+        code, out, err = exit.code, *capsys.readouterr()
+    assert code == (2 if message.startswith("argument") else 1) and out == ""
+    assert message in err, err
+
+
+def test_python_api_refuses_bad_thresholds() -> None:
+    for ratio in (0.5, float("inf"), float("nan"), True, "3"):
+        with pytest.raises(ValueError, match=re.escape(f"expected local ratio {ratio!r}: give a finite number >= 1")):
+            check_local_ratio(ratio)
 
 
 def largest_llc() -> int:
@@ -89,10 +103,10 @@ def test_a_size_below_four_times_the_cache_is_refused(capsys: pytest.CaptureFixt
 @pytest.mark.host_only("the plot's checks are not kernel-specific (and matplotlib is slow to import under TCG)")
 def test_an_unwritable_plot_path_fails_before_any_other_check(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    # --threads 0 is refused by the run itself: the plot error coming first shows that
+    # --nodes 4095 is refused by the run itself: the plot error coming first shows that
     # nothing was validated, let alone measured, before the path was tried.
     for path, why in [(tmp_path / "missing" / "x.png", "No such file or directory"), (tmp_path, "Is a directory")]:
-        code, out, err = bench_cli(capsys, "--plot", str(path), "--threads", "0")
+        code, out, err = bench_cli(capsys, "--plot", str(path), "--nodes", "4095")
         assert code == 1 and out == ""
         assert err == f"numafast bench: cannot write the plot to {path}: {why}\n"
     assert list(tmp_path.iterdir()) == []
@@ -354,3 +368,37 @@ def test_ctrl_c_frees_every_buffer_and_leaves_placement_as_it_was() -> None:
     report = json.loads(out.splitlines()[-1])
     assert report["code"] == 130
     assert report["after"] == report["before"] and report["after"]["bound"] == [], report
+
+
+@pytest.mark.host_only("reads the package's sources")
+def test_bench_modules_import_one_way() -> None:
+    # Every import between the bench package's modules, at module level or inside a
+    # function: the graph must have no cycle (gpu.py and measure.py imported each other).
+    import ast
+
+    package = Path(numafast.__file__).parent / "cli" / "bench"
+    imports: dict[str, set[str]] = {}
+    for source in package.glob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "numafast.cli.bench":
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("numafast.cli.bench."):
+                names.add(node.module.rsplit(".", 1)[1])  # type: ignore[union-attr]
+        imports[source.stem] = {name for name in names if (package / f"{name}.py").exists()} - {source.stem}
+    imports.pop("__init__")
+
+    def cycle_from(module: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        if module in path:
+            return (*path, module)
+        return next((c for m in imports.get(module, ()) if (c := cycle_from(m, (*path, module)))), None)
+
+    assert [c for m in imports if (c := cycle_from(m, ()))] == []
+
+
+@pytest.mark.host_only("measures")
+@pytest.mark.skipif(len(online_nodes()) > 1, reason="with one node there is no remote cell to compare")
+def test_a_local_ratio_check_with_nothing_to_compare_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = bench_cli(capsys, "--quick", "--matrix", "read_gbps", "--expect-local-ratio", "3")
+    assert code == 0 and "read_gbps" in out
+    assert "numafast bench: --expect-local-ratio checked nothing: no row has both a local and a measured remote cell" in err

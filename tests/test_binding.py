@@ -176,7 +176,7 @@ release.set()
         (lambda: numafast.cpubind(cpus=[1.5]), numafast.InvalidCpuSetError, "not a CPU id"),
         (lambda: numafast.cpubind(), TypeError, "exactly one of cpus= or nodes="),
         (lambda: numafast.cpubind(cpus=[0], nodes=[0]), TypeError, "exactly one"),
-        (lambda: numafast.membind([NODE], flags=["sticky"]), ValueError, "'sticky' is not a valid ModeFlag"),
+        (lambda: numafast.membind([NODE], flags=["sticky"]), ValueError, "flag='sticky' is not one of 'static_nodes', 'relative_nodes'"),
         (lambda: numafast.interleave([NODE], weights=[1, 2]), numafast.InvalidWeightsError, "2 weights for 1 nodes"),
     ],
 )
@@ -201,3 +201,51 @@ def test_weighted_interleave_uses_the_kernels_system_wide_weights() -> None:
         numafast.interleave([NODE], weights=[weight % 255 + 1])
     with pytest.raises(numafast.InvalidWeightsError, match="not an integer in 1..255"):
         numafast.interleave([NODE], weights=[0])
+
+
+def test_decorated_generator_runs_every_resumption_inside_and_the_caller_outside() -> None:
+    # ContextDecorator alone would enter and leave the block before the first item:
+    # the generator's body then ran under the caller's placement, silently.
+    cpu = min(os.sched_getaffinity(0))
+    before = state()
+    seen: list[object] = []
+
+    @numafast.cpubind(cpus=[cpu])
+    @numafast.local_alloc()
+    def items(count: int):  # type: ignore[no-untyped-def]
+        try:
+            for _ in range(count):
+                sent = yield state()
+                seen.append(("sent", sent, state()))
+        except KeyError:
+            seen.append(("thrown", state()))
+            yield "after throw"
+        finally:
+            seen.append(("finally", state()))
+        return "done"
+
+    inside = ({cpu}, (_libnuma.MPOL_LOCAL, []))
+    generator = items(3)
+    assert state() == before  # creating it runs nothing
+    assert next(generator) == inside
+    assert state() == before
+    assert generator.send("x") == inside
+    assert generator.throw(KeyError("k")) == "after throw"
+    assert state() == before
+    with pytest.raises(StopIteration) as stopped:
+        next(generator)
+    assert stopped.value.value == "done"
+    assert seen == [("sent", "x", inside), ("thrown", inside), ("finally", inside)]
+    assert state() == before
+
+    closed = items(5)
+    next(closed)
+    closed.close()  # GeneratorExit at the yield: the finally runs inside too
+    assert seen[-1] == ("finally", inside) and state() == before
+
+
+def test_decorating_a_coroutine_function_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"cannot decorate \S*fetch, a coroutine or async generator function"):
+
+        @numafast.local_alloc()
+        async def fetch() -> None: ...

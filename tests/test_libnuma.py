@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -78,19 +79,27 @@ def test_memory_only_node_has_memory_and_no_cpus() -> None:
 
 
 @pytest.mark.parametrize(
-    ("call", "args", "name"),
+    ("call", "args", "error", "message"),
     [
-        (_libnuma.node_size64, (4096,), "numa_node_size64"),
-        (_libnuma.node_to_cpus, (4096,), "numa_node_to_cpus"),
-        (_libnuma.node_of_cpu, (1 << 20,), "numa_node_of_cpu"),
-        (_libnuma.node_of_cpu, (-1,), "numa_node_of_cpu"),
+        (_libnuma.node_size64, (4096,), numafast.InvalidNodeError, "node 4096 does not exist; nodes here: "),
+        (_libnuma.node_to_cpus, (4096,), numafast.InvalidNodeError, "node 4096 does not exist; nodes here: "),
+        (_libnuma.distance, (0, 4096), numafast.InvalidNodeError, "node 4096 does not exist; nodes here: "),
+        (_libnuma.run_on_node, (4096,), numafast.InvalidNodeError, "node 4096 does not exist; nodes here: "),
+        (_libnuma.node_of_cpu, (1 << 20,), numafast.InvalidCpuSetError, f"cpu {1 << 20} does not exist; CPUs here: 0-"),
+        (_libnuma.node_of_cpu, (-1,), numafast.InvalidCpuSetError, "cpu -1 does not exist; CPUs here: 0-"),
     ],
 )
-def test_failures_raise_libnuma_error_naming_the_call(call, args, name) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(numafast.LibnumaError) as raised:
+def test_unknown_node_or_cpu_names_it_and_those_here(call, args, error, message) -> None:  # type: ignore[no-untyped-def]
+    # libnuma alone answers ERANGE, ENOENT, EINVAL or (numa_distance) a silent 0.
+    with pytest.raises(error, match=re.escape(message)):
         call(*args)
-    assert raised.value.call == name
-    assert name in str(raised.value)
+
+
+def test_failures_raise_libnuma_error_naming_the_call() -> None:
+    with pytest.raises(numafast.LibnumaError) as raised:
+        _libnuma.sched_setaffinity(0, [])  # an empty CPU mask: EINVAL from the kernel
+    assert raised.value.call == "sched_setaffinity"
+    assert "sched_setaffinity" in str(raised.value)
     assert raised.value.errno
 
 

@@ -123,3 +123,16 @@ def test_placement_of_one_array_and_of_nothing() -> None:
 def test_placement_rejects_an_unknown_node() -> None:
     with pytest.raises(numafast.InvalidNodeError, match="node 4096 does not exist"):
         numafast.placement(np.ones(10), node=4096)
+
+
+def test_placement_lists_objects_it_cannot_see_into_as_skipped() -> None:
+    class Batch:  # a custom batch class: no buffer, mapping, list, tuple or dataclass
+        def __init__(self) -> None:
+            self.images = numafast.empty(1 << 16, "uint8", node=NODE)
+
+    report = numafast.placement({"custom": Batch(), "set": {1, 2}, "label": "cat", "count": 3}, node=NODE)
+    assert report.leaves == {}
+    assert set(report.skipped) == {"['custom']", "['set']"}
+    assert report.skipped["['custom']"].startswith("a Batch is none of a buffer, mapping, list, tuple or dataclass")
+    assert "a set is none of" in report.skipped["['set']"]
+    assert "['custom']: skipped, a Batch" in str(report)

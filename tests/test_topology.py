@@ -303,6 +303,17 @@ def test_offline_cpus_are_dropped_and_cpus_in_no_node_kept() -> None:
     assert topology.allowed_cpus == (0, 1, 2, 4, 5, 7)  # status allows 0-7, 3 and 6 are offline
 
 
+def test_without_cpu_online_each_cpus_own_switch_says_whether_it_is_online() -> None:
+    # An old kernel's tree: only cpuN/online. Taking every cpuN directory as online
+    # gave nodes whose CPU sets held the offline CPUs 2 and 5.
+    topology, warnings = load_quietly("per-cpu-online")
+    assert [c.id for c in topology.cpus] == [0, 1, 3, 4]
+    assert topology.node(0).cpus == (0, 1) and topology.node(1).cpus == (3, 4)
+    assert topology.allowed_cpus == (0, 1, 3, 4)
+    assert len(warnings) == 1 and "cpu/online: missing or empty; taking the CPUs whose own cpuN/online" in warnings[0]
+    assert "offline: 2,5" in warnings[0]
+
+
 # ---------------------------------------------------------------- sparse node ids, memory-less node
 
 

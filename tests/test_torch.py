@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from sysfs_truth import PAGE_SIZE, online_nodes, pagemap_nodes, pinned_to_one_cpu, vma_of
@@ -50,6 +52,20 @@ def test_zeros_takes_a_size_tuple_and_the_default_dtype() -> None:
     assert tensor.shape == (3, 5) and tensor.dtype == torch.get_default_dtype() and not tensor.any()
     with pytest.raises(numafast.InvalidSizeError):
         numafast.torch.empty(3, 0)
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("float32", torch.float32), ("torch.uint8", torch.uint8), ("bfloat16", torch.bfloat16)])
+def test_empty_takes_a_dtype_by_name(name: str, dtype: torch.dtype) -> None:
+    tensor = numafast.torch.empty(np.int64(16), 1024, dtype=name, node=np.int64(NODE))
+    assert tensor.dtype == dtype and tensor.shape == (16, 1024)
+    assert nodes_of(tensor) == {NODE}
+
+
+@pytest.mark.parametrize("dtype", ["flaot32", "Tensor", 3, np.float32])
+def test_empty_refuses_what_is_no_torch_dtype_naming_it(dtype: object) -> None:
+    # A name went to dtype.itemsize: AttributeError: 'str' object has no attribute 'itemsize'.
+    with pytest.raises(TypeError, match=re.escape(f"dtype {dtype!r} is not a torch dtype; give a torch.dtype or its name: 'float32'")):
+        numafast.torch.empty(16, dtype=dtype)  # type: ignore[arg-type]
 
 
 def test_a_tensor_view_keeps_the_memory_and_shares_it_without_copy() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from numafast._validate import check_cpus, format_ids
+from numafast._validate import check_cpus, format_ids, integer
 from numafast.affinity.modes import AffinityMode, Smt, resolve_topology
 from numafast.affinity.planning import MemoryPolicy, RankPlan, plan
 from numafast.binding import cpus_allowed, move_every_thread
@@ -137,9 +137,10 @@ def plan_rank(
         if nproc_per_node is None and environment_size is not None:
             nproc_per_node = environment_size
             launcher_size = (dict(LOCAL_RANK_VARIABLES)[variable], environment_size)
-    elif isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
+    elif (rank := integer(local_rank)) is None or rank < 0:
         raise LocalRankError(f"local_rank must be an integer >= 0, not {local_rank!r}")
     else:
+        local_rank = rank
         source = f"local rank {local_rank}"
     machine = resolve_topology(topology)
     if launcher_size is not None and launcher_size[1] > len(machine.gpus):

@@ -10,14 +10,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
 
-from numafast._validate import format_ids
+from numafast._validate import format_ids, integer, member
 from numafast.errors import InvalidGpuError, PlacementError
 from numafast.topo import Gpu, Topology, topology
 
-
-StrEnumT = TypeVar("StrEnumT", bound=Enum)
 
 
 class AffinityMode(str, Enum):
@@ -68,8 +65,10 @@ def job_gpus(machine: Topology, nproc_per_node: int | None) -> list[Gpu]:
     """The job's GPUs: CUDA devices 0 .. nproc_per_node-1 (all of them by default)."""
     if nproc_per_node is None:
         return list(machine.gpus)
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+    count = integer(nproc_per_node)
+    if count is None or count < 1:
         raise InvalidGpuError(f"nproc_per_node must be a positive integer, not {nproc_per_node!r}")
+    nproc_per_node = count
     if nproc_per_node > len(machine.gpus):
         raise InvalidGpuError(
             f"nproc_per_node={nproc_per_node} but this topology has {len(machine.gpus)} CUDA devices"
@@ -133,8 +132,14 @@ def cpus_for_gpu(
     chosen_mode = member(AffinityMode, mode, "mode")
     threads = member(Smt, smt, "smt")
     gpus = job_gpus(machine, nproc_per_node)
-    if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < len(gpus):
-        raise InvalidGpuError(f"GPU {gpu!r} is not one of the job's CUDA devices 0-{len(gpus) - 1}")
+    index = integer(gpu)
+    if index is None or not 0 <= index < len(gpus):
+        devices = f"0-{len(gpus) - 1}" if gpus else "(none: this topology has no GPU)"
+        raise InvalidGpuError(f"GPU {gpu!r} is not one of the job's CUDA devices {devices}")
+    gpu = index
+    min_cores = _core_count(min_cores, "min_cores", 1)
+    if max_cores is not None:
+        max_cores = _core_count(max_cores, "max_cores", 1)
     site = site_of(machine, gpus[gpu])
     # The other GPUs count where their node is known; one with an unknown node only
     # fails a request about itself.
@@ -158,21 +163,21 @@ def cpus_for_gpu(
     return cpus
 
 
+def _core_count(value: object, name: str, least: int) -> int:
+    """A core-count knob as an int of at least ``least``; ValueError naming the option
+    otherwise (max_cores=0 would leave a rank no CPU)."""
+    count = integer(value)
+    if count is None or count < least:
+        raise ValueError(f"{name}={value!r}: give an integer >= {least} (a count of physical cores per rank)")
+    return count
+
+
 _PYTORCH_MODES = (AffinityMode.NODE, AffinityMode.SOCKET, AffinityMode.EXCLUSIVE, AffinityMode.CORE_COMPLEX)
 
 
 def resolve_topology(given: Topology | None) -> Topology:
     """The topology a planning call was given, else this machine's (cached)."""
     return given if given is not None else topology()
-
-
-def member(enum: type[StrEnumT], value: object, name: str) -> StrEnumT:
-    """``enum(value)``, or a ValueError that lists the allowed values."""
-    try:
-        return enum(value)
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in enum)
-        raise ValueError(f"{name}={value!r} is not one of {choices}") from None
 
 
 def _cores_for(

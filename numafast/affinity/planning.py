@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from numafast._validate import format_ids
-from numafast.affinity.modes import AffinityMode, Smt, cpus_for_gpu, job_gpus, member, resolve_topology, site_of
+from numafast._validate import format_ids, integer, member
+from numafast.affinity.modes import AffinityMode, Smt, cpus_for_gpu, job_gpus, resolve_topology, site_of
 from numafast.topo import Topology
 
 
@@ -92,8 +92,10 @@ def plan(
     machine = resolve_topology(topology)
     chosen_mode = member(AffinityMode, mode, "mode")
     policy = member(MemoryPolicy, memory, "memory")
-    if isinstance(dataloader_workers, bool) or not isinstance(dataloader_workers, int) or dataloader_workers < 0:
+    workers = integer(dataloader_workers)
+    if workers is None or workers < 0:
         raise ValueError(f"dataloader_workers must be a non-negative integer, not {dataloader_workers!r}")
+    dataloader_workers = workers
     gpus = job_gpus(machine, nproc_per_node)
     ranks: list[RankPlan] = []
     for rank, gpu in enumerate(gpus):

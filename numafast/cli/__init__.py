@@ -14,14 +14,18 @@ SUBCOMMANDS = [show, plan, run, check, bench]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="numafast", description="NUMA placement for deep-learning input pipelines."
+        prog="numafast",
+        description="NUMA placement for deep-learning input pipelines.",
+        epilog="With no COMMAND, numafast runs show. Each command's options: numafast COMMAND --help.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["show", *(argv or [])])
+        print(f"numafast: no command given, running show (commands: {', '.join(subparsers.choices)}; "
+              "numafast --help)", file=sys.stderr)  # fmt: skip
+        args = parser.parse_args(["show"])
     try:
         return int(args.run(args))
     except BrokenPipeError:  # `numafast show | head`

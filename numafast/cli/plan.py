@@ -8,19 +8,23 @@ from collections.abc import Iterator
 
 from numafast._validate import format_ids
 from numafast.affinity import AffinityMode, MemoryPolicy, Plan, Smt, plan
+from numafast.cli.arguments import count
 from numafast.cli.show import add_topology_arguments, load_topology
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("plan", help="plan each local rank's CPUs and memory from its GPU")
-    parser.add_argument("--nproc-per-node", type=int, help="ranks on this machine (default: one per GPU)")
+    parser.add_argument("--nproc-per-node", type=count(1), help="ranks on this machine (default: one per GPU)")
     parser.add_argument("--mode", default="node", choices=[m.value for m in AffinityMode], help="default: node")
     parser.add_argument("--smt", default="all", choices=[s.value for s in Smt], help="SMT threads per core")
     parser.add_argument("--unbalanced", action="store_true", help="unique modes: split each node's cores fully")
-    parser.add_argument("--min-cores", type=int, default=1, help="NVIDIA modes: fewer physical cores is an error")
-    parser.add_argument("--max-cores", type=int, help="NVIDIA modes: at most this many physical cores per rank")
-    parser.add_argument("--memory", default="preferred", choices=[p.value for p in MemoryPolicy])
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank, for the load check")
+    parser.add_argument("--min-cores", type=count(1), default=1, help="NVIDIA modes: fewer physical cores is an error")
+    parser.add_argument("--max-cores", type=count(1), help="NVIDIA modes: at most this many physical cores per rank")
+    parser.add_argument(
+        "--memory", default="preferred", choices=[p.value for p in MemoryPolicy],
+        help="memory policy on each rank's node (default: preferred)",
+    )  # fmt: skip
+    parser.add_argument("--workers", type=count(0), default=0, help="DataLoader workers per rank, for the load check")
     add_topology_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)

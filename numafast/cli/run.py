@@ -13,8 +13,8 @@ import argparse
 import os
 
 from numafast import binding
-from numafast._validate import parse_ids
 from numafast.affinity import AffinityMode, MemoryPolicy, bind_rank
+from numafast.cli.arguments import count, cpu_list, node_list
 from numafast.cli.show import add_topology_arguments, load_topology
 
 
@@ -22,15 +22,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser = subparsers.add_parser(
         "run",
         help="run a command bound to NUMA nodes or CPUs (numactl without numactl)",
-        description="Bind CPUs and memory policy, then exec COMMAND (lists as '0-2,5').",
+        description="Bind CPUs and memory policy, then exec COMMAND. Lists in numactl's syntax: 0-2,5; all; !1 (all allowed but 1); +0-1 (the first two allowed).",
     )
     cpus = parser.add_mutually_exclusive_group()
-    cpus.add_argument("--cpunodebind", metavar="NODES", help="run on the allowed CPUs of these nodes")
-    cpus.add_argument("--physcpubind", metavar="CPUS", help="run on these CPUs")
+    cpus.add_argument("--cpunodebind", metavar="NODES", type=node_list, help="run on the allowed CPUs of these nodes")
+    cpus.add_argument("--physcpubind", metavar="CPUS", type=cpu_list, help="run on these CPUs")
     memory = parser.add_mutually_exclusive_group()
-    memory.add_argument("--membind", metavar="NODES", help="allocate only on these nodes (MPOL_BIND)")
+    memory.add_argument("--membind", metavar="NODES", type=node_list, help="allocate only on these nodes (MPOL_BIND)")
     memory.add_argument("--preferred", metavar="NODE", type=int, help="allocate on NODE first (MPOL_PREFERRED)")
-    memory.add_argument("--interleave", metavar="NODES", help="interleave pages over these nodes")
+    memory.add_argument("--interleave", metavar="NODES", type=node_list, help="interleave pages over these nodes")
     memory.add_argument("--localalloc", action="store_true", help="allocate on the node of the touching CPU")
     gpu = parser.add_argument_group("binding for a GPU (instead of --cpunodebind/--physcpubind)")
     gpu.add_argument(
@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--membind/--preferred/--interleave/--localalloc replaces it)",
     )
     gpu.add_argument(
-        "--nproc-per-node", type=int, metavar="N",
+        "--nproc-per-node", type=count(1), metavar="N",
         help="with --gpu: ranks on this machine (default: with auto, LOCAL_WORLD_SIZE or the like; else one per GPU)",
     )
     add_topology_arguments(gpu)
@@ -58,15 +58,15 @@ def placements(args: argparse.Namespace) -> list[binding.Placement]:
     """The placements the options ask for, each validated (CPUs first, then memory)."""
     chosen: list[binding.Placement] = []
     if args.cpunodebind is not None:
-        chosen.append(binding.cpubind(nodes=parse_ids(args.cpunodebind)))
+        chosen.append(binding.cpubind(nodes=args.cpunodebind))
     if args.physcpubind is not None:
-        chosen.append(binding.cpubind(cpus=parse_ids(args.physcpubind)))
+        chosen.append(binding.cpubind(cpus=args.physcpubind))
     if args.membind is not None:
-        chosen.append(binding.membind(parse_ids(args.membind)))
+        chosen.append(binding.membind(args.membind))
     if args.preferred is not None:
         chosen.append(binding.preferred(args.preferred))
     if args.interleave is not None:
-        chosen.append(binding.interleave(parse_ids(args.interleave)))
+        chosen.append(binding.interleave(args.interleave))
     if args.localalloc:
         chosen.append(binding.local_alloc())
     return chosen

@@ -16,7 +16,8 @@ DATA_CACHE_TYPES = ("Unified", "Data")
 
 
 def online_cpus(root: Path) -> list[int]:
-    """CPUs the kernel has online: ``cpu/online``, else every ``cpuN`` directory.
+    """CPUs the kernel has online: ``cpu/online``, else (older kernels) each ``cpuN``
+    directory whose own ``cpuN/online`` switch is not 0 (cpu0 often has no switch).
 
     An offline CPU keeps its directory (to be onlined again) but runs nothing, so
     it is no CPU of the topology.
@@ -25,9 +26,15 @@ def online_cpus(root: Path) -> list[int]:
     if online:
         return online
     present = [number for number, _ in subdirs(root / CPU_DIR, "cpu")]
-    fallback = "taking every cpuN directory as online" if present else "and no cpuN directory: no CPUs"
-    warn(f"{root / CPU_DIR / 'online'}: missing or empty; {fallback}")
-    return present
+    if not present:
+        warn(f"{root / CPU_DIR / 'online'}: missing or empty, and no cpuN directory: no CPUs")
+        return []
+    offline = [cpu for cpu in present if read_int(root / CPU_DIR / f"cpu{cpu}" / "online") == 0]
+    warn(
+        f"{root / CPU_DIR / 'online'}: missing or empty; taking the CPUs whose own cpuN/online "
+        f"switch is not 0 (offline: {format_ids(offline)})"
+    )
+    return [cpu for cpu in present if cpu not in offline]
 
 
 def package_of(root: Path, cpu: int) -> int | None:

@@ -19,7 +19,7 @@ __all__ = ["empty", "zeros"]
 
 def empty(
     *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     node: int | None = None,
     nodes: Iterable[int] | None = None,
     hugepages: bool = True,
@@ -27,23 +27,24 @@ def empty(
     """A new contiguous CPU tensor whose pages are all on ``node`` (or interleaved over
     ``nodes``; default: the calling thread's node), faulted in and ready to use.
 
-    ``size`` as for torch.empty (``empty(2, 3)`` or ``empty((2, 3))``); ``dtype``
-    defaults to torch.get_default_dtype(). Its contents are zero. Interleaved
+    ``size`` as for torch.empty (``empty(2, 3)`` or ``empty((2, 3))``); ``dtype`` is a
+    torch.dtype or its name ("float32", "torch.uint8"), by default
+    torch.get_default_dtype(). Its contents are zero. Interleaved
     memory is spread as :func:`numafast.empty` spreads it: each node gets its
     share to within one base page, whatever the size.
     """
     shape = _shape(size)
-    dtype = torch.get_default_dtype() if dtype is None else dtype
+    checked = torch.get_default_dtype() if dtype is None else _dtype(dtype)
     count = math.prod(shape)
-    buffer = allocate(count * dtype.itemsize, node=node, nodes=nodes, hugepages=hugepages)
+    buffer = allocate(count * checked.itemsize, node=node, nodes=nodes, hugepages=hugepages)
     # The tensor holds the memoryview, which holds an export of the buffer: the
     # memory outlives every tensor and view made from it.
-    return torch.frombuffer(memoryview(buffer), dtype=dtype, count=count).view(shape)
+    return torch.frombuffer(memoryview(buffer), dtype=checked, count=count).view(shape)
 
 
 def zeros(
     *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     node: int | None = None,
     nodes: Iterable[int] | None = None,
     hugepages: bool = True,
@@ -54,4 +55,18 @@ def zeros(
 
 def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
     """torch's two spellings, ``(2, 3)`` and ``((2, 3),)``, as one shape."""
-    return check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)  # type: ignore[arg-type]
+    return check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+
+
+def _dtype(dtype: object) -> torch.dtype:
+    """A torch.dtype, or one named as torch names it ("float32", "torch.float32");
+    TypeError naming the value and some names otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if isinstance(named, torch.dtype):
+        return named
+    raise TypeError(
+        f"dtype {dtype!r} is not a torch dtype; give a torch.dtype or its name: "
+        "'float32', 'float16', 'bfloat16', 'float64', 'uint8', 'int8', 'int32', 'int64', 'bool', ..."
+    )

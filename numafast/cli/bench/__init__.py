@@ -27,8 +27,14 @@ import re
 import sys
 from typing import TextIO
 
-from numafast._validate import parse_ids
-from numafast.cli.bench.health import check_local_ratio, h2d_failures, local_ratio_failures
+from numafast.cli.arguments import count, node_list, threshold
+from numafast.cli.bench.health import (
+    check_local_ratio,
+    h2d_failures,
+    h2d_unchecked,
+    local_ratio_failures,
+    local_ratio_unchecked,
+)
 from numafast.cli.bench.measure import bench, cuda_problem
 from numafast.cli.bench.result import MATRICES, BenchResult
 from numafast.cli.bench.settings import COPY_BY
@@ -48,34 +54,27 @@ def parse_size(text: str) -> int:
     return int(match[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[match[2].upper()]
 
 
-def parse_nodes(text: str) -> list[int]:
-    try:
-        return parse_ids(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a node list like 0-2,5") from None
-
-
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="measure latency and bandwidth between every pair of nodes (a health check with --expect-*)",
         description="What placement is worth on this machine: latency and bandwidth matrices, node by node.",
     )
-    parser.add_argument("--nodes", type=parse_nodes, metavar="LIST", help="only these nodes, e.g. 0-1 (default: all)")
+    parser.add_argument("--nodes", type=node_list, metavar="LIST", help="only these nodes, e.g. 0-1 or !0, numactl's syntax (default: all)")
     parser.add_argument(
         "--matrix", action="append", choices=list(MATRICES), metavar="NAME",
         help=f"measure only this matrix (repeatable): {', '.join(MATRICES)}",
     )  # fmt: skip
-    parser.add_argument("--threads", type=int, metavar="N", help="at most N threads per cell (default: all allowed CPUs of the node)")
+    parser.add_argument("--threads", type=count(1), metavar="N", help="at most N threads per cell (default: all allowed CPUs of the node)")
     parser.add_argument("--size", type=parse_size, metavar="BYTES", help="bytes per buffer, e.g. 512M (default: 4x the LLC, >= 64M)")
-    parser.add_argument("--repetitions", type=int, metavar="N", help="timed repetitions after one warm-up (default: 5 latency, 10 bandwidth)")
+    parser.add_argument("--repetitions", type=count(1), metavar="N", help="timed repetitions after one warm-up (default: 5 latency, 10 bandwidth)")
     parser.add_argument("--quick", action="store_true", help="8 MiB buffers and 2 repetitions: a smoke test, figures indicative only")
     parser.add_argument("--copy-by", choices=COPY_BY, default="destination", help="node_copy_gbps: whose CPUs copy (default: destination)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON (schema numafast.bench/1)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the matrices as heat maps (needs matplotlib)")
-    parser.add_argument("--expect-local-ratio", type=float, metavar="R",
+    parser.add_argument("--expect-local-ratio", type=threshold(1), metavar="R",
                         help="fail when a remote cell is more than R times worse than its row's local cell")  # fmt: skip
-    parser.add_argument("--expect-h2d", type=float, metavar="GBPS", help="fail when a host-to-GPU cell is below GBPS (needs CUDA)")
+    parser.add_argument("--expect-h2d", type=threshold(0, inclusive=False), metavar="GBPS", help="fail when a host-to-GPU cell is below GBPS (needs CUDA)")
     parser.set_defaults(run=run)
 
 
@@ -140,8 +139,12 @@ def run(args: argparse.Namespace) -> int:
         failures.append("no cell could be measured (the reasons are in the output)")
     if args.expect_local_ratio is not None:
         failures += local_ratio_failures(result, args.expect_local_ratio)
+        if (why := local_ratio_unchecked(result)) is not None:
+            print(f"numafast bench: --expect-local-ratio checked nothing: {why}", file=sys.stderr)
     if args.expect_h2d is not None:
         failures += h2d_failures(result, args.expect_h2d)
+        if (why := h2d_unchecked(result)) is not None:
+            failures.append(f"--expect-h2d checked nothing: {why}")
     for failure in failures:
         print(f"numafast bench: FAILED {failure}", file=sys.stderr)
     return 1 if failures else 0

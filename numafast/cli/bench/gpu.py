@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from functools import partial
+
+from numafast.cli.bench.grid import Cell, measure_grid
 from numafast.cli.bench.result import Matrix
 from numafast.cli.bench.run import Run, check_pages
 from numafast.cli.bench.settings import WARMUP
@@ -49,8 +51,7 @@ def transfer_bytes(run: Run) -> int:
 
 def measure(run: Run, name: str) -> Matrix:
     """One GPU x host-node matrix, cell by cell; a cell that cannot be measured says why."""
-    from numafast.cli.bench.measure import Cell, measure_grid  # measure.py imports this module
-    from numafast import cuda
+    from numafast import cuda  # imports torch: only once a GPU matrix is measured
 
     to_device = name.startswith("h2d")
     streams = CONCURRENT_STREAMS if "concurrent" in name else 1

@@ -6,14 +6,35 @@ failed, so that an operator sees which node or link to look at.
 
 from __future__ import annotations
 
+import math
+
 from numafast.cli.bench.result import BenchResult
 
 
 def check_local_ratio(ratio: object) -> float:
-    """R as a float, if it is a number of at least 1."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1:
-        raise ValueError(f"expected local ratio {ratio!r}: give a number >= 1 (how many times worse than local a remote cell may be)")
+    """R as a float, if it is a finite number of at least 1 (below 1 every remote cell
+    would fail, an infinite one none could)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 <= ratio < math.inf:
+        raise ValueError(
+            f"expected local ratio {ratio!r}: give a finite number >= 1 (how many times worse than local a remote cell may be)"
+        )
     return float(ratio)
+
+
+def local_ratio_unchecked(result: BenchResult) -> str | None:
+    """Why ``--expect-local-ratio`` compared no cell in ``result`` (None when it compared some):
+    one node, or no row with both a local and a remote measured cell."""
+    if any(matrix.remote_over_local(row) for matrix in result.matrices.values() for row in matrix.rows):
+        return None
+    return "no row has both a local and a measured remote cell (one node, or every remote cell missing)"
+
+
+def h2d_unchecked(result: BenchResult) -> str | None:
+    """Why ``--expect-h2d`` compared no cell in ``result`` (None when it compared some)."""
+    matrix = result.matrices.get("h2d_gbps")
+    if matrix is not None and any(value is not None for line in matrix.values for value in line):
+        return None
+    return "the h2d_gbps matrix has no measured cell"
 
 
 def local_ratio_failures(result: BenchResult, ratio: float) -> list[str]:

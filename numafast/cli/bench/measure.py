@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from numafast import _libnuma
 from numafast.cli.bench import gpu
 from numafast.cli.bench import machine as machine_summary
-from numafast.cli.bench.result import MATRICES, BenchResult, Matrix, cell_key
+from numafast.cli.bench.grid import Cell, measure_grid
+from numafast.cli.bench.result import MATRICES, BenchResult, Matrix
 from numafast.cli.bench.run import Run, Timings, Unmeasurable, check_pages, check_threads
 from numafast.cli.bench.settings import WARMUP, resolve_settings
 from numafast.topo import Topology
@@ -29,15 +29,6 @@ from numafast.topo.read import read_topology
 
 # time_copy (STREAM's loop) or time_memcpy: (source, destination, cpus, repetitions) -> timings.
 Timer = Callable[[Any, Any, list[int], int], Timings]
-
-
-@dataclass
-class Cell:
-    """A measured cell: its value, how many threads did it, what its placement checks saw."""
-
-    value: float
-    threads: int
-    placement: dict[str, Any]
 
 
 def _timed_cell(run: Run, name: str, cpu_node: int, timed: Timings, buffers: dict[str, Any]) -> Cell:
@@ -111,48 +102,6 @@ def measure_cells(run: Run, name: str, cell: Callable[[Run, int, int], Cell]) ->
     return measure_grid(
         run, name, nodes, nodes, cell, bytes=run.settings.size, statistic="best",
         per_repetition=per_repetition, per_repetition_unit=unit,
-    )  # fmt: skip
-
-
-def measure_grid(
-    run: Run,
-    name: str,
-    rows: list[int],
-    cols: list[int],
-    cell: Callable[[Run, int, int], Cell],
-    *,
-    bytes: int,
-    statistic: str,
-    per_repetition: int,
-    per_repetition_unit: str,
-    streams: int | None = None,
-) -> Matrix:
-    """A ``rows`` x ``cols`` matrix, cell by cell; a cell that cannot be measured says why."""
-    values: list[list[float | None]] = []
-    threads: list[list[int]] = []
-    missing: dict[str, str] = {}
-    placement: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        values.append([])
-        threads.append([])
-        for col in cols:
-            key = cell_key(row, col)
-            try:
-                result = cell(run, row, col)
-            except Unmeasurable as reason:
-                values[-1].append(None)
-                threads[-1].append(0)
-                missing[key] = str(reason)
-            else:
-                values[-1].append(result.value)
-                threads[-1].append(result.threads)
-                placement[key] = result.placement
-            run.tick(f"{name} {key}")
-    return Matrix(
-        name=name, rows=rows, cols=cols, values=values, missing=missing, threads=threads, bytes=bytes,
-        repetitions=run.settings.repetitions_of(name), warmup=WARMUP, statistic=statistic,
-        per_repetition=per_repetition, per_repetition_unit=per_repetition_unit, placement=placement,
-        streams=streams,
     )  # fmt: skip
 
 

@@ -164,7 +164,11 @@ class Matrix:
         return self.kind.unit
 
     def value(self, row: int, col: int) -> float | None:
-        """The value of the cell (row id, column id); None where missing."""
+        """The value of the cell (row id, column id); None where missing. KeyError naming
+        the row or column and those the matrix has, for one it does not have."""
+        for given, ids, kind in ((row, self.rows, "row"), (col, self.cols, "column")):
+            if given not in ids:
+                raise KeyError(f"{self.name} has no {kind} {given!r}; its {kind}s: {', '.join(map(str, ids))}")
         return self.values[self.rows.index(row)][self.cols.index(col)]
 
     def local(self, row: int) -> float | None:
@@ -276,8 +280,13 @@ class BenchResult:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> BenchResult:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> BenchResult:
+        """The result a JSON text holds; ValueError saying where it is not JSON or not the schema."""
+        try:
+            document = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as error:
+            raise ValueError(f"not a JSON text of schema {SCHEMA}: {error}") from None
+        return cls.from_dict(document)
 
 
 # A placement check that fails makes its cell missing, with a reason that starts so.

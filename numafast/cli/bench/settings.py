@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from numafast._buffers import PAGE_SIZE
-from numafast._validate import check_nodes
+from numafast._validate import check_nodes, integer
 from numafast.cli.bench.machine import largest_llc
 from numafast.cli.bench.result import MATRICES
 from numafast.errors import InvalidSizeError
@@ -62,9 +62,24 @@ class Settings:
 def _positive(name: str, value: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = integer(value)
+    if number is None or number < 1:
         raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
-    return value
+    return number
+
+
+def _buffer_size(size: object, minimum: int, llc: int, quick: bool) -> int:
+    """A ``size`` given: an integer of at least SMALLEST_SIZE, and (unless ``quick``)
+    ``minimum``, STREAM's 4x the last-level cache."""
+    checked = integer(size)
+    if checked is None or checked < SMALLEST_SIZE:
+        raise InvalidSizeError(f"size {size!r}: buffers must be whole numbers of bytes, at least {SMALLEST_SIZE >> 20} MiB")
+    if checked < minimum and not quick:
+        raise InvalidSizeError(
+            f"size {checked / MIB:.0f} MiB is below {LLC_FACTOR}x the last-level cache ({llc / MIB:.0f} MiB): "
+            f"caches, not memory, would answer; give at least {minimum / MIB:.0f} MiB (STREAM's rule), or --quick"
+        )
+    return checked
 
 
 def resolve_settings(
@@ -72,7 +87,7 @@ def resolve_settings(
     summary: dict[str, Any],
     gpu_problem: str | None,
     *,
-    nodes: Iterable[int] | None,
+    nodes: int | Iterable[int] | None,
     matrices: Iterable[str] | None,
     threads: int | None,
     size: int | None,
@@ -83,7 +98,7 @@ def resolve_settings(
     """Settings from :func:`numafast.bench`'s arguments (``gpu_problem``: why the GPU
     matrices cannot be measured here, None when they can); an exception naming the
     bad value and the allowed ones."""
-    chosen_nodes = check_nodes(machine.node_ids if nodes is None else list(nodes), need_allowed=False)
+    chosen_nodes = check_nodes(machine.node_ids if nodes is None else nodes, need_allowed=False)
     if matrices is None:
         names = list(CPU_MATRICES) + ([] if gpu_problem else list(GPU_MATRICES))
     else:
@@ -101,13 +116,8 @@ def resolve_settings(
     minimum = LLC_FACTOR * llc
     if size is None:
         size = QUICK_SIZE if quick else max(minimum or SIZE_WITHOUT_LLC, SIZE_FLOOR)
-    elif isinstance(size, bool) or not isinstance(size, int) or size < SMALLEST_SIZE:
-        raise InvalidSizeError(f"size {size!r}: buffers must be whole numbers of bytes, at least {SMALLEST_SIZE >> 20} MiB")
-    elif size < minimum and not quick:
-        raise InvalidSizeError(
-            f"size {size / MIB:.0f} MiB is below {LLC_FACTOR}x the last-level cache ({llc / MIB:.0f} MiB): "
-            f"caches, not memory, would answer; give at least {minimum / MIB:.0f} MiB (STREAM's rule), or --quick"
-        )
+    else:
+        size = _buffer_size(size, minimum, llc, quick)
     return Settings(
         nodes=chosen_nodes,
         matrices=names,

@@ -1,0 +1,187 @@
+"""README.md is a contract: every ```python and ```bash block runs as written.
+
+A fence may carry tags after the language (```python gpu):
+
+* ``gpu``: needs a CUDA GPU; skipped, saying so, where PyTorch sees none.
+* ``slurm``: needs a SLURM cluster (``srun``); skipped without one.
+* ``host``: takes minutes under the guests' TCG emulation; run on the host only.
+* ``ci``: installs, builds the wheel, boots a guest or is the test suite itself: not
+  run here (it would change the machine or recurse) but by CI, as a phase of
+  ``.ci/run``; checked here by finding each command in the CI scripts.
+
+Python blocks run in one process (torch is imported once: ~30 s in a guest), each in
+a namespace of its own, so a block must import and define what it uses. Bash blocks
+run one by one with ``bash -euo pipefail``; ``numafast`` there is this checkout's.
+Both run in an empty directory where ``tests`` links to the checkout's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+README = REPO / "README.md"
+IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"
+TAGS = {"gpu", "slurm", "host", "ci"}
+# Where CI runs the commands of the blocks tagged ci.
+CI_SCRIPTS = [*sorted((REPO / ".ci").glob("*")), TESTS / "run_suite.py"]
+FENCE = re.compile(r"^```(\w+)((?: [\w-]+)*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+
+pytestmark = pytest.mark.skipif(not README.exists(), reason="needs the source tree's README.md")
+
+
+@dataclass(frozen=True)
+class Block:
+    language: str
+    tags: frozenset[str]
+    line: int
+    source: str
+
+    @property
+    def name(self) -> str:
+        return f"README.md:{self.line}"
+
+
+def blocks() -> list[Block]:
+    if not README.exists():
+        return []
+    text = README.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        language, tags = match[1], frozenset(match[2].split())
+        if language in ("python", "bash"):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(Block(language, tags, line, match[3]))
+    return found
+
+
+BLOCKS = blocks()
+
+
+@cache
+def gpu_problem() -> str | None:
+    """Why this machine cannot run a GPU block; None when it can."""
+    from numafast.cli.bench import gpu
+    from numafast.cli.bench.measure import live_topology
+
+    return gpu.unavailable(live_topology())
+
+
+def skip_reason(block: Block) -> str | None:
+    if "ci" in block.tags:
+        return None  # checked against the CI scripts, never run here
+    if "gpu" in block.tags and (problem := gpu_problem()) is not None:
+        return f"{block.name} needs a GPU: {problem}"
+    if "slurm" in block.tags and shutil.which("srun") is None:
+        return f"{block.name} needs a SLURM cluster (no srun here)"
+    if "host" in block.tags and IN_GUEST:
+        return f"{block.name} takes minutes under TCG emulation: run on the host only"
+    if block.language == "python" and "import torch" in block.source.replace("numafast.torch", ""):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return f"{block.name} needs PyTorch (pip install numafast[torch]); this Python has none"
+    return None
+
+
+def workdir(tmp_path: Path) -> Path:
+    """An empty directory with ``tests`` linked to the checkout's, and a ``numafast``
+    command that runs this checkout (not whichever numafast is installed)."""
+    (tmp_path / "tests").symlink_to(TESTS)
+    bin_dir = tmp_path / ".bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "numafast"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m numafast "$@"\n')
+    shim.chmod(0o755)
+    return bin_dir
+
+
+def environment(bin_dir: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    }
+
+
+RUNNER = r"""
+import json, sys, traceback
+results = {}
+for name, source in json.load(open(sys.argv[1])):
+    try:
+        exec(compile(source, name, "exec"), {"__name__": "__readme__"})
+    except BaseException:
+        results[name] = traceback.format_exc()
+    else:
+        results[name] = None
+    print(f"{name}: {'failed' if results[name] else 'ok'}", file=sys.stderr, flush=True)
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def python_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """Every runnable Python block, run in one process: {name: traceback or None}."""
+    tmp_path = tmp_path_factory.mktemp("readme")
+    bin_dir = workdir(tmp_path)
+    runnable = [(b.name, b.source) for b in BLOCKS if b.language == "python" and skip_reason(b) is None and "ci" not in b.tags]
+    (tmp_path / "blocks.json").write_text(json.dumps(runnable))
+    (tmp_path / "runner.py").write_text(RUNNER)
+    result = subprocess.run(
+        [sys.executable, "runner.py", "blocks.json", "results.json"],
+        cwd=tmp_path, env=environment(bin_dir), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0 and (tmp_path / "results.json").exists(), result.stderr
+    results: dict[str, str | None] = json.loads((tmp_path / "results.json").read_text())
+    return results
+
+
+def test_readme_has_blocks_and_known_tags() -> None:
+    assert {b.language for b in BLOCKS} == {"python", "bash"}
+    for block in BLOCKS:
+        assert block.tags <= TAGS, f"{block.name}: unknown tags {sorted(block.tags - TAGS)} (known: {sorted(TAGS)})"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "python" and "ci" not in b.tags], ids=lambda b: b.name)
+def test_python_block_runs_as_written(block: Block, python_results: dict[str, str | None]) -> None:
+    if (reason := skip_reason(block)) is not None:
+        pytest.skip(reason)
+    assert python_results[block.name] is None, f"{block.name} failed:\n{python_results[block.name]}"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "bash" and "ci" not in b.tags], ids=lambda b: b.name)
+def test_bash_block_runs_as_written(block: Block, tmp_path: Path) -> None:
+    if (reason := skip_reason(block)) is not None:
+        pytest.skip(reason)
+    bin_dir = workdir(tmp_path)
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block.source],
+        cwd=tmp_path, env=environment(bin_dir), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{block.name} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.mark.host_only("reads files")
+@pytest.mark.parametrize("block", [b for b in BLOCKS if "ci" in b.tags], ids=lambda b: b.name)
+def test_ci_block_commands_are_run_by_ci(block: Block) -> None:
+    scripts = "\n".join(path.read_text() for path in CI_SCRIPTS if path.is_file())
+    for line in block.source.splitlines():
+        command = line.split("#", 1)[0].strip()
+        for part in filter(None, (p.strip() for p in command.split("&&"))):
+            words = part.split()
+            # A script by its name (tests/numa_vm.py: run_suite.py boots guests with it),
+            # else the program and its first argument ("pip install", "python3 -m").
+            script = next((Path(w).stem for w in words[:2] if w.endswith((".py", ".sh")) or w.startswith(".ci/")), None)
+            program = script or " ".join(words[:2])
+            assert program in scripts, f"{block.name}: {part!r} is not run by CI ({', '.join(p.name for p in CI_SCRIPTS)})"
