@@ -36,6 +36,8 @@ IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"
 TAGS = {"gpu", "slurm", "host", "ci"}
 # Where CI runs the commands of the blocks tagged ci.
 CI_SCRIPTS = [*sorted((REPO / ".ci").glob("*")), TESTS / "run_suite.py"]
+# A block that imports torch or numafast.torch (which imports torch).
+NEEDS_TORCH = re.compile(r"^\s*(?:import|from)\s[^\n]*\btorch\b", re.MULTILINE)
 FENCE = re.compile(r"^```(\w+)((?: [\w-]+)*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 pytestmark = pytest.mark.skipif(not README.exists(), reason="needs the source tree's README.md")
@@ -87,7 +89,7 @@ def skip_reason(block: Block) -> str | None:
         return f"{block.name} needs a SLURM cluster (no srun here)"
     if "host" in block.tags and IN_GUEST:
         return f"{block.name} takes minutes under TCG emulation: run on the host only"
-    if block.language == "python" and "import torch" in block.source.replace("numafast.torch", ""):
+    if block.language == "python" and NEEDS_TORCH.search(block.source):
         try:
             import torch  # noqa: F401
         except ImportError:
