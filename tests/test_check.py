@@ -204,14 +204,22 @@ def numafast(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedPr
 
 @contextmanager
 def bound_shell_with_a_child() -> Iterator[tuple[int, int]]:
-    """(sh, its child sleep), both bound to node 0's CPUs and memory: a rank that is ok anywhere."""
-    shell = subprocess.Popen(["numactl", "--cpunodebind=0", "--membind=0", "sh", "-c", "sleep 300; true"])
+    """(sh, its child sleep), both bound to node 0's CPUs and memory: a rank that is ok anywhere.
+    Bound by ``numafast run`` (numactl may not run where the installed wheel is tested,
+    with the system's libnuma hidden)."""
+    command = [sys.executable, "-m", "numafast", "run", "--cpunodebind", "0", "--membind", "0", "--", "sh", "-c", "sleep 300; true"]
+    shell = subprocess.Popen(command, env=ENV, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
     try:
         while not descendants(shell.pid):
+            if shell.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the bound shell did not start its child: {shell.stderr.read() if shell.stderr else ''}")
             time.sleep(0.02)
         yield shell.pid, descendants(shell.pid)[0][0]
     finally:
-        os.kill(descendants(shell.pid)[0][0], signal.SIGKILL)
+        for child, *_rest in descendants(shell.pid):
+            os.kill(child, signal.SIGKILL)
+        shell.kill()
         shell.wait()
 
 
