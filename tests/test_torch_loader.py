@@ -146,6 +146,24 @@ class Shards(IterableDataset):  # type: ignore[type-arg]
             yield {"values": torch.full((512,), float(index)), "index": index}
 
 
+class Boxed:
+    """A user's own batch class with a tensor inside (picklable, as torch needs it to be)."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+
+def custom_collate(samples: list[Any]) -> dict[str, Any]:
+    """A custom collate_fn: a transposed (strided) tensor, a NumPy array, a user's class."""
+    values = torch.stack([sample["values"] for sample in samples])
+    return {
+        "columns": values.t(),
+        "array": values.numpy().astype("float64"),
+        "boxed": Boxed(torch.tensor([sample["index"] for sample in samples])),
+        "names": [f"sample {sample['index']}" for sample in samples],
+    }
+
+
 def kill_on_batch(samples: list[Any]) -> Any:
     """A collate function whose worker is killed (SIGKILL) while it holds a slot."""
     if any(sample["index"] == 7 for sample in samples):
@@ -259,6 +277,33 @@ def test_spawned_workers_map_the_pool_and_land_batches(context: str) -> None:
     for _epoch in range(2):
         assert all(map(same, stock, list(loader)))
     assert loader.stats().landed >= len(stock), loader.stats()  # through /proc/PID/fd of this process
+
+
+@SEMANTICS
+def test_a_custom_collate_fns_tensors_arrays_and_classes_land_in_the_slot_too() -> None:
+    import numpy as np
+
+    def run(loader: Any) -> list[Any]:
+        out = []
+        for batch in loader:
+            out.append(batch)
+            if len(out) > 2:
+                out.pop(0)  # keep a few: slots come back
+        return out
+
+    dataset = Numbers(40, size=256)
+    stock = run(make_loader(dataset, batch_size=4, collate_fn=custom_collate))
+    loader = numafast.torch.NumaLoader(make_loader(dataset, batch_size=4, collate_fn=custom_collate), node=NODES[0])
+    ours = run(loader)
+    for left, right in zip(stock, ours):
+        assert torch.equal(left["columns"], right["columns"]) and np.array_equal(left["array"], right["array"])
+        assert torch.equal(left["boxed"].tensor, right["boxed"].tensor) and left["names"] == right["names"]
+        assert isinstance(right["boxed"], Boxed) and right["array"].dtype == np.float64
+        pools = loader.pools.pools
+        for address in (right["columns"].data_ptr(), right["array"].__array_interface__["data"][0],
+                        right["boxed"].tensor.data_ptr()):
+            assert any(pool.contains(address) for pool in pools)
+    assert loader.stats().landed > 0
 
 
 @SEMANTICS

@@ -24,7 +24,7 @@ import torch
 from numafast import _libnuma
 from numafast.errors import InvalidBufferError, SlotTooSmallError
 from numafast.pool import PinnedPool, pool_of
-from numafast.torch.packing import ALIGNMENT
+from numafast.torch.packing import ALIGNMENT, copies_as_bytes, plain_array
 
 __all__ = ["ALIGNMENT", "BatchLayout", "fill", "flatten", "layout", "pin", "record_stream"]
 
@@ -49,7 +49,7 @@ def flatten(batch: Batch, *, arrays: bool = False) -> tuple[list[Any], Callable[
     positions: dict[int, int] = {}
 
     def collect(item: Any) -> None:
-        if isinstance(item, torch.Tensor) or (arrays and _plain_array(item)):
+        if isinstance(item, torch.Tensor) or (arrays and plain_array(item)):
             if id(item) not in positions:
                 positions[id(item)] = len(leaves)
                 leaves.append(item)
@@ -65,10 +65,6 @@ def flatten(batch: Batch, *, arrays: bool = False) -> tuple[list[Any], Callable[
         return _rebuild(batch, lambda leaf: replacements[positions[id(leaf)]], arrays)  # type: ignore[no-any-return]
 
     return leaves, rebuild
-
-
-def _plain_array(item: object) -> bool:
-    return type(item) is np.ndarray and not item.dtype.hasobject and item.dtype.fields is None
 
 
 def opaque_leaves(batch: object) -> set[str]:
@@ -107,7 +103,7 @@ def _rebuild(item: Any, replace: Callable[[Any], Any], arrays: bool = False) -> 
     """``item`` with every tensor (and with ``arrays``, every plain array) replaced;
     containers of the same types (as torch.utils.data's pin_memory rebuilds them),
     other leaves kept as they are."""
-    if isinstance(item, torch.Tensor) or (arrays and _plain_array(item)):
+    if isinstance(item, torch.Tensor) or (arrays and plain_array(item)):
         return replace(item)
     if isinstance(item, (str, bytes, bytearray)):
         return item
@@ -216,7 +212,7 @@ def fill(
     contiguous ones in one GIL-free gather copy (``threads`` threads pinned to
     ``cpus``), the others (strided, conjugate or negative views) by torch or NumPy."""
     pinned = [_tensor_in(slot, tensor, offset) for tensor, offset in zip(tensors, plan.offsets)]
-    contiguous = [i for i, tensor in enumerate(tensors) if _copies_as_bytes(tensor)]
+    contiguous = [i for i, tensor in enumerate(tensors) if copies_as_bytes(tensor)]
     as_bytes = set(contiguous)
     sources = [_bytes_of(tensors[i]) for i in contiguous]
     count = _copy_threads(sum(source.nbytes for source in sources), len(cpus), threads)
@@ -247,12 +243,6 @@ def _tensor_in(slot: _libnuma.Slot | None, like: Leaf, offset: int) -> Any:
         return torch.empty(like.shape, dtype=like.dtype)
     tensor = torch.frombuffer(slot, dtype=like.dtype, count=like.numel(), offset=offset).view(like.shape)
     return tensor.requires_grad_() if like.requires_grad else tensor
-
-
-def _copies_as_bytes(leaf: Leaf) -> bool:
-    if isinstance(leaf, np.ndarray):
-        return leaf.size > 0 and leaf.flags.c_contiguous
-    return bool(leaf.numel()) and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg()
 
 
 def _bytes_of(leaf: Leaf) -> Any:

@@ -44,9 +44,17 @@ class SlotFull(Exception):
     """The batch does not fit in the slot."""
 
 
-def _plain_array(value: np.ndarray[Any, Any]) -> bool:
-    """A NumPy array of plain numbers (no objects, no fields) that is not empty."""
-    return value.size > 0 and not value.dtype.hasobject and value.dtype.fields is None
+def plain_array(item: object) -> bool:
+    """A NumPy array of plain numbers (no objects, no fields): bytes that can be placed."""
+    return type(item) is np.ndarray and not item.dtype.hasobject and item.dtype.fields is None
+
+
+def copies_as_bytes(leaf: torch.Tensor | np.ndarray[Any, Any]) -> bool:
+    """A non-empty tensor or array whose memory is its values in order: copied as bytes
+    (strided, conjugate or negative views are copied by torch or NumPy instead)."""
+    if isinstance(leaf, np.ndarray):
+        return leaf.size > 0 and leaf.flags.c_contiguous
+    return bool(leaf.numel()) and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg()
 
 
 class SlotPacker:
@@ -139,16 +147,14 @@ class SlotPacker:
                 if tensor.numel():
                     self.unpinned.add(f"{tensor.layout} tensor on {tensor.device}")
                 return None
-            if _copies_as_bytes(tensor):
-                target = self.tensor(tensor.dtype, tensor.shape, tensor.requires_grad)
-                start = self.placed[id(target)][1][1]
-                self.copies.append((start, tensor.detach().reshape(-1).view(torch.uint8).numpy()))
+            target = self.tensor(tensor.dtype, tensor.shape, tensor.requires_grad)
+            ref = self.placed[id(target)][1]
+            if copies_as_bytes(tensor):  # in the one gather copy at the end of pack()
+                self.copies.append((ref[1], tensor.detach().reshape(-1).view(torch.uint8).numpy()))
             else:
-                target = self.tensor(tensor.dtype, tensor.shape, tensor.requires_grad)
                 with torch.no_grad():
                     target.copy_(tensor)
-            ref = self.placed[id(target)][1]
-        elif type(value) is np.ndarray and _plain_array(value):
+        elif isinstance(value, np.ndarray) and plain_array(value) and value.size:
             start = self._reserve(value.nbytes)
             self.copies.append((start, np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
             ref = ("a", start, value.dtype.str, value.shape)
@@ -160,10 +166,6 @@ class SlotPacker:
 
 def _placeable(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0
-
-
-def _copies_as_bytes(tensor: torch.Tensor) -> bool:
-    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 class _Packer(pickle.Pickler):
