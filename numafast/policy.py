@@ -16,7 +16,7 @@ from enum import Enum
 from typing import NoReturn
 
 from numafast import _libnuma
-from numafast._validate import check_nodes, format_ids, integer, member, online_nodes
+from numafast._validate import check_nodes, format_ids, id_list, integer, member, online_nodes
 from numafast.errors import InvalidNodeError, LibnumaError, PolicyNotPermitted, PolicyUnsupported
 
 
@@ -93,7 +93,10 @@ class Policy:
         # anything else is refused here, naming what is allowed.
         object.__setattr__(self, "mode", member(Mode, self.mode, "mode"))
         object.__setattr__(self, "flags", mode_flags(self.flags))
-        nodes = [self.nodes] if integer(self.nodes) is not None else self.nodes
+        try:
+            nodes = id_list(self.nodes)
+        except TypeError as error:
+            raise InvalidNodeError(f"Policy nodes {error}; nodes here: {format_ids(online_nodes())}") from None
         checked: list[int] = []
         for node in nodes:
             node_id = integer(node)

@@ -225,7 +225,9 @@ def _close_at_exit() -> None:
             pool._resources.unpin()
 
 
-def _parse_mode(value: object, enum: type[LockMode] | type[RegisterMode], name: str) -> Any:
+def parse_mode(value: object, enum: type[LockMode] | type[RegisterMode], name: str) -> Any:
+    """``lock=`` / ``register=`` as its enum member (True: required, False: off), or a
+    ValueError naming the value and the choices."""
     if value is True:
         return enum("required")
     if value is False:
@@ -277,8 +279,8 @@ class PinnedPool:
         self._node = check_node(node)
         slot_bytes = _positive_int(slot_bytes, "slot_bytes")
         slots = _positive_int(slots, "slots")
-        lock_mode: LockMode = _parse_mode(lock, LockMode, "lock")
-        register_mode: RegisterMode = _parse_mode(register, RegisterMode, "register")
+        lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
+        register_mode: RegisterMode = parse_mode(register, RegisterMode, "register")
         self._timeout = _check_timeout(timeout)
         if _libnuma.node_size64(self._node)[0] == 0:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")

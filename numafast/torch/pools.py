@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from numafast.errors import PoolExhaustedError
-from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, _parse_mode
+from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import PoolBoard
 from numafast.torch.batch import fill, flatten, layout, opaque_leaves
 from numafast.torch.collate import Fallback, FallbackReason, SlotBatch, SlotCollate
@@ -84,8 +84,8 @@ class NodePools:
         self.node = node
         self.slots = slots
         # Checked now, not at the first batch that makes a pool.
-        self.lock: LockMode = _parse_mode(lock, LockMode, "lock")
-        self.register: RegisterMode = _parse_mode(register, RegisterMode, "register")
+        self.lock: LockMode = parse_mode(lock, LockMode, "lock")
+        self.register: RegisterMode = parse_mode(register, RegisterMode, "register")
         self.pools: list[PinnedPool] = []
         self.retired: list[PinnedPool] = []
         self.grown = 0
