@@ -279,6 +279,43 @@ def test_spawned_workers_map_the_pool_and_land_batches(context: str) -> None:
     assert loader.stats().landed >= len(stock), loader.stats()  # through /proc/PID/fd of this process
 
 
+def failing_init(worker_id: int) -> None:
+    raise ValueError(f"worker {worker_id} could not start")
+
+
+# DataLoader set-ups that torch's own test_dataloader.py covers, beyond the above.
+STOCK_SETUPS: dict[str, Any] = {
+    "batch_size=None": lambda **k: DataLoader(Numbers(6), batch_size=None, **k),
+    "batch_sampler": lambda **k: DataLoader(
+        Numbers(10), batch_sampler=torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(10)), 3, False), **k
+    ),
+    "drop_last": lambda **k: DataLoader(Numbers(10), batch_size=3, drop_last=True, **k),
+    "strings": lambda **k: DataLoader(["a", "b", "c", "d", "e"], batch_size=2, **k),
+    "numpy samples": lambda **k: DataLoader([__import__("numpy").full(3, i) for i in range(5)], batch_size=2, **k),
+    "numbers in dicts": lambda **k: DataLoader([{"i": i, "f": i / 2, "b": bool(i % 2)} for i in range(6)], batch_size=4, **k),
+    "worker_init_fn raises": lambda **k: DataLoader(Numbers(6), batch_size=2, worker_init_fn=failing_init, **k),
+}
+
+
+@SEMANTICS
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("setup", list(STOCK_SETUPS))
+def test_other_dataloader_setups_give_the_stock_outcomes(setup: str, workers: int) -> None:
+    if setup == "worker_init_fn raises" and workers == 0:
+        pytest.skip("worker_init_fn runs only in workers")
+    def summary(outcome: Any) -> Any:
+        # An error's first and last lines: the traceback between names numafast's frames too.
+        if isinstance(outcome, tuple) and outcome[:1] == ("raised",):
+            lines = outcome[2].strip().splitlines()
+            return ("raised", outcome[1], lines[0], lines[-1])
+        return outcome
+
+    make = STOCK_SETUPS[setup]
+    stock = [summary(outcome) for outcome in outcomes(make(num_workers=workers))]
+    ours = [summary(outcome) for outcome in outcomes(numafast.torch.NumaLoader(make(num_workers=workers)))]
+    assert len(ours) == len(stock) and all(map(same, stock, ours)), (stock, ours)
+
+
 @SEMANTICS
 def test_a_custom_collate_fns_tensors_arrays_and_classes_land_in_the_slot_too() -> None:
     import numpy as np
