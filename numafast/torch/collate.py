@@ -104,7 +104,7 @@ class Fallback:
 
 
 def _owners_get(owner_id: int) -> NodePools | None:
-    from numafast.torch.pools import owners
+    from numafast.torch.pools import owners  # here: pools.py imports this module
 
     return owners.get(owner_id)
 
