@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,16 @@ def _unmet_need(marker: pytest.Mark) -> str | None:
     if marker.kwargs.get("memory_only") and not cpuless_nodes_with_memory():
         return "needs a memory-only (CPU-less) node; runs in the memory-only guest of tests/run_suite.py"
     return None
+
+
+@pytest.fixture(autouse=True)
+def cold_loader_pools() -> Iterator[None]:
+    """Each test's first loader starts without pools: numafast keeps a gone loader's
+    pools for the next loader on the node, which would carry one test into the next."""
+    loaders = sys.modules.get("numafast.torch")
+    if loaders is not None:
+        loaders.close_idle_pools()
+    yield
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

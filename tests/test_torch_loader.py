@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -40,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset  # noqa: E402
 
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
+from numafast.torch.collate import SlotCollate  # noqa: E402
 
 NODES = online_nodes()
 CPU_NODES = [node for node in NODES if node_cpus(node)]
@@ -452,23 +454,56 @@ def test_a_single_process_loader_collates_into_the_slot_itself() -> None:
 # ---------------------------------------------------------------- the DataLoader's surface
 
 
-def test_every_public_dataloader_attribute_reads_through_and_the_frozen_ones_are_refused() -> None:
+def test_a_numaloader_is_a_dataloader_with_the_wrapped_loaders_settings_and_numafasts_collate() -> None:
     dataset = Numbers(10)
-    stock = DataLoader(dataset, batch_size=3, num_workers=2, drop_last=True, prefetch_factor=3)
+    stock = DataLoader(dataset, batch_size=3, num_workers=2, drop_last=True, prefetch_factor=3, worker_init_fn=set_marker)
     loader = numafast.torch.NumaLoader(stock)
-    for name in ("dataset", "batch_size", "sampler", "batch_sampler", "num_workers", "collate_fn", "drop_last",
-                 "prefetch_factor", "persistent_workers", "generator", "timeout", "worker_init_fn",
-                 "multiprocessing_context", "in_order"):
+    assert isinstance(loader, DataLoader)
+    for name in ("dataset", "batch_size", "sampler", "num_workers", "drop_last", "prefetch_factor",
+                 "persistent_workers", "generator", "timeout", "multiprocessing_context", "in_order"):
         assert getattr(loader, name) is getattr(stock, name), name
+    assert list(loader.batch_sampler) == list(stock.batch_sampler)
+    # numafast's part: plain attributes, which frameworks copy when they re-create a loader
+    assert isinstance(loader.collate_fn, SlotCollate) and loader.collate_fn.collate_fn is stock.collate_fn
+    assert loader.worker_init_fn == numafast.torch.WorkerPlacement(loader.node, False, set_marker)
     for name in ("batch_size", "sampler", "batch_sampler", "dataset", "drop_last", "persistent_workers"):
         with pytest.raises(ValueError, match=f"{name} attribute should not be set after NumaLoader is initialized"):
             setattr(loader, name, None)
         with pytest.raises(ValueError, match=f"{name} attribute should not be set after DataLoader is initialized"):
             setattr(stock, name, None)
-    loader.timeout = 5  # DataLoader allows it: it reaches the wrapped loader
-    assert stock.timeout == 5 and len(loader) == len(stock) == 3
+    loader.collate_fn = custom_collate  # set later: still collated into a slot
+    assert isinstance(loader.collate_fn, SlotCollate) and loader.collate_fn.collate_fn is custom_collate
+    loader.pin_memory = True  # numafast pins: torch's pin thread never runs on top
+    assert loader.pin_memory is False and len(loader) == len(stock) == 3
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         loader.nonsense  # noqa: B018
+
+
+@SEMANTICS
+def test_options_given_with_a_loader_replace_its_own_as_a_framework_passes_them() -> None:
+    """Lightning re-creates a loader from the arguments it was made with plus a new
+    sampler (``shuffle=False, batch_sampler=None``): the new sampler decides the batches."""
+    dataset = Numbers(20)
+    sampler = torch.utils.data.SubsetRandomSampler(list(range(0, 20, 2)), generator=torch.Generator().manual_seed(3))
+    stock = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2)
+    loader = numafast.torch.NumaLoader(
+        make_loader(dataset, batch_size=4, shuffle=True), sampler=sampler, shuffle=False, batch_sampler=None
+    )
+    sampler.generator.manual_seed(3)
+    expected = outcomes(stock)
+    sampler.generator.manual_seed(3)
+    assert all(map(same, expected, outcomes(loader)))
+    assert numafast.torch.NumaLoader(make_loader(dataset), num_workers=0).num_workers == 0
+
+
+@SEMANTICS
+def test_a_loader_built_with_pin_memory_lands_once_without_torchs_pin_thread() -> None:
+    dataset = Numbers(24)
+    loader = numafast.torch.NumaLoader(make_loader(dataset, num_workers=2, pin_memory=True))
+    assert loader.pin_memory is False
+    batches = outcomes(loader)
+    assert all(map(same, outcomes(make_loader(dataset, num_workers=2)), batches)) and held_in_pools(loader, batches)
+    assert not [thread for thread in threading.enumerate() if "pin" in thread.name.lower()]
 
 
 @SEMANTICS
@@ -510,14 +545,19 @@ def test_an_early_break_returns_promptly_and_stops_the_workers() -> None:
 
 
 @SEMANTICS
-def test_dropping_a_half_read_loader_cleans_up() -> None:
+def test_dropping_a_half_read_loader_leaves_its_pools_to_the_next_and_closing_them_cleans_up() -> None:
     loader = numafast.torch.NumaLoader(make_loader(Numbers(300)))
     iterator = iter(loader)
     first = next(iterator)
-    pool_address = first["values"].data_ptr()
+    pools, pool_address = loader.pools, first["values"].data_ptr()
     del iterator, first, loader
     gc.collect()
-    assert wait_until(lambda: smaps_of(pool_address) == {})  # the pool went with the loader
+    again = numafast.torch.NumaLoader(make_loader(Numbers(30)))
+    assert again.pools is pools and again.stats().batches == 0  # warm, with its own counters
+    del again
+    gc.collect()
+    assert smaps_of(pool_address) != {} and numafast.torch.close_idle_pools() == 1
+    assert wait_until(lambda: smaps_of(pool_address) == {})  # released once closed
 
 
 # ---------------------------------------------------------------- bad input
@@ -526,8 +566,7 @@ def test_dropping_a_half_read_loader_cleans_up() -> None:
 @pytest.mark.parametrize(
     ("loader", "options", "error", "match"),
     [
-        (DataLoader(range(4), pin_memory=True), {}, ValueError, "pin_memory=True: NumaLoader pins itself"),
-        ([1, 2], {}, TypeError, "wraps a torch.utils.data.DataLoader"),
+        (iter([1, 2]), {}, TypeError, "takes a torch.utils.data.DataLoader or a dataset, not a list_iterator"),
         (DataLoader(range(4)), {"prefetch": 0}, numafast.InvalidSizeError, "prefetch must be a positive integer"),
         (DataLoader(range(4)), {"slots": -1}, numafast.InvalidSizeError, "slots must be"),
         (DataLoader(range(4)), {"node": 99}, numafast.InvalidNodeError, "node 99 does not exist"),

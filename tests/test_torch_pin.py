@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import pickle
 import threading
 from collections import OrderedDict, namedtuple
 from typing import Any
@@ -21,7 +23,7 @@ torch = pytest.importorskip("torch")
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
 from numafast.torch.batch import ALIGNMENT, flatten  # noqa: E402
-from numafast.torch.collate import Fallback, FallbackReason, SlotBatch  # noqa: E402
+from numafast.torch.message import Fallback, FallbackReason, SlotBatch  # noqa: E402
 from numafast.torch.hook import PIN_THREAD_NAME, PinMemoryHook  # noqa: E402
 
 NODES = online_nodes()
@@ -189,25 +191,25 @@ def test_the_hook_refuses_loaders_it_cannot_serve() -> None:
         numafast.torch.pin_memory_hook([1, 2, 3])  # type: ignore[arg-type]
 
 
-def run_as_torch_pin_thread(batches: list[Any]) -> tuple[list[Any], list[int]]:
-    """What PyTorch's pin thread does with each batch, in a thread with its name:
-    torch.utils.data's own pin_memory() (which calls NodeBatch.pin_memory())."""
-    from torch.utils.data._utils.pin_memory import pin_memory
-
+def iterate_as_torch_pin_thread(loader: Any) -> tuple[list[Any], list[int]]:
+    """Iterate ``loader`` in a thread with the name of PyTorch's pin thread: the thread
+    that, with pin_memory=True, takes each worker's message off the result queue and
+    so unpickles it (torch pins only where an accelerator exists: here the thread
+    stands in for it)."""
     out: list[Any] = []
     tid: list[int] = []
 
     def pin_thread() -> None:
         torch.multiprocessing._set_thread_name(PIN_THREAD_NAME)
         tid.append(threading.get_native_id())
-        out.extend(pin_memory(batch) for batch in batches)
+        out.extend(loader)
+        done.set()
         stop.wait()  # stay alive while the test looks at this thread
 
-    stop = threading.Event()
+    stop, done = threading.Event(), threading.Event()
     thread = threading.Thread(target=pin_thread)
     thread.start()
-    while len(out) < len(batches) and thread.is_alive():
-        threading.Event().wait(0.01)
+    done.wait(120)
     cpus = parse_list(task_status(tid[0])["Cpus_allowed_list"])
     stop.set()
     thread.join()
@@ -215,7 +217,7 @@ def run_as_torch_pin_thread(batches: list[Any]) -> tuple[list[Any], list[int]]:
 
 
 @pytest.mark.parametrize("node", NODES)
-def test_hooked_batches_land_in_slots_and_torch_pin_step_copies_nothing(node: int) -> None:
+def test_hooked_batches_land_in_slots_in_the_pin_thread_bound_to_the_node(node: int) -> None:
     if not node_cpus(node):
         pytest.skip(f"node {node} has no CPUs for a pin thread (covered by the pool tests)")
     dataset = [torch.full((64, 1024), float(i)) for i in range(6)]
@@ -223,30 +225,34 @@ def test_hooked_batches_land_in_slots_and_torch_pin_step_copies_nothing(node: in
     own_collate = loader.collate_fn
     hook = PinMemoryHook(loader, node, None, slots=4, installed=True, reason="")  # what pin_memory_hook makes
     assert hook.pools is not None
-    first = list(loader)  # real workers run numafast's collate: no pool yet, so they send batches as torch does
-    assert all(isinstance(batch, Fallback) for batch in first)
-    run_as_torch_pin_thread(first)  # the pin step copies them in, and sizes the pool
+    first, _cpus = iterate_as_torch_pin_thread(loader)  # no pool yet: the workers send batches as torch does
+    before = hook.pools.stats()
+    assert before.batches == 3 and before.fallbacks["first batches"] == before.copied >= 1
     del first
-    copied = hook.pools.stats().bytes_copied
-    collated = list(loader)  # now the workers collate into the pool's slots
-    assert all(isinstance(batch, SlotBatch) for batch in collated)
-    pinned, cpus = run_as_torch_pin_thread(collated)
+    pinned, cpus = iterate_as_torch_pin_thread(loader)  # now the workers collate into the pool's slots
     assert cpus == node_cpus(node)  # the pin thread bound itself to the node
     stats = hook.pools.stats()
-    assert stats.bytes_copied == copied and stats.landed == 3  # nothing copied: the batches were already there
+    # nothing copied: the batches were already there
+    assert stats.bytes_copied == before.bytes_copied and stats.landed == before.landed + 3
     for index, batch in enumerate(pinned):
         assert isinstance(batch, torch.Tensor)
         assert bool((batch[0] == 2 * index).all()) and bool((batch[1] == 2 * index + 1).all())
         assert nodes_of(batch) == {node}
-        assert any(pool.contains(batch.data_ptr()) for pool in hook.pools.pools)
+        assert hook.pools.holds(batch.data_ptr())
     hook.remove()
     assert not hook.installed and loader.collate_fn is own_collate
 
 
-def test_a_hook_batch_outlives_nothing_it_should_not() -> None:
-    batch = Fallback(10**9, torch.ones(3), FallbackReason.FIRST_BATCHES)
-    with pytest.raises(RuntimeError, match="loader or hook that made this batch is gone"):
-        batch.pin_memory()
+def test_a_message_stays_a_message_where_nothing_receives_it() -> None:
+    """Unpickled in a process that does not own its pools, or after they are gone, a
+    worker's message is not turned into a batch: it can travel on, and says what it is."""
+    gone = Fallback(os.getpid(), 10**9, torch.ones(3), FallbackReason.FIRST_BATCHES)
+    other = SlotBatch(os.getpid() + 10**6, 1, 7, 0, 1, 512, b"", ())
+    again = pickle.loads(pickle.dumps(gone))
+    assert isinstance(again, Fallback) and again.reason is FallbackReason.FIRST_BATCHES
+    assert bool((again.batch == torch.ones(3)).all())
+    moved = pickle.loads(pickle.dumps(other))
+    assert isinstance(moved, SlotBatch) and (moved.inode, moved.nbytes) == (7, 512)
 
 
 def test_the_hook_checks_its_node_even_where_it_installs_nothing() -> None:

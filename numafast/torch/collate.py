@@ -1,7 +1,7 @@
-"""The collate function a NumaLoader (or a pin_memory_hook) gives the DataLoader's
-workers: each batch is collated straight into a free slot of the loader's shared,
-node-local, page-locked pool, and only the slot's number and the batch's layout
-travel to the main process.
+"""The workers' side of a batch's path: the collate function a NumaLoader (or a
+pin_memory_hook) gives the DataLoader, which collates each batch straight into a
+free slot of the loader's shared, node-local, page-locked pool and returns only a
+small message (:mod:`numafast.torch.message`).
 
 In a worker, :class:`SlotCollate` reads the loader's pool board (which pools exist
 now), leases a slot, and then either collates with torch's own ``collate`` and a
@@ -12,26 +12,31 @@ land in a slot, the worker sends it as torch would, in a :class:`Fallback` that
 names the reason, and the main process copies it into a slot: never a stall,
 never a deadlock. Called in the main process (``num_workers=0``) it collates into
 a slot there.
+
+The collate function is an ordinary, picklable attribute of the loader: a framework
+that builds a new DataLoader from a NumaLoader's settings (Lightning, Accelerate,
+Ray Train) copies it, and with it numafast.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import default_collate, get_worker_info
 from torch.utils.data._utils.collate import collate
 
 from numafast.pool_share import BoardHandle, BoardReader, PoolView
+from numafast.torch.message import Fallback, FallbackReason, SlotBatch
 from numafast.torch.packing import SlotFull, SlotPacker
 
 if TYPE_CHECKING:
     from numafast.torch.pools import NodePools
 
-__all__ = ["Fallback", "FallbackReason", "SlotBatch", "SlotCollate"]
+__all__ = ["SlotCollate"]
 
 # How long a worker waits for a free slot before it sends its batch the copying way:
 # short, since a full pool means the consumer holds its batches (waiting longer
@@ -41,84 +46,10 @@ SLOT_WAIT_S = 0.05
 SLOT_POLL_S = 0.0002
 
 
-class FallbackReason(str, Enum):
-    """Why a batch did not land in a slot in its worker and was copied by the main process."""
-
-    FIRST_BATCHES = "first batches"
-    """No pool yet: the first batches size it (no warning)."""
-    NO_FREE_SLOT = "no free slot"
-    """Every slot was held (by batches the consumer keeps, queued ones, copies to the GPU)."""
-    TOO_LARGE = "batch larger than a slot"
-    """The pool is resized to the batch."""
-    CANNOT_MAP = "worker cannot map the pool"
-    """The worker could not open the pool's file (another user's process, a sandbox)."""
-
-
-class SlotBatch:
-    """A batch a worker packed into slot ``index`` (lease ``generation``) of the pool
-    whose file is ``inode``. In the main process it becomes the batch again through
-    its loader's pools; dropped unread, it gives its slot back."""
-
-    def __init__(self, owner_id: int, inode: int, index: int, generation: int, nbytes: int, payload: bytes,
-                 unpinned: tuple[str, ...]) -> None:
-        self.owner_id = owner_id
-        self.inode = inode
-        self.index = index
-        self.generation = generation
-        self.nbytes = nbytes
-        self.payload = payload
-        self.unpinned = unpinned
-        self.sender = os.getpid()
-        self.received = False  # True in the process that unpickled it
-        self.taken = False
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {name: value for name, value in vars(self).items() if name != "received"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        vars(self).update(state)
-        self.received = True
-
-    def pin_memory(self, device: object = None) -> Any:
-        """The batch, already in page-locked memory (PyTorch's pin thread calls this)."""
-        return _owner(self.owner_id).receive(self)
-
-    def __del__(self) -> None:
-        if self.received and not self.taken:
-            owner = _owners_get(self.owner_id)
-            if owner is not None:
-                owner.drop(self)
-
-
-class Fallback:
-    """A batch that travels as torch sends it (tensors in shared memory), with why."""
-
-    def __init__(self, owner_id: int, batch: Any, reason: FallbackReason, detail: str = "") -> None:
-        self.owner_id = owner_id
-        self.batch = batch
-        self.reason = reason
-        self.detail = detail
-
-    def pin_memory(self, device: object = None) -> Any:
-        return _owner(self.owner_id).copy_in(self)
-
-
-def _owners_get(owner_id: int) -> NodePools | None:
-    from numafast.torch.pools import owners  # here: pools.py imports this module
-
-    return owners.get(owner_id)
-
-
-def _owner(owner_id: int) -> NodePools:
-    owner = _owners_get(owner_id)
-    if owner is None:
-        raise RuntimeError("the numafast loader or hook that made this batch is gone (removed, or another process)")
-    return owner
-
-
 class SlotCollate:
-    """``collate_fn`` for the workers of a loader whose batches land in ``pools``.
-    Picklable, for spawned workers: what travels is the board's handle, not the pools."""
+    """``collate_fn`` for the workers of a loader whose batches land in ``pools``:
+    ``collate_fn`` (the loader's own) collates, into a slot. Picklable, for spawned
+    workers: what travels is the board's handle, not the pools."""
 
     def __init__(self, collate_fn: Callable[[Any], Any], pools: NodePools) -> None:
         self.collate_fn = collate_fn
@@ -127,25 +58,30 @@ class SlotCollate:
         self.owner_id = pools.owner_id
         self.owner_pid = os.getpid()
         self.board: BoardHandle = pools.board.handle()
+        pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "pools": None}
 
     def __call__(self, samples: Any) -> Any:
-        if self.pools is not None and os.getpid() == self.owner_pid and get_worker_info() is None:
+        if get_worker_info() is not None:
+            return self._in_worker(samples)
+        if self.pools is not None and os.getpid() == self.owner_pid:
             return self.pools.collate_here(samples, self)
-        return self._in_worker(samples)
+        _warn_elsewhere(self.owner_pid)
+        return self.collate_fn(samples)
 
     def _in_worker(self, samples: Any) -> SlotBatch | Fallback:
+        owner_pid, owner_id = self.owner_pid, self.owner_id
         try:
             views = _reader(self.board).pools()
         except OSError as error:
-            return Fallback(self.owner_id, self.collate_fn(samples), FallbackReason.CANNOT_MAP, str(error))
+            return Fallback(owner_pid, owner_id, self.collate_fn(samples), FallbackReason.CANNOT_MAP, str(error))
         if not views:
-            return Fallback(self.owner_id, self.collate_fn(samples), FallbackReason.FIRST_BATCHES)
+            return Fallback(owner_pid, owner_id, self.collate_fn(samples), FallbackReason.FIRST_BATCHES)
         lease = _lease(views, SLOT_WAIT_S)
         if lease is None:
-            return Fallback(self.owner_id, self.collate_fn(samples), FallbackReason.NO_FREE_SLOT)
+            return Fallback(owner_pid, owner_id, self.collate_fn(samples), FallbackReason.NO_FREE_SLOT)
         view, index, generation = lease
         try:
             packer = SlotPacker(view.slot(index))
@@ -155,11 +91,11 @@ class SlotCollate:
             except SlotFull:
                 view.give_up(index, generation)
                 batch = self.collate_fn(samples) if self.direct else batch
-                return Fallback(self.owner_id, batch, FallbackReason.TOO_LARGE)
+                return Fallback(owner_pid, owner_id, batch, FallbackReason.TOO_LARGE)
         except BaseException:
             view.give_up(index, generation)
             raise
-        return SlotBatch(self.owner_id, view.handle.inode, index, generation, packer.end, payload,
+        return SlotBatch(owner_pid, owner_id, view.handle.inode, index, generation, packer.end, payload,
                          tuple(sorted(packer.unpinned)))
 
     def fill(self, packer: SlotPacker, samples: Any) -> Any:
@@ -192,3 +128,17 @@ def _lease(views: list[PoolView], wait_s: float) -> tuple[PoolView, int, int] | 
         if time.monotonic() >= deadline:
             return None
         time.sleep(SLOT_POLL_S)
+
+
+_warned_elsewhere: set[int] = set()
+
+
+def _warn_elsewhere(owner_pid: int) -> None:
+    """Once per owner: this process collates for a loader whose pools live in another."""
+    if owner_pid not in _warned_elsewhere:
+        _warned_elsewhere.add(owner_pid)
+        warnings.warn(
+            f"numafast: this loader's pools belong to process {owner_pid}, not to this one ({os.getpid()}): the "
+            "loader was copied to another process, whose batches are collated as without numafast; make the "
+            "NumaLoader in the process that iterates it", RuntimeWarning, stacklevel=3,
+        )

@@ -1,14 +1,14 @@
 """pin_memory_hook: node-local pinning for loaders that keep ``DataLoader(pin_memory=True)``.
 
-PyTorch's pin step calls ``pin_memory()`` on any batch object that has such a method:
-its documented extension point for custom batch types. The hook gives the loader
-numafast's collate function (:mod:`numafast.torch.collate`): the workers collate
-each batch straight into a slot of a shared, node-local, page-locked pool and send
-a small message with a ``pin_memory()`` method. When the stock pin thread
-(``pt_data_pin``) calls it, that thread binds itself to the GPU's node (once) and
-gets the batch back over the slot, already pinned: no byte is copied. A batch that
-could not land in a slot is copied in by that thread, as before. No private torch
-function is patched, so no torch version is special.
+The hook gives the loader numafast's collate function (:mod:`numafast.torch.collate`),
+as NumaLoader does: the workers collate each batch straight into a slot of a shared,
+node-local, page-locked pool, and their message becomes the batch when PyTorch's
+pin thread (``pt_data_pin``) takes it off the result queue. That thread binds
+itself to the GPU's node at its first batch; its ``pin_memory()`` then finds every
+tensor already pinned (the pools are registered with CUDA) and returns it as it
+is: no byte is copied. A batch that could not land in a slot is copied in by that
+thread, as before. No private torch function is patched, so no torch version is
+special.
 
 When to use which: the hook is one line and changes nothing else (the workers stay
 where they are); NumaLoader also places the workers on the node and, with a CUDA
@@ -30,7 +30,7 @@ from numafast._validate import check_node
 from numafast.binding import bind
 from numafast.torch.collate import SlotCollate
 from numafast.torch.loader import gpu_node, resolve_device
-from numafast.torch.pools import LoaderStats, NodePools
+from numafast.torch.pools import LoaderStats, node_pools
 
 __all__ = ["PinMemoryHook", "pin_memory_hook"]
 
@@ -52,7 +52,7 @@ class PinMemoryHook:
         self.device = device
         self.installed = installed
         self.reason = reason
-        self.pools = NodePools(node, slots) if node is not None and installed else None
+        self.pools = node_pools(node, slots) if node is not None and installed else None
         self._collate = loader.collate_fn
         if self.pools is not None:
             self.pools.before_receive = self._bind_pin_thread

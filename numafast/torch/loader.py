@@ -3,49 +3,79 @@ whose batches arrive page-locked there without a copy.
 
 Stock PyTorch collates each batch in a worker into a fresh shared-memory file, then
 copies it again in a pin thread of the main process that runs wherever the
-scheduler puts it, into a NUMA-blind caching allocator. NumaLoader wraps a
-DataLoader built with ``pin_memory=False``:
+scheduler puts it, into a NUMA-blind caching allocator. A NumaLoader is a
+``torch.utils.data.DataLoader`` (so every framework, sampler injection and
+``prepare()`` treats it as one) with two of its settings made numafast's:
 
-* it iterates the DataLoader in the caller's own thread, as the DataLoader would
-  be: every warning, error, signal handler and shutdown is the DataLoader's own,
-  at the same call;
-* the workers run on the node's CPUs with the node's memory policy: ``iter()``
-  forks them inside a ``numa_local(node)`` scope (a fork inherits the forking
-  thread's affinity and policy), and the binding is applied again inside each
-  worker, before the user's own ``worker_init_fn``, since some OpenMP runtimes
-  reset affinity after fork and a spawned worker inherits nothing;
-* the workers collate each batch straight into a slot of a shared, node-local,
-  page-locked pool (:mod:`numafast.torch.collate`): the main process copies no
-  byte; a batch that cannot land in a slot is copied in, with the reason counted;
-* with a CUDA ``device`` the host-to-device copies of the next ``prefetch``
-  batches are queued on a side stream from the same thread, and the consumer gets
-  device tensors; a slot is reused once its copy is done (a CUDA event).
+* ``collate_fn`` collates each batch in the worker straight into a slot of a
+  shared, node-local, page-locked pool (:mod:`numafast.torch.collate`); the
+  worker's small message becomes the batch, with tensors over the slot, when the
+  DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`);
+* ``worker_init_fn`` binds each worker to the node before the user's own
+  (:class:`WorkerPlacement`): some OpenMP runtimes reset affinity after fork and a
+  spawned worker inherits nothing.
+
+Both are plain attributes: a framework that builds a new DataLoader from this one's
+settings (Lightning's sampler injection, Accelerate's and Ray Train's
+``prepare``) copies them, and numafast with them. ``iter()`` also forks the workers
+inside ``numa_local(node)``, and ``pin_memory`` is always off: numafast pins, so
+torch's pin thread never copies a batch a second time. With a CUDA ``device``, the
+host-to-device copies of the next ``prefetch`` batches are queued on a side stream
+and the consumer gets device tensors; a slot is reused once its copy is done.
+
+A loader whose iteration is its own (Accelerate's ``DataLoaderShard`` keeps its
+settings on an inner ``base_dataloader``; a subclass with its own ``__iter__``) is
+iterated as it is, with numafast's settings put on the loader that makes its
+workers, so its sharding, device placement and bookkeeping stay its own.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from numafast import cuda
 from numafast._validate import check_node
+from numafast.affinity.apply import local_rank_from_environment
 from numafast.binding import bind, numa_local
-from numafast.errors import CudaUnavailable, InvalidGpuError, InvalidSizeError
+from numafast.errors import CudaUnavailable, InvalidGpuError, InvalidSizeError, LocalRankError
 from numafast.pages import local_node
+from numafast.pool import LockMode, parse_mode
 from numafast.torch.batch import flatten, record_stream
-from numafast.torch.collate import Fallback, SlotBatch, SlotCollate
-from numafast.torch.pools import LoaderStats, NodePools
+from numafast.torch.collate import SlotCollate
+from numafast.torch.pools import LoaderStats, NodePools, node_pools
 from numafast.topo import topology
 
-__all__ = ["NumaLoader", "WorkerPlacement", "gpu_node", "resolve_device"]
+__all__ = ["NumaLoader", "WorkerPlacement", "gpu_node", "loader_stats", "resolve_device"]
 
-# DataLoader attributes that it refuses to change once built (DataLoader.__setattr__).
-FROZEN_ATTRIBUTES = frozenset(("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"))
+
+class _FromLoader:
+    """The default of NumaLoader's DataLoader options: the wrapped loader's value (or,
+    for a dataset, DataLoader's own default)."""
+
+    def __repr__(self) -> str:
+        return "<from the loader>"
+
+
+FROM_LOADER: Any = _FromLoader()
+
+# DataLoader.__init__'s options (all but the dataset) and their defaults.
+DATALOADER_DEFAULTS: dict[str, Any] = {
+    name: parameter.default
+    for name, parameter in inspect.signature(DataLoader.__init__).parameters.items()
+    if name not in ("self", "dataset")
+}
+# What decides which samples form a batch; DataLoader rebuilds its batch sampler from these.
+_BATCHING = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+# Where loaders that wrap another keep it (Accelerate's DataLoaderShard, Ray Train's
+# _WrappedDataLoader, a NumaLoader iterating through another).
+_INNER_LOADER_ATTRIBUTES = ("base_dataloader", "_dataloader", "_through", "dataloader", "loader")
 
 
 @dataclass(frozen=True)
@@ -98,28 +128,125 @@ def gpu_node(device: torch.device) -> int:
     return node
 
 
-class NumaLoader:
-    """Wrap ``loader`` (a DataLoader with ``pin_memory=False``) so that its workers run on
-    ``node`` and its batches come out page-locked on that node, or, with a CUDA
-    ``device``, already on the device.
+def rank_gpu(local_rank: int | None, count: int, current: int) -> int:
+    """The CUDA device a rank uses: its local rank where it names a visible device (as
+    torchrun, srun and mpirun set it, one GPU per rank), else the current device (one
+    visible device per rank, as Ray Train and CUDA_VISIBLE_DEVICES-per-rank set it)."""
+    return local_rank if local_rank is not None and local_rank < count else current
 
-    ``node`` defaults to the device's node from the topology, or without a device to
-    the calling thread's node. ``slots`` is the size of each pinned pool (default:
-    the batches the DataLoader keeps in flight, ``prefetch_factor`` x
-    ``num_workers``, plus ``prefetch`` with a device, plus two for the batch being
-    filled and the one the consumer holds); when the consumer keeps more, another
-    pool is added rather than stalling. ``strict`` binds the workers' memory to the
-    node instead of preferring it; ``lock`` is the pools' :class:`~numafast.LockMode`.
 
-    It reads like the DataLoader it wraps: the same batches, order, exceptions,
-    warnings and ``len()``, and every public attribute (``dataset``, ``batch_size``,
-    ``num_workers``...), with the same ones refused on assignment.
+def default_node() -> int:
+    """Where a loader lands when neither ``node`` nor ``device`` is given: the node of
+    this rank's GPU where CUDA is usable and its node is known, else the calling
+    thread's node."""
+    if not cuda.usable():
+        return local_node()
+    try:
+        local_rank: int | None = local_rank_from_environment()[0]
+    except LocalRankError:
+        local_rank = None
+    index = rank_gpu(local_rank, cuda.device_count(), torch.cuda.current_device())
+    node = topology().node_of_gpu(index)
+    return local_node() if node is None else node
+
+
+def settings_of(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The DataLoader options that make a loader with ``loader``'s dataset, batches and
+    workers (its sampler and batch sampler objects themselves, so epochs and sharding
+    carry on)."""
+    settings: dict[str, Any] = {name: getattr(loader, name, default) for name, default in DATALOADER_DEFAULTS.items()}
+    settings["dataset"] = loader.dataset
+    custom_batches = loader.batch_size is None and loader.batch_sampler is not None
+    settings["shuffle"] = None
+    settings["batch_sampler"] = loader.batch_sampler if custom_batches else None
+    iterable = isinstance(loader.dataset, IterableDataset)
+    settings["sampler"] = None if custom_batches or iterable else loader.sampler
+    if custom_batches:
+        settings["batch_size"], settings["drop_last"] = 1, False
+    return settings
+
+
+def merge_settings(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (a loader's settings) with the options ``given`` to NumaLoader: a new
+    sampler, shuffle or batch sampler replaces how the loader batched, as it would
+    have in the DataLoader's own call (Lightning passes ``sampler=`` with
+    ``shuffle=False`` and ``batch_sampler=None`` when it injects a
+    DistributedSampler)."""
+    merged = {**base, **given}
+    if given.get("shuffle") and "sampler" not in given:
+        merged["sampler"] = None
+    if given.get("batch_sampler") is not None:
+        for name in ("batch_size", "shuffle", "sampler", "drop_last"):
+            if name not in given:
+                merged[name] = DATALOADER_DEFAULTS[name]
+    if merged["num_workers"] == 0:  # DataLoader refuses these without workers
+        for name in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
+            if name not in given:
+                merged[name] = DATALOADER_DEFAULTS[name]
+    return merged
+
+
+def settings_loader(loader: DataLoader[Any]) -> DataLoader[Any]:
+    """The loader whose settings make the workers: ``loader``, or the one it wraps."""
+    inner = vars(loader).get("base_dataloader")
+    return settings_loader(inner) if isinstance(inner, DataLoader) else loader
+
+
+def iterates_itself(loader: DataLoader[Any]) -> bool:
+    """Whether iterating ``loader`` is DataLoader's own iteration over its own settings
+    (so a NumaLoader built from its settings yields what it yields)."""
+    kind = type(loader)
+    return (
+        settings_loader(loader) is loader
+        and kind.__iter__ is DataLoader.__iter__
+        and kind._get_iterator is DataLoader._get_iterator
+        and kind.__len__ is DataLoader.__len__
+    )
+
+
+class NumaLoader(DataLoader[Any]):
+    """A DataLoader whose workers run on ``node`` and whose batches come out page-locked
+    on that node (with a CUDA ``device``: already on the device).
+
+    ``NumaLoader(loader)`` takes the settings of an existing DataLoader (DataLoader
+    options given too replace the loader's, as a framework re-creating it passes
+    them); ``NumaLoader(dataset, batch_size=..., ...)`` is built as a DataLoader is.
+    A loader with an iteration of its own (Accelerate's prepared loaders) is
+    iterated as it is, with numafast's collate and worker placement installed on
+    the loader that makes its workers. ``pin_memory=True`` is accepted: numafast
+    pins, and torch's pin thread is not run on top of it.
+
+    ``node`` defaults to the device's node, else to the node of this rank's GPU
+    (local rank, or the current CUDA device) where CUDA is usable, else to the
+    calling thread's node. ``slots`` is the size of each pinned pool (default: the
+    batches the DataLoader keeps in flight, ``prefetch_factor`` x ``num_workers``,
+    plus ``prefetch`` with a device, plus two for the batch being filled and the one
+    the consumer holds); when the consumer keeps more, another pool is added rather
+    than stalling. ``strict`` binds the workers' memory to the node instead of
+    preferring it; ``lock`` is the pools' :class:`~numafast.LockMode`. The pools of
+    a loader that is gone are taken over by the next one on the same node.
     """
 
     def __init__(
         self,
-        loader: DataLoader[Any],
+        dataset: Any,
+        batch_size: Any = FROM_LOADER,
+        shuffle: Any = FROM_LOADER,
+        sampler: Any = FROM_LOADER,
+        batch_sampler: Any = FROM_LOADER,
+        num_workers: Any = FROM_LOADER,
+        collate_fn: Any = FROM_LOADER,
+        pin_memory: Any = FROM_LOADER,
+        drop_last: Any = FROM_LOADER,
+        timeout: Any = FROM_LOADER,
+        worker_init_fn: Any = FROM_LOADER,
+        multiprocessing_context: Any = FROM_LOADER,
+        generator: Any = FROM_LOADER,
         *,
+        prefetch_factor: Any = FROM_LOADER,
+        persistent_workers: Any = FROM_LOADER,
+        pin_memory_device: Any = FROM_LOADER,
+        in_order: Any = FROM_LOADER,
         device: object = None,
         node: int | None = None,
         slots: int | None = None,
@@ -127,58 +254,88 @@ class NumaLoader:
         strict: bool = False,
         lock: str | bool = "auto",
     ) -> None:
-        if not isinstance(loader, DataLoader):
-            raise TypeError(f"NumaLoader wraps a torch.utils.data.DataLoader, not a {type(loader).__name__}")
-        if loader.pin_memory:
-            raise ValueError(
-                "this DataLoader has pin_memory=True: NumaLoader pins itself, into node-local memory; build the "
-                "loader with pin_memory=False, or keep pin_memory=True and use numafast.torch.pin_memory_hook(loader)"
+        options = {
+            "batch_size": batch_size, "shuffle": shuffle, "sampler": sampler, "batch_sampler": batch_sampler,
+            "num_workers": num_workers, "collate_fn": collate_fn, "pin_memory": pin_memory, "drop_last": drop_last,
+            "timeout": timeout, "worker_init_fn": worker_init_fn, "multiprocessing_context": multiprocessing_context,
+            "generator": generator, "prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers,
+            "pin_memory_device": pin_memory_device, "in_order": in_order,
+        }  # fmt: skip
+        given = {name: value for name, value in options.items() if value is not FROM_LOADER}
+        through: DataLoader[Any] | None = None
+        if isinstance(dataset, DataLoader):
+            if not iterates_itself(dataset):
+                if given:
+                    raise ValueError(
+                        f"NumaLoader iterates this {type(dataset).__name__} as it is and cannot change its "
+                        f"{', '.join(sorted(given))}: pass them to the loader it wraps, or wrap that loader"
+                    )
+                through = dataset
+            settings = merge_settings(settings_of(settings_loader(dataset)), given)
+        elif hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__") and not isinstance(dataset, IterableDataset):
+            raise TypeError(
+                f"NumaLoader takes a torch.utils.data.DataLoader or a dataset, not a {type(dataset).__name__}"
             )
+        else:
+            settings = merge_settings({**DATALOADER_DEFAULTS, "dataset": dataset}, given)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise InvalidSizeError(f"prefetch must be a positive integer, not {prefetch!r}")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise InvalidSizeError(f"slots must be a positive integer or None, not {slots!r}")
         resolved = resolve_device(device)
         if node is None:
-            node = gpu_node(resolved) if resolved is not None else local_node()
+            node = gpu_node(resolved) if resolved is not None else default_node()
         checked = check_node(node)
-        in_flight = (loader.prefetch_factor or 0) * loader.num_workers + (prefetch if resolved is not None else 0)
-        own: dict[str, object] = {
-            "loader": loader,
-            "device": resolved,
-            "node": checked,
-            "prefetch": prefetch,
-            "strict": strict,
-            "pools": NodePools(checked, slots or in_flight + 2, lock=lock),
-        }
-        for name, value in own.items():  # past __setattr__, which forwards DataLoader attributes
-            object.__setattr__(self, name, value)
-        self.loader: DataLoader[Any]
-        self.device: torch.device | None
-        self.node: int
-        self.prefetch: int
-        self.strict: bool
-        self.pools: NodePools
-
-    def __getattr__(self, name: str) -> Any:
-        # Only what NumaLoader lacks: the wrapped DataLoader's public attributes.
-        if name.startswith("_") or name == "loader":
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(self.loader, name)
+        workers = settings["num_workers"]
+        in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
+        wanted = slots or in_flight + (prefetch if resolved is not None else 0) + 2
+        # Before DataLoader.__init__, which sets collate_fn and worker_init_fn through __setattr__.
+        self.device: torch.device | None = resolved
+        self.node: int = checked
+        self.slots: int | None = slots
+        self.prefetch: int = prefetch
+        self.strict: bool = strict
+        self.lock: str | bool = lock
+        self.pools: NodePools = _pools_of(settings["collate_fn"], checked, lock) or node_pools(checked, wanted, lock=lock)
+        self._through = through
+        super().__init__(settings.pop("dataset"), **settings)
+        if through is not None:
+            inner = settings_loader(through)
+            inner.collate_fn = self.collate_fn
+            inner.worker_init_fn = self.worker_init_fn
+            inner.pin_memory = False
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in FROZEN_ATTRIBUTES:
-            raise ValueError(f"{name} attribute should not be set after {type(self).__name__} is initialized")
-        if name in vars(self) or name.startswith("_") or not hasattr(self.loader, name):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.loader, name, value)  # DataLoader's own settings (num_workers, collate_fn...)
+        # numafast's part of the settings stays numafast's, whatever is set later.
+        if name == "collate_fn":
+            value = SlotCollate(_own_collate(value), self.pools) if not _lands_in(value, self.pools) else value
+        elif name == "worker_init_fn":
+            then = value.then if isinstance(value, WorkerPlacement) else value
+            value = WorkerPlacement(self.node, self.strict, then)
+        elif name == "pin_memory":
+            value = False
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what a DataLoader lacks: the attributes of the loader iterated through
+        # (Accelerate's set_epoch, end_of_dataloader, ...).
+        through = vars(self).get("_through")
+        if through is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(through, name)
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self._through) if self._through is not None else super().__len__()
 
-    def __iter__(self) -> _NumaLoaderIterator:
-        return _NumaLoaderIterator(self)
+    def __iter__(self) -> Any:
+        if self._through is not None:
+            batches: Iterator[Any] = _through_batches(self, iter(self._through))
+        else:
+            # The workers fork here, inside the node's scope: they start on its CPUs with
+            # its memory policy (the calling thread gets its own back on leaving).
+            with numa_local(self.node, strict=self.strict):
+                batches = super().__iter__()
+        return batches if self.device is None else _OnDeviceIterator(self, batches)
 
     def stats(self) -> LoaderStats:
         """How the batches arrived (see :class:`numafast.torch.LoaderStats`) and the
@@ -190,17 +347,68 @@ class NumaLoader:
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
 
 
-def _iterate_placed(loader: DataLoader[Any], placement: WorkerPlacement, collate: SlotCollate) -> Any:
-    """iter(loader) with the workers' init and collate functions set to numafast's; the
-    loader's own attributes are put back at once (the DataLoader reads them when it
-    makes its iterator and starts its workers, inside iter)."""
-    own_init, own_collate = loader.worker_init_fn, loader.collate_fn
-    loader.worker_init_fn = placement if loader.num_workers else own_init
-    loader.collate_fn = collate
-    try:
-        return iter(loader)
-    finally:
-        loader.worker_init_fn, loader.collate_fn = own_init, own_collate
+def _own_collate(value: Any) -> Any:
+    """The user's collate function inside numafast's (or ``value`` itself)."""
+    return value.collate_fn if isinstance(value, SlotCollate) else value
+
+
+def _lands_in(value: Any, pools: NodePools) -> bool:
+    return isinstance(value, SlotCollate) and value.pools is pools
+
+
+def _pools_of(collate_fn: Any, node: int, lock: str | bool) -> NodePools | None:
+    """The pools of the loader this one re-creates (its collate function came along),
+    when they are on the same node with the same locking."""
+    pools = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
+    if pools is not None and pools.node == node and pools.lock is parse_mode(lock, LockMode, "lock"):
+        return pools
+    return None
+
+
+def _through_batches(owner: NumaLoader, iterator: Iterator[Any]) -> Iterator[Any]:
+    """The batches of a loader iterated through: its first ``next()`` (which starts its
+    workers) inside the node's scope, and every batch that came past numafast's collate
+    copied into a slot, with one warning saying why."""
+    with numa_local(owner.node, strict=owner.strict):
+        try:
+            first = next(iterator)
+        except StopIteration:
+            return
+    yield _landed(owner, first)
+    for batch in iterator:
+        yield _landed(owner, batch)
+
+
+def _landed(owner: NumaLoader, batch: Any) -> Any:
+    """``batch`` if its host tensors lie in the loader's pools, else a copy there."""
+    host = [tensor for tensor in flatten(batch)[0] if tensor.device.type == "cpu" and tensor.numel()]
+    if not host or any(owner.pools.holds(tensor.data_ptr()) for tensor in host):
+        return batch
+    return owner.pools.copy_bypassed(
+        batch, f"the batches of this {type(owner._through).__name__} do not come from numafast's collate "
+        "function (its workers' settings are not where numafast put them); wrap the DataLoader it was made "
+        "from instead, e.g. accelerator.prepare(NumaLoader(loader))",
+    )
+
+
+def loader_stats(loader: object) -> LoaderStats | None:
+    """The :class:`LoaderStats` of the numafast pools behind ``loader``: a NumaLoader, a
+    DataLoader a framework made from one (it carries numafast's collate function), or
+    a framework's wrapper around either (Accelerate's, Ray Train's). None when no
+    numafast pools are behind it."""
+    seen: set[int] = set()
+    pending = [loader]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        collate = vars(current).get("collate_fn") if hasattr(current, "__dict__") else None
+        if isinstance(collate, SlotCollate) and collate.pools is not None:
+            return collate.pools.stats()
+        if hasattr(current, "__dict__"):
+            pending.extend(vars(current).get(name) for name in _INNER_LOADER_ATTRIBUTES if vars(current).get(name) is not None)
+    return None
 
 
 @dataclass
@@ -214,39 +422,31 @@ class _OnDevice:
 
 @dataclass
 class _Raised:
-    """The wrapped loader raised this at this batch (met while prefetching)."""
+    """The loader raised this at this batch (met while prefetching)."""
 
     error: BaseException
 
 
-class _NumaLoaderIterator:
-    """One pass over a NumaLoader, driven by the thread that iterates it."""
+class _OnDeviceIterator:
+    """One pass over a NumaLoader with a CUDA device: the host batches of ``batches``
+    (the DataLoader's own iterator), each copied on a side stream ``prefetch`` batches
+    ahead, driven by the thread that iterates it."""
 
-    def __init__(self, owner: NumaLoader) -> None:
+    def __init__(self, owner: NumaLoader, batches: Iterator[Any]) -> None:
+        assert owner.device is not None
         self._owner = owner
-        self._pools = owner.pools
-        loader = owner.loader
-        # The workers are forked here, inside the node's scope: they start on its CPUs
-        # with its memory policy (the calling thread gets its own back on leaving).
-        with numa_local(owner.node, strict=owner.strict):
-            self._inner: Any = _iterate_placed(
-                loader, WorkerPlacement(owner.node, owner.strict, loader.worker_init_fn), owner.pools.collate(loader.collate_fn)
-            )
-        self._copier = cuda.CopyStream(owner.device) if owner.device is not None else None
+        self._inner: Iterator[Any] | None = batches
+        self._copier = cuda.CopyStream(owner.device)
         self._ahead: deque[_OnDevice | _Raised] = deque()
         self._exhausted = False
 
-    def __iter__(self) -> _NumaLoaderIterator:
+    def __iter__(self) -> _OnDeviceIterator:
         return self
 
     def __len__(self) -> int:
-        return len(self._inner) if self._inner is not None else len(self._owner)
+        return len(self._owner)
 
     def __next__(self) -> Any:
-        if self._inner is None:
-            raise StopIteration
-        if self._copier is None:
-            return self._arrived(next(self._inner))
         self._queue_copies()
         if not self._ahead:
             self.close()
@@ -259,23 +459,14 @@ class _NumaLoaderIterator:
         cuda.hand_over(item.copies, item.ready)
         return item.rebuild(item.copies)
 
-    def _arrived(self, item: Any) -> Any:
-        """A batch as the consumer sees it, from what the DataLoader yielded."""
-        if isinstance(item, SlotBatch):
-            return self._pools.receive(item)
-        if isinstance(item, Fallback):
-            return self._pools.copy_in(item)
-        return self._pools.pin(item)  # from workers started without numafast's collate
-
     def _queue_copies(self) -> None:
         """Keep the copies of the next ``prefetch`` batches queued on the side stream;
         stop at an error, which the consumer meets at its own batch."""
-        assert self._copier is not None
-        while not self._exhausted and len(self._ahead) <= self._owner.prefetch:
+        while self._inner is not None and not self._exhausted and len(self._ahead) <= self._owner.prefetch:
             if self._ahead and isinstance(self._ahead[-1], _Raised):
                 return
             try:
-                pinned = self._arrived(next(self._inner))
+                pinned = next(self._inner)
             except StopIteration:
                 self._exhausted = True
                 return
@@ -289,8 +480,8 @@ class _NumaLoaderIterator:
             self._ahead.append(_OnDevice(copies, ready, rebuild))
 
     def close(self) -> None:
-        """Stop now: the wrapped iterator is dropped (the DataLoader shuts its workers
-        down, as when its own iterator is dropped) and the queued copies released.
-        Also happens when this iterator is dropped."""
+        """Stop now: the DataLoader's iterator is dropped (it shuts its workers down, as
+        when its own iterator is dropped) and the queued copies released. Also happens
+        when this iterator is dropped."""
         self._inner = None
         self._ahead.clear()
