@@ -75,6 +75,13 @@ def own_memory_nodes(pid: int) -> set[int]:
     return nodes
 
 
+def command_name(pid: int) -> str:
+    """The process's name as the kernel keeps it (/proc/PID/comm): the basename of the file
+    it executed, at most 15 characters, so ``python`` for a venv's interpreter, not always
+    ``python3``."""
+    return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+
+
 def audit_of(report: CheckReport, pid: int) -> ProcessAudit:
     return next(process for rank in report.ranks for process in rank.processes if process.pid == pid)
 
@@ -86,6 +93,7 @@ def test_shared_anonymous_memfd_and_dev_shm_memory_on_wrong_nodes_is_counted_and
     maps = ["--map", "shared:8:3", "--map", "memfd:8:3:numafast-pool-test", "--map", "shm:8:2:torch_9_9_0"]
     with placed("numactl", "--cpunodebind=1", "--membind=1", *PLACED, *maps) as rank:
         pid = rank["pid"]
+        name = command_name(pid)
         kernel = {entry["kind"]: kernel_bytes(pid, entry["start"]) for entry in rank["maps"]}
         status, report = check(capsys, "--node", "1", str(pid))
     assert kernel == {"shared": {3: 8 * MIB}, "memfd": {3: 8 * MIB}, "shm": {2: 8 * MIB}}
@@ -97,7 +105,7 @@ def test_shared_anonymous_memfd_and_dev_shm_memory_on_wrong_nodes_is_counted_and
                "shared anonymous 8.0 MiB, torch shared tensor 8.0 MiB); expected on node 1 (--node)")  # fmt: skip
     assert audit.status == "wrong" and audit.problems == [problem], audit.problems  # threads, heap: node 1
     assert report.ranks[0].status == "wrong" and status == 1
-    assert text_of(report).startswith(f"pid {pid}: wrong (node 1; python3; 1 thread; remote ")
+    assert text_of(report).startswith(f"pid {pid}: wrong (node 1; {name}; 1 thread; remote ")
     assert f"  {problem}\n" in text_of(report), text_of(report)
 
 
@@ -105,6 +113,7 @@ def test_shared_anonymous_memfd_and_dev_shm_memory_on_wrong_nodes_is_counted_and
 def test_children_bound_elsewhere_are_found_and_named(capsys: pytest.CaptureFixture[str]) -> None:
     with placed("numactl", "--cpunodebind=1", "--membind=1", *PLACED, "--child", "2", "--child", "1") as rank:
         pid, (stray, good) = rank["pid"], rank["children"]
+        name = command_name(stray)
         stray_cpus = parse_list(task_status(pid=stray)["Cpus_allowed_list"])
         stray_nodes = {node for start, (_, pages) in numa_maps(stray).items() for node, n in pages.items() if n}
         status, report = check(capsys, str(pid))
@@ -119,8 +128,8 @@ def test_children_bound_elsewhere_are_found_and_named(capsys: pytest.CaptureFixt
     assert any(p.startswith("4.0 MiB of anonymous memory (") and p.endswith(") on node 2; "
                "the rank runs on node 1") for p in stray_audit.problems), stray_audit.problems  # fmt: skip
     assert rank_audit.status == "wrong"
-    assert f"pid {stray} (python3) is wrong: {thread_problem} (and 1 more)" in rank_audit.problems
-    assert f"pid {stray}: wrong (node 1; python3, child of {pid}; 1 thread; remote " in text_of(report)
+    assert f"pid {stray} ({name}) is wrong: {thread_problem} (and 1 more)" in rank_audit.problems
+    assert f"pid {stray}: wrong (node 1; {name}, child of {pid}; 1 thread; remote " in text_of(report)
     assert f"rank {pid}: wrong (3 processes: 2 ok, 1 wrong)\n" in text_of(report) and status == 1
 
 
