@@ -130,7 +130,6 @@ cdef class SlotTable:
     cdef readonly size_t slot_bytes
     cdef readonly size_t stride
     cdef readonly size_t header_bytes
-    cdef Py_ssize_t hint
 
     def __init__(self) -> None:
         raise TypeError("a SlotTable comes from SlotTable.create() or SlotTable.attach()")
@@ -191,15 +190,18 @@ cdef class SlotTable:
         return self.region.address == NULL
 
     cdef Py_ssize_t _claim(self, uint64_t state, uint64_t pid, uint64_t *generation) noexcept nogil:
-        """Take a free slot for ``state``/``pid``; its index (and generation), or -1."""
-        cdef Py_ssize_t step, index
+        """Take a free slot for ``state``/``pid``; its index (and generation), or -1.
+
+        The lowest free index first: the slots in use stay as few as the consumer
+        allows, and a slot that just came back, whose lines are likely still in the
+        CPU's caches, is the next one filled (a round-robin walk keeps every slot of
+        the pool cold: writing a batch into one was 1.5x slower here)."""
+        cdef Py_ssize_t index
         cdef uint64_t word
-        for step in range(self.count):
-            index = (self.hint + step) % self.count
+        for index in range(self.count):
             word = nf_load64(self._slot_word(index))
             if _state(word) == _FREE and nf_cas64(self._slot_word(index), word,
                                                   _word(_generation(word), state, pid)):
-                self.hint = (index + 1) % self.count
                 generation[0] = _generation(word)
                 return index
         return -1
