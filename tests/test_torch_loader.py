@@ -506,6 +506,121 @@ def test_a_loader_built_with_pin_memory_lands_once_without_torchs_pin_thread() -
     assert not [thread for thread in threading.enumerate() if "pin" in thread.name.lower()]
 
 
+# ---------------------------------------------------------------- loaders frameworks make from a NumaLoader
+
+
+def landed_in(pools: Any, batches: list[Any]) -> bool:
+    return all(pools.holds(batch["values"].data_ptr()) for batch in batches)
+
+
+@SEMANTICS
+def test_a_plain_dataloader_made_from_a_numaloaders_attributes_lands_every_batch_too() -> None:
+    """What Ray Train's prepare_data_loader and Accelerate's prepare do: a new DataLoader
+    from the public attributes (collate_fn and worker_init_fn among them)."""
+    dataset = Numbers(36)
+    loader = numafast.torch.NumaLoader(make_loader(dataset), node=NODES[0])
+    copied = DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+    )
+    stock = make_loader(dataset)
+    for _epoch in range(2):
+        expected, batches = outcomes(stock), outcomes(copied)
+        assert all(map(same, expected, batches)) and landed_in(loader.pools, batches)
+        assert all(cpus == node_cpus(NODES[0]) for batch in batches for cpus in _per_sample(batch["cpus"]))
+        del batches
+    stats = numafast.torch.loader_stats(copied)
+    # the test keeps a whole epoch (12 batches, 6 slots a pool): a few are copied while the pools grow
+    assert stats is not None and stats.batches == 24 and stats.landed >= 12, stats
+    assert set(stats.fallbacks) <= {"first batches", "no free slot"}, stats
+
+
+class Wrapper(DataLoader):  # type: ignore[type-arg]
+    """A framework's loader that keeps a DataLoader inside and iterates it (as Accelerate's
+    DataLoaderShard does with base_dataloader), counting epochs."""
+
+    def __init__(self, base: DataLoader) -> None:  # type: ignore[type-arg]
+        super().__init__(base.dataset)
+        self.base_dataloader = base
+        self.epochs = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs = epoch
+
+    def __len__(self) -> int:
+        return len(self.base_dataloader)
+
+    def __iter__(self) -> Any:
+        yield from self.base_dataloader
+        self.epochs += 1
+
+
+class Hidden(DataLoader):  # type: ignore[type-arg]
+    """A loader that iterates another one numafast cannot find."""
+
+    def __init__(self, base: DataLoader) -> None:  # type: ignore[type-arg]
+        super().__init__(base.dataset)
+        self._secret = base
+
+    def __iter__(self) -> Any:
+        return iter(self._secret)
+
+
+@SEMANTICS
+def test_a_loader_with_its_own_iteration_is_iterated_through_with_numafast_on_its_inner_loader() -> None:
+    dataset = Numbers(30)
+    wrapper = Wrapper(make_loader(dataset))
+    loader = numafast.torch.NumaLoader(wrapper, node=NODES[0])
+    assert isinstance(loader, DataLoader) and len(loader) == len(wrapper) == 10
+    assert loader.batch_sampler is wrapper.base_dataloader.batch_sampler  # the inner loader's objects
+    loader.set_epoch(4)  # the wrapper's own methods and attributes read through
+    assert wrapper.epochs == 4 and loader.epochs == 4
+    expected = outcomes(make_loader(dataset))
+    batches = outcomes(loader)
+    assert all(map(same, expected, batches)) and landed_in(loader.pools, batches) and wrapper.epochs == 5
+    assert isinstance(wrapper.base_dataloader.collate_fn, SlotCollate) and wrapper.base_dataloader.pin_memory is False
+    with pytest.raises(ValueError, match="iterates this Wrapper as it is and cannot change its batch_size"):
+        numafast.torch.NumaLoader(wrapper, batch_size=5)
+
+
+@SEMANTICS
+def test_batches_that_come_past_numafasts_collate_are_copied_in_counted_and_warned_about_once() -> None:
+    dataset = Numbers(30)
+    loader = numafast.torch.NumaLoader(Hidden(make_loader(dataset)), node=NODES[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = outcomes(loader)
+    assert all(map(same, outcomes(make_loader(dataset)), batches)) and landed_in(loader.pools, batches)
+    said = [str(warning.message) for warning in caught if "collate bypassed" in str(warning.message)]
+    assert len(said) == 1 and "batches of this Hidden do not come from numafast's collate" in said[0], said
+    stats = loader.stats()
+    assert stats.batches == stats.copied == 10 and stats.fallbacks == {"collate bypassed": 10}
+
+
+@SEMANTICS
+def test_a_loader_made_again_from_a_numaloaders_settings_takes_over_its_pools() -> None:
+    """Lightning re-creates a loader from its attributes when it did not see it made:
+    the collate function that comes along brings its pools."""
+    loader = numafast.torch.NumaLoader(make_loader(Numbers(30)), node=NODES[0])
+    outcomes(loader)
+    again = numafast.torch.NumaLoader(loader.dataset, batch_size=3, collate_fn=loader.collate_fn, num_workers=2,
+                                      worker_init_fn=loader.worker_init_fn, node=NODES[0])  # fmt: skip
+    assert again.pools is loader.pools and again.collate_fn.collate_fn is loader.collate_fn.collate_fn
+    assert again.worker_init_fn == loader.worker_init_fn  # one WorkerPlacement, not one inside another
+    batches = outcomes(again)
+    assert landed_in(loader.pools, batches)
+    assert loader.stats().fallbacks.get("first batches", 0) == again.stats().fallbacks.get("first batches", 0)
+
+
+def test_each_rank_takes_its_local_ranks_gpu_or_else_the_current_one() -> None:
+    from numafast.torch.loader import rank_gpu
+
+    assert rank_gpu(3, 8, 0) == 3  # torchrun on an 8-GPU machine
+    assert rank_gpu(3, 1, 0) == 0  # one visible device per rank (Ray Train, CUDA_VISIBLE_DEVICES per rank)
+    assert rank_gpu(None, 4, 2) == 2  # no launcher: the current device
+
+
 @SEMANTICS
 def test_a_sampler_with_set_epoch_reshuffles_as_the_stock_one() -> None:
     from torch.utils.data.distributed import DistributedSampler

@@ -301,6 +301,8 @@ class NumaLoader(DataLoader[Any]):
         super().__init__(settings.pop("dataset"), **settings)
         if through is not None:
             inner = settings_loader(through)
+            for name in _BATCHING:  # the very objects the loader iterated through uses (past the frozen check)
+                object.__setattr__(self, name, getattr(inner, name, None))
             inner.collate_fn = self.collate_fn
             inner.worker_init_fn = self.worker_init_fn
             inner.pin_memory = False

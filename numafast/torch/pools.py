@@ -115,6 +115,8 @@ class NodePools:
         self.owner_id = next(_owner_ids)
         self.users = 0
         self.closed = False
+        self.taken_over = False
+        """Made for another loader, gone since: its first batches may need larger slots."""
         self._by_inode: dict[int, PinnedPool] = {}
         self._mutex = threading.RLock()
         self._pid = os.getpid()
@@ -147,6 +149,7 @@ class NodePools:
             self.fallbacks.clear()
             self.warned.clear()
             self.before_receive = None
+            self.taken_over = True
 
     # ------------------------------------------------------------ batches arriving
 
@@ -201,6 +204,8 @@ class NodePools:
         return batch
 
     def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "") -> Any:
+        if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
+            reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
         if reason is not None:
             self.fallbacks[reason.value] += 1
             if reason is not FallbackReason.FIRST_BATCHES:
