@@ -374,26 +374,9 @@ def test_ctrl_c_frees_every_buffer_and_leaves_placement_as_it_was() -> None:
 def test_bench_modules_import_one_way() -> None:
     # Every import between the bench package's modules, at module level or inside a
     # function: the graph must have no cycle (gpu.py and measure.py imported each other).
-    import ast
+    from import_graph import import_cycles
 
-    package = Path(numafast.__file__).parent / "cli" / "bench"
-    imports: dict[str, set[str]] = {}
-    for source in package.glob("*.py"):
-        names: set[str] = set()
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "numafast.cli.bench":
-                names.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("numafast.cli.bench."):
-                names.add(node.module.rsplit(".", 1)[1])  # type: ignore[union-attr]
-        imports[source.stem] = {name for name in names if (package / f"{name}.py").exists()} - {source.stem}
-    imports.pop("__init__")
-
-    def cycle_from(module: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
-        if module in path:
-            return (*path, module)
-        return next((c for m in imports.get(module, ()) if (c := cycle_from(m, (*path, module)))), None)
-
-    assert [c for m in imports if (c := cycle_from(m, ()))] == []
+    assert import_cycles(Path(numafast.__file__).parent / "cli" / "bench", "numafast.cli.bench") == []
 
 
 @pytest.mark.host_only("measures")

@@ -17,6 +17,7 @@ Both run in an empty directory where ``tests`` links to the checkout's.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -38,6 +39,9 @@ TAGS = {"gpu", "slurm", "host", "ci"}
 CI_SCRIPTS = [*sorted((REPO / ".ci").glob("*")), TESTS / "run_suite.py"]
 # A block that imports torch or numafast.torch (which imports torch).
 NEEDS_TORCH = re.compile(r"^\s*(?:import|from)\s[^\n]*\btorch\b", re.MULTILINE)
+# The training frameworks of the `frameworks` extra, each by its top-level module.
+FRAMEWORKS = ("lightning", "accelerate", "transformers", "ray")
+IMPORTED = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
 FENCE = re.compile(r"^```(\w+)((?: [\w-]+)*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 pytestmark = pytest.mark.skipif(not README.exists(), reason="needs the source tree's README.md")
@@ -89,6 +93,9 @@ def skip_reason(block: Block) -> str | None:
         return f"{block.name} needs a SLURM cluster (no srun here)"
     if "host" in block.tags and IN_GUEST:
         return f"{block.name} takes minutes under TCG emulation: run on the host only"
+    missing = [name for name in FRAMEWORKS if name in IMPORTED.findall(block.source) and not importlib.util.find_spec(name)]
+    if block.language == "python" and missing:
+        return f"{block.name} needs {', '.join(missing)} (pip install numafast[frameworks]); this Python has none"
     if block.language == "python" and NEEDS_TORCH.search(block.source):
         try:
             import torch  # noqa: F401

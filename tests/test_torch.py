@@ -31,6 +31,16 @@ def whole_page_nodes(tensor: torch.Tensor) -> set[int | None]:
     return set(pagemap_nodes(start, end - start))
 
 
+@pytest.mark.host_only("reads the package's sources")
+def test_the_torch_layer_imports_one_way_along_the_batchs_path() -> None:
+    # worker side (collate) -> message <- owner side (pools); loader and hook use both.
+    from pathlib import Path
+
+    from import_graph import import_cycles
+
+    assert import_cycles(Path(numafast.torch.__file__).parent, "numafast.torch") == []
+
+
 def test_importing_numafast_never_imports_torch() -> None:
     code = "import sys, numafast, numafast.memory, numafast.pages; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -31,7 +31,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from numafast.errors import PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
@@ -39,9 +39,6 @@ from numafast.pool_share import PoolBoard
 from numafast.torch.batch import fill, flatten, layout, opaque_leaves
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch, receivers
 from numafast.torch.packing import SlotFull, SlotPacker, unpack
-
-if TYPE_CHECKING:
-    from numafast.torch.collate import SlotCollate
 
 __all__ = ["LoaderStats", "NodePools", "close_idle_pools", "node_pools"]
 
@@ -122,12 +119,12 @@ class NodePools:
         self._pid = os.getpid()
         receivers[self.owner_id] = self
 
-    def attach(self, collate: SlotCollate) -> None:
-        """``collate`` lands its batches here: these pools stay while it lives, and go
-        idle (for the next loader on the node) once no collate function uses them."""
+    def attach(self, user: object) -> None:
+        """``user`` (a loader's collate function) lands its batches here: these pools stay
+        while it lives, and go idle (for the next loader on the node) once none is left."""
         with _idle_mutex:
             self.users += 1
-        weakref.finalize(collate, self._detach)
+        weakref.finalize(user, self._detach)
 
     def _detach(self) -> None:
         if os.getpid() != self._pid:
