@@ -58,10 +58,11 @@ class SlotCollate:
         self.owner_id = pools.owner_id
         self.owner_pid = os.getpid()
         self.board: BoardHandle = pools.board.handle()
+        self._packer: SlotPacker | None = None  # a worker's, reused batch after batch
         pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "pools": None}
+        return {**vars(self), "pools": None, "_packer": None}
 
     def __call__(self, samples: Any) -> Any:
         if get_worker_info() is not None:
@@ -84,7 +85,8 @@ class SlotCollate:
             return Fallback(owner_pid, owner_id, self.collate_fn(samples), FallbackReason.NO_FREE_SLOT)
         view, index, generation = lease
         try:
-            packer = SlotPacker(view.slot(index))
+            packer = self._packer.reset(view.slot(index)) if self._packer else SlotPacker(view.slot(index))
+            self._packer = packer
             try:
                 batch = self.fill(packer, samples)
                 payload = packer.pack(batch)

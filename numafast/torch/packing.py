@@ -65,16 +65,26 @@ def copies_as_bytes(leaf: torch.Tensor | np.ndarray[Any, Any]) -> bool:
 
 
 class SlotPacker:
-    """Lays a batch out in ``memory`` (one slot, writable)."""
+    """Lays a batch out in ``memory`` (one slot, writable); :meth:`reset` lays the next
+    one out in another slot, with the same collate map (made once)."""
 
     def __init__(self, memory: Any) -> None:
-        self.memory = memory
-        self.capacity = len(memory)
-        self.end = 0
         self.placed: dict[int, tuple[object, Ref]] = {}
         self.copies: list[tuple[int, Any]] = []
         self.unpinned: set[str] = set()
         """Kinds of tensors left as they are (sparse, nested, on a device)."""
+        self._collate_map: dict[Any, CollateFn] | None = None
+        self.reset(memory)
+
+    def reset(self, memory: Any) -> SlotPacker:
+        """Start laying a new batch out in ``memory``."""
+        self.memory = memory
+        self.capacity = len(memory)
+        self.end = 0
+        self.placed.clear()
+        self.copies.clear()
+        self.unpinned.clear()
+        return self
 
     def _reserve(self, nbytes: int) -> int:
         start = -(-self.end // ALIGNMENT) * ALIGNMENT
@@ -109,6 +119,11 @@ class SlotPacker:
         """torch's ``default_collate_fn_map`` with every tensor it makes made in the slot:
         given to ``torch.utils.data._utils.collate.collate``, it is ``default_collate``
         (the same structure, types and errors) with the batch landing in place."""
+        if self._collate_map is None:
+            self._collate_map = self._make_collate_map()
+        return self._collate_map
+
+    def _make_collate_map(self) -> dict[Any, CollateFn]:
         collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
         for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
             if kind in collate_map:
