@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import default_collate, get_worker_info
 from torch.utils.data._utils.collate import collate
 
+from numafast.binding import bind
 from numafast.pool_share import BoardHandle, BoardReader, PoolView
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch
 from numafast.torch.packing import SlotFull, SlotPacker
@@ -51,13 +52,18 @@ class SlotCollate:
     ``collate_fn`` (the loader's own) collates, into a slot. Picklable, for spawned
     workers: what travels is the board's handle, not the pools."""
 
-    def __init__(self, collate_fn: Callable[[Any], Any], pools: NodePools) -> None:
+    def __init__(self, collate_fn: Callable[[Any], Any], pools: NodePools, *, bind_workers: bool = False,
+                 strict: bool = False) -> None:
         self.collate_fn = collate_fn
         self.direct = collate_fn is default_collate
         self.pools: NodePools | None = pools
         self.owner_id = pools.owner_id
         self.owner_pid = os.getpid()
         self.board: BoardHandle = pools.board.handle()
+        self.node = pools.node if bind_workers else None
+        """The node each worker binds itself to at its first batch (None: stay where it is)."""
+        self.strict = strict
+        self._bound_pid = 0
         self._packer: SlotPacker | None = None  # a worker's, reused batch after batch
         pools.attach(self)
 
@@ -66,6 +72,8 @@ class SlotCollate:
 
     def __call__(self, samples: Any) -> Any:
         if get_worker_info() is not None:
+            if self.node is not None and self._bound_pid != os.getpid():
+                self._bind_worker()
             return self._in_worker(samples)
         if self.pools is not None and os.getpid() == self.owner_pid:
             return self.pools.collate_here(samples, self)
@@ -99,6 +107,16 @@ class SlotCollate:
             raise
         return SlotBatch(owner_pid, owner_id, view.handle.inode, index, generation, packer.end, payload,
                          tuple(sorted(packer.unpinned)))
+
+    def _bind_worker(self) -> None:
+        """Bind this worker to the node, once: its CPUs, and its memory preferred there
+        (bound, with ``strict``). Here rather than in ``worker_init_fn``, so the loader's
+        own ``worker_init_fn`` stays the user's: Lightning seeds workers only where it
+        is None, and a loader a framework re-creates gets the placement with the collate
+        function. Workers forked by NumaLoader's ``iter()`` start bound already."""
+        assert self.node is not None
+        bind(self.node, strict=self.strict)
+        self._bound_pid = os.getpid()
 
     def fill(self, packer: SlotPacker, samples: Any) -> Any:
         """The batch, collated into ``packer``'s slot when the collate function is

@@ -5,19 +5,17 @@ Stock PyTorch collates each batch in a worker into a fresh shared-memory file, t
 copies it again in a pin thread of the main process that runs wherever the
 scheduler puts it, into a NUMA-blind caching allocator. A NumaLoader is a
 ``torch.utils.data.DataLoader`` (so every framework, sampler injection and
-``prepare()`` treats it as one) with two of its settings made numafast's:
+``prepare()`` treats it as one) with its ``collate_fn`` made numafast's (:mod:`numafast.torch.collate`): it binds
+each worker to the node at its first batch (some OpenMP runtimes reset affinity
+after fork, and a spawned worker inherits nothing), then collates each batch in
+the worker straight into a slot of a shared, node-local, page-locked pool; the
+worker's small message becomes the batch, with tensors over the slot, when the
+DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`).
 
-* ``collate_fn`` collates each batch in the worker straight into a slot of a
-  shared, node-local, page-locked pool (:mod:`numafast.torch.collate`); the
-  worker's small message becomes the batch, with tensors over the slot, when the
-  DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`);
-* ``worker_init_fn`` binds each worker to the node before the user's own
-  (:class:`WorkerPlacement`): some OpenMP runtimes reset affinity after fork and a
-  spawned worker inherits nothing.
-
-Both are plain attributes: a framework that builds a new DataLoader from this one's
+It is a plain attribute: a framework that builds a new DataLoader from this one's
 settings (Lightning's sampler injection, Accelerate's and Ray Train's
-``prepare``) copies them, and numafast with them. ``iter()`` also forks the workers
+``prepare``) copies it, and numafast with it; every other setting, ``worker_init_fn``
+included, stays the user's. ``iter()`` also forks the workers
 inside ``numa_local(node)``, and ``pin_memory`` is always off: numafast pins, so
 torch's pin thread never copies a batch a second time. With a CUDA ``device``, the
 host-to-device copies of the next ``prefetch`` batches are queued on a side stream
@@ -32,6 +30,7 @@ workers, so its sharding, device placement and bookkeeping stay its own.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -212,7 +211,7 @@ class NumaLoader(DataLoader[Any]):
     options given too replace the loader's, as a framework re-creating it passes
     them); ``NumaLoader(dataset, batch_size=..., ...)`` is built as a DataLoader is.
     A loader with an iteration of its own (Accelerate's prepared loaders) is
-    iterated as it is, with numafast's collate and worker placement installed on
+    iterated as it is, with numafast's collate function (and worker placement) on
     the loader that makes its workers. ``pin_memory=True`` is accepted: numafast
     pins, and torch's pin thread is not run on top of it.
 
@@ -289,7 +288,7 @@ class NumaLoader(DataLoader[Any]):
         workers = settings["num_workers"]
         in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
         wanted = slots or in_flight + (prefetch if resolved is not None else 0) + 2
-        # Before DataLoader.__init__, which sets collate_fn and worker_init_fn through __setattr__.
+        # Before DataLoader.__init__, which sets collate_fn through __setattr__.
         self.device: torch.device | None = resolved
         self.node: int = checked
         self.slots: int | None = slots
@@ -304,16 +303,12 @@ class NumaLoader(DataLoader[Any]):
             for name in _BATCHING:  # the very objects the loader iterated through uses (past the frozen check)
                 object.__setattr__(self, name, getattr(inner, name, None))
             inner.collate_fn = self.collate_fn
-            inner.worker_init_fn = self.worker_init_fn
             inner.pin_memory = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # numafast's part of the settings stays numafast's, whatever is set later.
-        if name == "collate_fn":
-            value = SlotCollate(_own_collate(value), self.pools) if not _lands_in(value, self.pools) else value
-        elif name == "worker_init_fn":
-            then = value.then if isinstance(value, WorkerPlacement) else value
-            value = WorkerPlacement(self.node, self.strict, then)
+        if name == "collate_fn" and not _lands_in(value, self.pools, self.strict):
+            value = SlotCollate(_own_collate(value), self.pools, bind_workers=True, strict=self.strict)
         elif name == "pin_memory":
             value = False
         super().__setattr__(name, value)
@@ -354,8 +349,9 @@ def _own_collate(value: Any) -> Any:
     return value.collate_fn if isinstance(value, SlotCollate) else value
 
 
-def _lands_in(value: Any, pools: NodePools) -> bool:
-    return isinstance(value, SlotCollate) and value.pools is pools
+def _lands_in(value: Any, pools: NodePools, strict: bool) -> bool:
+    """``value`` is numafast's collate into ``pools``, placing workers as asked."""
+    return isinstance(value, SlotCollate) and value.pools is pools and (value.node, value.strict) == (pools.node, strict)
 
 
 def _pools_of(collate_fn: Any, node: int, lock: str | bool) -> NodePools | None:
@@ -369,27 +365,30 @@ def _pools_of(collate_fn: Any, node: int, lock: str | bool) -> NodePools | None:
 
 def _through_batches(owner: NumaLoader, iterator: Iterator[Any]) -> Iterator[Any]:
     """The batches of a loader iterated through: its first ``next()`` (which starts its
-    workers) inside the node's scope, and every batch that came past numafast's collate
-    copied into a slot, with one warning saying why."""
+    workers) inside the node's scope. Each batch it yields beyond those the pools
+    received came past numafast's collate: it is copied into a slot, counted, and
+    warned about once. (Counted, not judged by where its memory is: such a loader may
+    move the batches itself, as Accelerate's does, and it may read a batch ahead.)"""
+    pools = owner.pools
+    start = pools.received()
     with numa_local(owner.node, strict=owner.strict):
         try:
             first = next(iterator)
         except StopIteration:
             return
-    yield _landed(owner, first)
-    for batch in iterator:
-        yield _landed(owner, batch)
+    yielded = 0
+    for batch in itertools.chain((first,), iterator):
+        yielded += 1
+        if pools.received() - start < yielded:
+            batch = pools.copy_bypassed(batch, _bypassed(owner))
+        yield batch
 
 
-def _landed(owner: NumaLoader, batch: Any) -> Any:
-    """``batch`` if its host tensors lie in the loader's pools, else a copy there."""
-    host = [tensor for tensor in flatten(batch)[0] if tensor.device.type == "cpu" and tensor.numel()]
-    if not host or any(owner.pools.holds(tensor.data_ptr()) for tensor in host):
-        return batch
-    return owner.pools.copy_bypassed(
-        batch, f"the batches of this {type(owner._through).__name__} do not come from numafast's collate "
-        "function (its workers' settings are not where numafast put them); wrap the DataLoader it was made "
-        "from instead, e.g. accelerator.prepare(NumaLoader(loader))",
+def _bypassed(owner: NumaLoader) -> str:
+    return (
+        f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
+        "workers' settings are not where numafast put them); wrap the DataLoader it was made from instead, e.g. "
+        "accelerator.prepare(NumaLoader(loader))"
     )
 
 

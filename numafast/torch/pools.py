@@ -181,8 +181,18 @@ class NodePools:
         """Whether ``address`` lies in a slot of one of these pools."""
         return any(pool.contains(address) for pool in [*self.pools, *self.retired])
 
+    def received(self) -> int:
+        """Batches received so far: landed and copied."""
+        return self.landed + self.copied
+
     def copy_bypassed(self, batch: Any, why: str) -> Any:
-        """A batch that came past numafast's collate, copied into a slot here (warned once)."""
+        """A batch that came past numafast's collate, copied into a slot here (warned
+        once); one already on a device is counted and left there."""
+        tensors = flatten(batch)[0]
+        if any(tensor.device.type != "cpu" for tensor in tensors):
+            self._count_fallback(FallbackReason.BYPASSED, why)
+            self.copied += 1
+            return batch
         return self._copy(batch, FallbackReason.BYPASSED, why)
 
     def collate_here(self, samples: Any, collate: SlotCollate) -> Any:
@@ -204,13 +214,16 @@ class NodePools:
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
         if reason is not None:
-            self.fallbacks[reason.value] += 1
-            if reason is not FallbackReason.FIRST_BATCHES:
-                slot_bytes = self.pools[0].slot_bytes if self.pools else 0
-                fix = _FIXES[reason].format(slots=self.slots, slot_bytes=slot_bytes, detail=detail)
-                self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
+            self._count_fallback(reason, detail)
         self.copied += 1
         return self.pin(batch)
+
+    def _count_fallback(self, reason: FallbackReason, detail: str) -> None:
+        self.fallbacks[reason.value] += 1
+        if reason is not FallbackReason.FIRST_BATCHES:
+            slot_bytes = self.pools[0].slot_bytes if self.pools else 0
+            fix = _FIXES[reason].format(slots=self.slots, slot_bytes=slot_bytes, detail=detail)
+            self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
