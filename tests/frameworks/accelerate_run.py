@@ -25,7 +25,10 @@ from accelerate.utils import set_seed  # noqa: E402
 
 def main() -> None:
     args = common.arguments()
-    accelerator = Accelerator(cpu=True)
+    # On CPU ranks Accelerate's device placement is a copy of every batch to cpu:RANK (torch
+    # copies between "cpu" and "cpu:0"), with or without numafast; on a GPU it is the
+    # host-to-device copy, from the pool. Off in both runs, so the step sees what the loader yields.
+    accelerator = Accelerator(cpu=True, device_placement=False)
     set_seed(common.SEED)
     rank, world = accelerator.process_index, accelerator.num_processes
     recorder = common.Recorder(args, rank, world)

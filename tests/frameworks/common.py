@@ -47,8 +47,10 @@ POOL_NAME = re.compile(r"numafast-pool-node(\d+)")
 class Numbered(Dataset):  # type: ignore[type-arg]
     """Sample i: {"x": a 3x32x32 float tensor full of i, "id": i, "pid": the process that made it}.
 
-    In a DataLoader worker, the first sample it makes also writes the worker's
-    CPUs and memory policy to ``<records>/worker-<parent pid>-<pid>.json``."""
+    In a DataLoader worker, each sample it makes also writes the worker's CPUs and
+    memory policy to ``<records>/worker-<parent pid>-<pid>.json``: the file says what
+    they were at its last sample (numafast binds a worker that a framework started at
+    its first batch, once that batch's samples are made)."""
 
     def __init__(self, records: str | None = None) -> None:
         self.records = records
@@ -62,14 +64,8 @@ class Numbered(Dataset):  # type: ignore[type-arg]
         return {"x": torch.full(SHAPE, float(index)), "id": index, "pid": os.getpid()}
 
 
-_worker_recorded: set[int] = set()
-
-
 def _record_worker(records: str) -> None:
     pid = os.getpid()
-    if pid in _worker_recorded:
-        return
-    _worker_recorded.add(pid)
     from numafast import _libnuma
 
     mode, nodes = _libnuma.get_mempolicy()  # this thread's policy, get_mempolicy(2)

@@ -43,6 +43,11 @@ class RecordedTrainer(Trainer):
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()
+        # The prepared loader's device placement, on CPU ranks a copy of every batch to
+        # cpu:RANK (torch copies between "cpu" and "cpu:0"), with or without numafast, is off
+        # in both runs: the step then sees what the loader yields (Trainer._prepare_inputs
+        # still moves it to args.device for the model).
+        loader.device = None
         if self.use_numafast:
             loader = common.wrap(loader, self.args.process_index)  # the user's one-line change
         self.train_loader = loader
