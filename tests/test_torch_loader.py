@@ -613,6 +613,20 @@ def test_a_loader_made_again_from_a_numaloaders_settings_takes_over_its_pools() 
     assert loader.stats().fallbacks.get("first batches", 0) == again.stats().fallbacks.get("first batches", 0)
 
 
+@SEMANTICS
+def test_a_numaloader_made_from_a_numaloader_lands_as_the_first_does() -> None:
+    dataset = Numbers(30)
+    first = numafast.torch.NumaLoader(make_loader(dataset), node=NODES[0])
+    again = numafast.torch.NumaLoader(first)
+    assert again.pools is first.pools and again.collate_fn is first.collate_fn
+    batches = outcomes(again)
+    assert all(map(same, outcomes(make_loader(dataset)), batches)) and landed_in(again.pools, batches)
+    through = numafast.torch.NumaLoader(numafast.torch.NumaLoader(Wrapper(make_loader(dataset)), node=NODES[0]))
+    batches = outcomes(through)
+    assert all(map(same, outcomes(make_loader(dataset)), batches)) and landed_in(through.pools, batches)
+    assert "collate bypassed" not in through.stats().fallbacks
+
+
 def test_each_rank_takes_its_local_ranks_gpu_or_else_the_current_one() -> None:
     from numafast.torch.loader import rank_gpu
 

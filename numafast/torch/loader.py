@@ -194,6 +194,8 @@ def settings_loader(loader: DataLoader[Any]) -> DataLoader[Any]:
 def iterates_itself(loader: DataLoader[Any]) -> bool:
     """Whether iterating ``loader`` is DataLoader's own iteration over its own settings
     (so a NumaLoader built from its settings yields what it yields)."""
+    if isinstance(loader, NumaLoader):
+        return loader._through is None
     kind = type(loader)
     return (
         settings_loader(loader) is loader
@@ -262,6 +264,8 @@ class NumaLoader(DataLoader[Any]):
         }  # fmt: skip
         given = {name: value for name, value in options.items() if value is not FROM_LOADER}
         through: DataLoader[Any] | None = None
+        if isinstance(dataset, NumaLoader) and dataset._through is not None:
+            dataset = dataset._through  # NumaLoader(NumaLoader(prepared)) is NumaLoader(prepared)
         if isinstance(dataset, DataLoader):
             if not iterates_itself(dataset):
                 if given:
