@@ -627,6 +627,59 @@ def test_a_numaloader_made_from_a_numaloader_lands_as_the_first_does() -> None:
     assert "collate bypassed" not in through.stats().fallbacks
 
 
+class Counting(IterableDataset):  # type: ignore[type-arg]
+    """0..count-1, split between workers, with a len() (torch's test_iterable_style_dataset)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(torch.full((256,), float(i)) for i in range(start, self.count, step))
+
+
+@SEMANTICS
+def test_iterating_again_before_the_last_iterator_is_gone_warns_nothing() -> None:
+    """torch's own test re-runs ``it = iter(loader)``: the new workers start while the old
+    iterator, its batches unread, still holds slots; those come back, silently."""
+    loader = numafast.torch.NumaLoader(Counting(20), num_workers=2, prefetch_factor=2, node=NODES[0])
+    iterator = iter(loader)
+    for _ in range(10):
+        next(iterator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        iterator = iter(loader)
+        values = sorted(int(next(iterator)[0, 0]) for _ in range(20))
+    assert values == list(range(20))
+
+
+@SEMANTICS
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nested_and_sparse_leaves_reach_the_consumer_as_made_even_when_copied(workers: int) -> None:
+    nested = [torch.nested.nested_tensor([torch.full((5,), float(i))]) for i in range(4)]
+    sparse = [torch.eye(3).to_sparse() * i for i in range(4)]
+    for dataset in (nested, sparse):
+        loader = numafast.torch.NumaLoader(dataset, batch_size=2, num_workers=workers, node=NODES[0],
+                                           collate_fn=lambda batch: {"leaves": list(batch), "dense": torch.ones(2)})  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = list(loader)
+        assert [[leaf.layout for leaf in batch["leaves"]] for batch in batches] == [[dataset[0].layout] * 2] * 2
+        assert all(loader.pools.holds(batch["dense"].data_ptr()) for batch in batches)
+        assert any("are not pinned" in str(warning.message) for warning in caught)
+
+
+def test_numaloader_is_generic_as_dataloader_is() -> None:
+    def typed(loader: numafast.torch.NumaLoader[list[int]]) -> numafast.torch.NumaLoader[list[int]]:
+        return loader
+
+    assert typed.__annotations__ and numafast.torch.NumaLoader[list] is not None
+
+
 def test_each_rank_takes_its_local_ranks_gpu_or_else_the_current_one() -> None:
     from numafast.torch.loader import rank_gpu
 

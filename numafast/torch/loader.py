@@ -34,7 +34,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -50,6 +50,9 @@ from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.pools import LoaderStats, NodePools, node_pools
 from numafast.topo import topology
+
+# What the loader's dataset yields: NumaLoader[T] reads like DataLoader[T].
+T_co = TypeVar("T_co", covariant=True)
 
 __all__ = ["NumaLoader", "WorkerPlacement", "gpu_node", "loader_stats", "resolve_device"]
 
@@ -205,7 +208,7 @@ def iterates_itself(loader: DataLoader[Any]) -> bool:
     )
 
 
-class NumaLoader(DataLoader[Any]):
+class NumaLoader(DataLoader[T_co]):
     """A DataLoader whose workers run on ``node`` and whose batches come out page-locked
     on that node (with a CUDA ``device``: already on the device).
 
@@ -300,7 +303,7 @@ class NumaLoader(DataLoader[Any]):
         self.strict: bool = strict
         self.lock: str | bool = lock
         self.pools: NodePools = _pools_of(settings["collate_fn"], checked, lock) or node_pools(checked, wanted, lock=lock)
-        self._through = through
+        self._through: DataLoader[Any] | None = through
         super().__init__(settings.pop("dataset"), **settings)
         if through is not None:
             inner = settings_loader(through)
@@ -367,7 +370,7 @@ def _pools_of(collate_fn: Any, node: int, lock: str | bool) -> NodePools | None:
     return None
 
 
-def _through_batches(owner: NumaLoader, iterator: Iterator[Any]) -> Iterator[Any]:
+def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterator[Any]:
     """The batches of a loader iterated through: its first ``next()`` (which starts its
     workers) inside the node's scope. Each batch it yields beyond those the pools
     received came past numafast's collate: it is copied into a slot, counted, and
@@ -388,7 +391,7 @@ def _through_batches(owner: NumaLoader, iterator: Iterator[Any]) -> Iterator[Any
         yield batch
 
 
-def _bypassed(owner: NumaLoader) -> str:
+def _bypassed(owner: NumaLoader[Any]) -> str:
     return (
         f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
         "workers' settings are not where numafast put them); wrap the DataLoader it was made from instead, e.g. "
@@ -437,7 +440,7 @@ class _OnDeviceIterator:
     (the DataLoader's own iterator), each copied on a side stream ``prefetch`` batches
     ahead, driven by the thread that iterates it."""
 
-    def __init__(self, owner: NumaLoader, batches: Iterator[Any]) -> None:
+    def __init__(self, owner: NumaLoader[Any], batches: Iterator[Any]) -> None:
         assert owner.device is not None
         self._owner = owner
         self._inner: Iterator[Any] | None = batches
@@ -450,6 +453,13 @@ class _OnDeviceIterator:
 
     def __len__(self) -> int:
         return len(self._owner)
+
+    def __getattr__(self, name: str) -> Any:
+        # The DataLoader iterator's own attributes (_workers, _num_yielded, ...) read through.
+        inner = vars(self).get("_inner")
+        if inner is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
 
     def __next__(self) -> Any:
         self._queue_copies()

@@ -26,7 +26,7 @@ from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_f
 
 from numafast import _libnuma
 
-__all__ = ["ALIGNMENT", "SlotFull", "SlotPacker", "unpack"]
+__all__ = ["ALIGNMENT", "SlotFull", "SlotPacker", "placeable", "tensor_kind", "unpack"]
 
 # Where each tensor starts inside a slot: the CUDA caching allocator's block size,
 # so a copy engine reads every tensor from an aligned address.
@@ -107,7 +107,7 @@ class SlotPacker:
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` copied into the slot (now, by torch: for small and strided ones)."""
-        if not _placeable(tensor):
+        if not placeable(tensor):
             return tensor
         copy = self.tensor(tensor.dtype, tensor.shape)
         copy.copy_(tensor)
@@ -185,9 +185,9 @@ class SlotPacker:
             return known[1]
         if type(value) in (torch.Tensor, torch.nn.Parameter):
             tensor: torch.Tensor = value  # type: ignore[assignment]
-            if not _placeable(tensor):
+            if not placeable(tensor):
                 if tensor.numel():
-                    self.unpinned.add(f"{tensor.layout} tensor on {tensor.device}")
+                    self.unpinned.add(tensor_kind(tensor))
                 return None
             target = self.tensor(tensor.dtype, tensor.shape, tensor.requires_grad)
             ref = self.placed[id(target)][1]
@@ -206,7 +206,13 @@ class SlotPacker:
         return ref
 
 
-def _placeable(tensor: torch.Tensor) -> bool:
+def tensor_kind(tensor: torch.Tensor) -> str:
+    """What kind of tensor one that numafast leaves where it is is, for a warning."""
+    return "nested tensor" if tensor.is_nested else f"{tensor.layout} tensor on {tensor.device}"
+
+
+def placeable(tensor: torch.Tensor) -> bool:
+    """A dense, non-empty CPU tensor: one that can be laid out in a slot."""
     return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0
 
 

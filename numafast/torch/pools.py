@@ -31,14 +31,16 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+
+import torch
 
 from numafast.errors import PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import PoolBoard
 from numafast.torch.batch import fill, flatten, layout, opaque_leaves
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch, receivers
-from numafast.torch.packing import SlotFull, SlotPacker, unpack
+from numafast.torch.packing import SlotFull, SlotPacker, placeable, tensor_kind, unpack
 
 __all__ = ["LoaderStats", "NodePools", "close_idle_pools", "node_pools"]
 
@@ -62,6 +64,16 @@ _FIXES = {
     "start method, or let the workers read the main process's /proc/PID/fd",
     FallbackReason.BYPASSED: "{detail}",
 }
+
+
+class Collating(Protocol):
+    """The collate function that lands batches here, as the owner's side uses it
+    (:class:`numafast.torch.collate.SlotCollate`: the workers' side, which imports this one)."""
+
+    direct: bool
+    collate_fn: Callable[[Any], Any]
+
+    def fill(self, packer: SlotPacker, samples: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -164,10 +176,7 @@ class NodePools:
             slot = pool.adopt(message.index, message.generation, message.nbytes)
             self.landed += 1
         for kind in message.unpinned:
-            self._warn_once(
-                kind, f"batch leaves of kind {kind} are not pinned (numafast places dense CPU tensors and NumPy "
-                "arrays): they reach the consumer as the collate function made them"
-            )
+            self._warn_unpinned(kind)
         self._settle_retired()
         return unpack(message.payload, slot)
 
@@ -175,6 +184,13 @@ class NodePools:
         """A batch that came the copying way, copied into a slot here."""
         if self.before_receive is not None:
             self.before_receive()
+        if fallback.reason is FallbackReason.NO_FREE_SLOT and self.reclaim_orphans():
+            # The slots were held by workers that are gone (an iterator shut down with
+            # batches unread, as when iter() is called again): free now, so the next
+            # batches land. Counted, but no warning: the consumer held nothing.
+            self.fallbacks[fallback.reason.value] += 1
+            self.copied += 1
+            return self.pin(fallback.batch)
         return self._copy(fallback.batch, fallback.reason, fallback.detail)
 
     def holds(self, address: int) -> bool:
@@ -187,15 +203,10 @@ class NodePools:
 
     def copy_bypassed(self, batch: Any, why: str) -> Any:
         """A batch that came past numafast's collate, copied into a slot here (warned
-        once); one already on a device is counted and left there."""
-        tensors = flatten(batch)[0]
-        if any(tensor.device.type != "cpu" for tensor in tensors):
-            self._count_fallback(FallbackReason.BYPASSED, why)
-            self.copied += 1
-            return batch
+        once; tensors already on a device stay there)."""
         return self._copy(batch, FallbackReason.BYPASSED, why)
 
-    def collate_here(self, samples: Any, collate: SlotCollate) -> Any:
+    def collate_here(self, samples: Any, collate: Collating) -> Any:
         """Collate in this process (a loader without workers): into a slot directly when
         a pool exists and the collate function is torch's default, else a copy."""
         if not self.pools or not collate.direct:
@@ -225,6 +236,10 @@ class NodePools:
             fix = _FIXES[reason].format(slots=self.slots, slot_bytes=slot_bytes, detail=detail)
             self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
 
+    def _warn_unpinned(self, kind: str) -> None:
+        self._warn_once(kind, f"batch leaves of kind {kind} are not pinned (numafast places dense CPU tensors and NumPy "
+                        "arrays): they reach the consumer as the collate function made them")
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
@@ -237,15 +252,23 @@ class NodePools:
         for kind in opaque_leaves(batch):
             self._warn_once(kind, f"batch leaves of type {kind} are not pinned: numafast places tensors and "
                             "NumPy arrays inside dicts, lists, tuples, namedtuples and dataclasses")
-        tensors, rebuild = flatten(batch, arrays=True)
+        leaves, rebuild = flatten(batch, arrays=True)
+        # Sparse, nested and device tensors stay as they are, as in a worker's slot.
+        kept = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and not placeable(leaf)]
+        for kind in sorted({tensor_kind(leaf) for leaf in kept if leaf.is_nested or leaf.numel()}):
+            self._warn_unpinned(kind)
+        tensors = [leaf for leaf in leaves if not any(leaf is other for other in kept)]
         if not tensors:
             return batch
         plan = layout(tensors)
         if not plan.nbytes:
-            return rebuild(fill(None, tensors, plan, ()))
-        slot, pool = self._acquire(plan.nbytes)
-        self.bytes_copied += plan.nbytes
-        return rebuild(fill(slot, tensors, plan, pool.cpus))
+            copies = fill(None, tensors, plan, ())
+        else:
+            slot, pool = self._acquire(plan.nbytes)
+            self.bytes_copied += plan.nbytes
+            copies = fill(slot, tensors, plan, pool.cpus)
+        placed = iter(copies)
+        return rebuild([leaf if any(leaf is other for other in kept) else next(placed) for leaf in leaves])
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
         with self._mutex:
