@@ -334,6 +334,8 @@ class NumaLoader(DataLoader[T_co]):
     def __iter__(self) -> Any:
         if self._through is not None:
             batches: Iterator[Any] = _through_batches(self, iter(self._through))
+        elif self.persistent_workers and self._iterator is not None:
+            batches = super().__iter__()  # the same workers, another epoch: nothing forks
         else:
             # The workers fork here, inside the node's scope: they start on its CPUs with
             # its memory policy (the calling thread gets its own back on leaving).

@@ -308,6 +308,8 @@ class NodePools:
         self.board.publish([pool.share() for pool in self.pools])
 
     def _settle_retired(self) -> None:
+        if not self.retired:  # the usual case, checked per batch without the lock
+            return
         with self._mutex:
             for pool in list(self.retired):
                 if pool.settle():
