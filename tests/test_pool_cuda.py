@@ -132,6 +132,20 @@ def test_the_hook_pins_in_pytorchs_own_pin_thread() -> None:
     hook.remove()
 
 
+def test_a_loader_a_framework_makes_with_pin_memory_lands_once_torchs_pin_step_copies_nothing() -> None:
+    """What a framework does with a NumaLoader (Accelerate, Ray Train): a new DataLoader from
+    its attributes, here with pin_memory=True as the HF Trainer's default: PyTorch's pin
+    thread finds the tensors pinned already (registered) and hands them on as they are."""
+    own = numafast.torch.NumaLoader(torch.utils.data.DataLoader(Images(), batch_size=4, num_workers=2))
+    made = torch.utils.data.DataLoader(own.dataset, batch_size=4, num_workers=2, collate_fn=own.collate_fn,
+                                       pin_memory=True)  # fmt: skip
+    batches = list(made)
+    for batch in batches:
+        assert batch["image"].is_pinned() and own.pools.holds(batch["image"].data_ptr())
+    stats = numafast.torch.loader_stats(made)
+    assert stats is not None and stats.batches == len(batches) and stats.landed > 0
+
+
 def test_bench_measures_every_node_to_every_gpu_from_pinned_node_local_buffers() -> None:
     result = numafast.bench(matrices=["h2d_gbps", "d2h_concurrent_gbps"], quick=True)
     gpus = list(range(torch.cuda.device_count()))
