@@ -184,14 +184,19 @@ class NodePools:
         """A batch that came the copying way, copied into a slot here."""
         if self.before_receive is not None:
             self.before_receive()
-        if fallback.reason is FallbackReason.NO_FREE_SLOT and self.reclaim_orphans():
-            # The slots were held by workers that are gone (an iterator shut down with
-            # batches unread, as when iter() is called again): free now, so the next
-            # batches land. Counted, but no warning: the consumer held nothing.
+        if fallback.reason is FallbackReason.NO_FREE_SLOT and self._shortage_passed():
+            # The slots were held by an iterator that is gone (iter() called again with
+            # batches unread: its workers' leases, its queued batches): free again now,
+            # so the next batches land. Counted, but no warning: the consumer held nothing.
             self.fallbacks[fallback.reason.value] += 1
             self.copied += 1
             return self.pin(fallback.batch)
         return self._copy(fallback.batch, fallback.reason, fallback.detail)
+
+    def _shortage_passed(self) -> bool:
+        """Whether a slot is free now, once the leases of workers that are gone are ended."""
+        self.reclaim_orphans()
+        return any(pool.stats().free for pool in self.pools)
 
     def holds(self, address: int) -> bool:
         """Whether ``address`` lies in a slot of one of these pools."""
@@ -347,14 +352,16 @@ def node_pools(
     node: int, slots: int, *, lock: LockMode | str | bool = "auto", register: RegisterMode | str | bool = "auto"
 ) -> NodePools:
     """Pools for a new loader on ``node``: the idle ones a gone loader left there (warm:
-    placed, locked, registered, and sized by its batches), else new ones. ``slots``
-    per pool is at least what the new loader asks for."""
+    placed, locked, registered, and sized by its batches) when they have at least
+    ``slots`` slots each, else new ones."""
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
     with _idle_mutex:
         idle = _idle.pop(key, None)
+    if idle is not None and idle.slots < slots:  # the new loader keeps more batches in flight
+        idle.close()
+        idle = None
     if idle is None:
         return NodePools(node, slots, lock=key[1], register=key[2])
-    idle.slots = max(idle.slots, slots)
     idle.reset_counters()
     return idle
 
