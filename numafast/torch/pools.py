@@ -136,7 +136,8 @@ class NodePools:
         while it lives, and go idle (for the next loader on the node) once none is left."""
         with _idle_mutex:
             self.users += 1
-        weakref.finalize(user, self._detach)
+        # Not at interpreter exit: the pools close then anyway, and modules are going away.
+        weakref.finalize(user, self._detach).atexit = False
 
     def _detach(self) -> None:
         if os.getpid() != self._pid:
