@@ -185,14 +185,11 @@ class NodePools:
         """A batch that came the copying way, copied into a slot here."""
         if self.before_receive is not None:
             self.before_receive()
-        if fallback.reason is FallbackReason.NO_FREE_SLOT and self._shortage_passed():
-            # The slots were held by an iterator that is gone (iter() called again with
-            # batches unread: its workers' leases, its queued batches): free again now,
-            # so the next batches land. Counted, but no warning: the consumer held nothing.
-            self.fallbacks[fallback.reason.value] += 1
-            self.copied += 1
-            return self.pin(fallback.batch)
-        return self._copy(fallback.batch, fallback.reason, fallback.detail)
+        # A shortage that has passed was an iterator that is gone (iter() called again with
+        # batches unread: its workers' leases, its queued batches), not the consumer
+        # holding batches: counted, but no warning.
+        warn = fallback.reason is not FallbackReason.NO_FREE_SLOT or not self._shortage_passed()
+        return self._copy(fallback.batch, fallback.reason, fallback.detail, warn=warn)
 
     def _shortage_passed(self) -> bool:
         """Whether a slot is free now, once the leases of workers that are gone are ended."""
@@ -227,20 +224,17 @@ class NodePools:
         self.landed += 1
         return batch
 
-    def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "") -> Any:
+    def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
         if reason is not None:
-            self._count_fallback(reason, detail)
+            self.fallbacks[reason.value] += 1
+            if warn and reason is not FallbackReason.FIRST_BATCHES:
+                slot_bytes = self.pools[0].slot_bytes if self.pools else 0
+                fix = _FIXES[reason].format(slots=self.slots, slot_bytes=slot_bytes, detail=detail)
+                self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
         self.copied += 1
         return self.pin(batch)
-
-    def _count_fallback(self, reason: FallbackReason, detail: str) -> None:
-        self.fallbacks[reason.value] += 1
-        if reason is not FallbackReason.FIRST_BATCHES:
-            slot_bytes = self.pools[0].slot_bytes if self.pools else 0
-            fix = _FIXES[reason].format(slots=self.slots, slot_bytes=slot_bytes, detail=detail)
-            self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
 
     def _warn_unpinned(self, kind: str) -> None:
         self._warn_once(kind, f"batch leaves of kind {kind} are not pinned (numafast places dense CPU tensors and NumPy "
@@ -260,10 +254,10 @@ class NodePools:
                             "NumPy arrays inside dicts, lists, tuples, namedtuples and dataclasses")
         leaves, rebuild = flatten(batch, arrays=True)
         # Sparse, nested and device tensors stay as they are, as in a worker's slot.
-        kept = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and not placeable(leaf)]
-        for kind in sorted({tensor_kind(leaf) for leaf in kept if leaf.is_nested or leaf.numel()}):
+        kept = {id(leaf): leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and not placeable(leaf)}
+        for kind in sorted({tensor_kind(leaf) for leaf in kept.values() if leaf.is_nested or leaf.numel()}):
             self._warn_unpinned(kind)
-        tensors = [leaf for leaf in leaves if not any(leaf is other for other in kept)]
+        tensors = [leaf for leaf in leaves if id(leaf) not in kept]
         if not tensors:
             return batch
         plan = layout(tensors)
@@ -274,7 +268,7 @@ class NodePools:
             self.bytes_copied += plan.nbytes
             copies = fill(slot, tensors, plan, pool.cpus)
         placed = iter(copies)
-        return rebuild([leaf if any(leaf is other for other in kept) else next(placed) for leaf in leaves])
+        return rebuild([leaf if id(leaf) in kept else next(placed) for leaf in leaves])
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
         with self._mutex:
