@@ -57,10 +57,12 @@ def table(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, tuple[
 
 
 def record(benchmark, table, group: str, name: str, run: Callable[[], object], *,  # type: ignore[no-untyped-def]
-           unit: str, scale: Callable[[float], float], warmup: int = 2) -> None:
+           unit: str, scale: Callable[[float], float], warmup: int = 2,
+           setup: Callable[[], object] | None = None) -> None:
+    """Time ``run`` (``setup``, if given, runs untimed before each round)."""
     benchmark.group = group
     benchmark.name = name
-    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=warmup)
+    benchmark.pedantic(run, setup=setup, rounds=ROUNDS, iterations=1, warmup_rounds=warmup)
     if benchmark.stats is not None:  # None under --benchmark-disable: each case ran once, untimed
         table.setdefault(group, {})[name] = (scale(benchmark.stats.stats.median), unit)
 

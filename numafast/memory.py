@@ -106,9 +106,12 @@ def allocate(
     nodes: Iterable[int] | None = None,
     hugepages: bool = True,
     shared_file: int | None = None,
+    pretouch: bool = True,
 ) -> _libnuma.MappedBuffer:
     """``nbytes`` of fresh memory bound to ``node`` (or interleaved over ``nodes``) and
     already faulted in there; what :func:`empty` and ``numafast.torch.empty`` build on.
+    With ``pretouch=False`` no page exists yet: each is placed by the same policy when
+    it is first touched, by whichever thread touches it.
 
     With ``shared_file`` (the descriptor of an empty memfd, grown to ``nbytes`` here)
     the memory is that file mapped shared, for other processes to map too; the
@@ -145,6 +148,8 @@ def allocate(
     mode = Mode.BIND if len(targets) == 1 else Mode.INTERLEAVE
     # Bound before any page exists: each one is placed by the policy as it is faulted in.
     _libnuma.mbind(buffer, MODE_NUMBERS[mode], targets, 0)
+    if not pretouch:
+        return buffer
     # Big buffers: threads pinned to the node's CPUs share the zeroing, each on memory
     # near it. Small ones: the caller faults them in at once (pages land on the target
     # all the same; a thread would cost more than the work).

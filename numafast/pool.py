@@ -4,8 +4,9 @@ The host side of a host-to-device copy is fastest when it is page-locked and on 
 GPU's own node, and a fresh pinned allocation per batch is slow (``cudaHostAlloc``
 takes a driver-wide lock and has no NUMA flag). A pool pays once: one shared mapping
 of a memfd (a slot table, then ``slots`` x ``slot_bytes``), bound to the node with
-mbind before any page exists, faulted in there by threads pinned to the node's CPUs,
-page-locked (mlock) and, when CUDA is usable, registered with CUDA in chunks.
+mbind before any page exists, faulted in there by threads pinned to the node's CPUs
+(or slot by slot as slots are first used: ``prefault=False``), page-locked (mlock)
+and, when CUDA is usable, registered with CUDA in chunks.
 Placement must be right before the pages are pinned: memory registered with CUDA is
 pinned for DMA and can no longer migrate.
 
@@ -52,7 +53,7 @@ from numafast.errors import (
     SlotTooSmallError,
 )
 from numafast.memory import allocate
-from numafast.pool_share import PoolHandle
+from numafast.pool_share import PoolHandle, fault_in
 from numafast.topo.files import read_fields
 
 __all__ = ["LockMode", "PinnedPool", "PoolStats", "RegisterMode", "Slot"]
@@ -258,6 +259,13 @@ class PinnedPool:
     raises :class:`PoolExhaustedError`. ``hugepages`` backs the pool with transparent
     huge pages where the kernel allows.
 
+    ``prefault=False`` makes a pool cost nothing until its slots are used: the memory
+    is bound and locked (mlock2 MLOCK_ONFAULT: the whole size counts against
+    RLIMIT_MEMLOCK now) but no page is faulted in; each slot is, on the node, the
+    first time this process hands it out, and worker processes fault in the slots
+    they lease (:class:`~numafast.pool_share.PoolView`). A pool that registers with
+    CUDA is faulted in at once all the same: registration pins every page.
+
     Use it as a context manager, or call :meth:`close`: the memory is unregistered,
     unlocked and unmapped exactly once, when the pool is closed and the last slot has
     come back (or at interpreter exit). Slots still viewed when the pool closes stay
@@ -274,6 +282,7 @@ class PinnedPool:
         register: RegisterMode | str | bool = "auto",
         timeout: float | None = None,
         hugepages: bool = True,
+        prefault: bool = True,
     ) -> None:
         global _exit_hook_installed
         self._node = check_node(node)
@@ -285,19 +294,24 @@ class PinnedPool:
         if _libnuma.node_size64(self._node)[0] == 0:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
         registers = _registers(register_mode)
+        prefault = prefault or registers
         stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
         fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
         try:
             region = allocate(
-                _libnuma.slot_table_bytes(slots) + stride * slots, node=self._node, hugepages=hugepages, shared_file=fd
+                _libnuma.slot_table_bytes(slots) + stride * slots,
+                node=self._node,
+                hugepages=hugepages,
+                shared_file=fd,
+                pretouch=prefault,
             )
         except BaseException:
             os.close(fd)
             raise
         self._resources = _Resources(region, fd)
         try:
-            self._lock_note = self._lock(lock_mode, register_next=registers)
+            self._lock_note = self._lock(lock_mode, register_next=registers, on_fault=not prefault)
             self._lock_possible = not self._lock_note
             fence = None
             if registers:
@@ -310,6 +324,8 @@ class PinnedPool:
             self._fences = fence
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
             self._acquire_slot = self._slots.acquire
+            # prefault=False: how many bytes of each slot this process has faulted in.
+            self._faulted: list[int] | None = None if prefault else [0] * slots
             self._slot_bytes = slot_bytes
             self._wait = -1.0 if self._timeout is None else self._timeout  # SlotPool's "as long as it takes"
         except BaseException:
@@ -320,13 +336,13 @@ class PinnedPool:
             atexit.register(_close_at_exit)
             _exit_hook_installed = True
 
-    def _lock(self, mode: LockMode, *, register_next: bool) -> str:
+    def _lock(self, mode: LockMode, *, register_next: bool, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
         if mode is LockMode.OFF:
             return "not asked to lock (lock='off')"
         region = self._resources.region
         try:
-            _libnuma.mlock(region)
+            _libnuma.mlock(region, on_fault)
         except LibnumaError as error:
             if error.errno not in LOCK_REFUSALS:
                 raise
@@ -358,7 +374,7 @@ class PinnedPool:
             given = self._timeout if timeout is _WAIT else _check_timeout(timeout)
             wait = -1.0 if given is None else given
         try:
-            return self._acquire_slot(size, wait)
+            slot: Slot = self._acquire_slot(size, wait)
         except TimeoutError:
             slots = self._slots
             raise PoolExhaustedError(
@@ -368,6 +384,21 @@ class PinnedPool:
             ) from None
         except RuntimeError:
             raise self._state_error() from None
+        if self._faulted is not None:
+            self._fault_in(slot.index, slot.nbytes)
+        return slot
+
+    def _fault_in(self, index: int, nbytes: int) -> None:
+        """Fault in the first ``nbytes`` of slot ``index`` now, in one call, as far as this
+        process has not yet (a pool made with ``prefault=False``)."""
+        assert self._faulted is not None
+        done = self._faulted[index]
+        if nbytes > done:
+            end = -(-nbytes // PAGE_SIZE) * PAGE_SIZE  # whole pages: a slot's stride is too
+            self._faulted[index] = end
+            start = self._slots.table.offset(index)
+            with memoryview(self._resources.region) as whole, whole[start + done : start + end] as part:
+                fault_in(part)
 
     def _slot_bytes_of(self, nbytes: int | None) -> int:
         slot_bytes = self._slot_bytes
@@ -386,9 +417,12 @@ class PinnedPool:
         ended (the worker died and the slot was reclaimed, or it was adopted already)."""
         self._check_usable_for_adoption()
         try:
-            return self._slots.adopt(index, generation, nbytes)
+            slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
             raise LookupError(f"node-{self._node} pool: {error}; its batch cannot be read any more") from None
+        if self._faulted is not None:
+            self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
+        return slot
 
     def reclaim(self, index: int, generation: int, pid: int) -> bool:
         """End the lease of slot ``index`` held by process ``pid`` (a batch dropped unread);

@@ -167,9 +167,10 @@ class PoolView:
             region = _libnuma.mmap_shared(handle.nbytes, fd)
         finally:
             os.close(fd)
-        _map_pages_now(region)
         self.table = _libnuma.SlotTable.attach(region)
         self.memory = memoryview(region)
+        self.faulted_in: set[int] = set()
+        """The slots whose pages this process has entered in its page tables."""
 
     def lease(self, timeout: float) -> tuple[int, int] | None:
         """A free slot leased to this process, ``(index, generation)``; None when none came
@@ -180,7 +181,11 @@ class PoolView:
     def slot(self, index: int) -> memoryview:
         """The writable memory of slot ``index``."""
         start = self.table.offset(index)
-        return self.memory[start : start + self.handle.slot_bytes]
+        memory = self.memory[start : start + self.handle.slot_bytes]
+        if index not in self.faulted_in:  # once per slot, not per batch
+            fault_in(memory)
+            self.faulted_in.add(index)
+        return memory
 
     def give_up(self, index: int, generation: int) -> None:
         """End this process's lease of a slot it will not send (its batch failed)."""
@@ -194,15 +199,15 @@ class PoolView:
             pass  # still viewed: unmapped with the last view
 
 
-def _map_pages_now(region: _libnuma.MappedBuffer) -> None:
-    """Enter every page of the pool (placed, faulted in and locked by its owner) in
-    this process's page tables now, in one call. Page tables are per process: without
-    this, a worker takes a minor fault on each 4 KiB page of a slot the first time it
-    writes there, ~2,400 per 9 MiB slot, which slowed the epoch after the first by
-    half until every worker had written every slot once. MADV_POPULATE_WRITE needs
-    Linux 5.14; an older kernel refuses it and the pages are mapped as they are
-    written, as before."""
+def fault_in(memory: memoryview) -> None:
+    """Enter every page of ``memory`` (a slot) in this process's page tables now, in
+    one call, faulting in (zeroing, on the node the pool's policy names) any page no
+    process has touched yet. Page tables are per process: without this, a process
+    takes a minor fault on each 4 KiB page of a slot the first time it writes there,
+    ~2,400 per 9 MiB slot, which slowed the epoch after the first by half until every
+    worker had written every slot once. MADV_POPULATE_WRITE needs Linux 5.14; an older
+    kernel refuses it and the pages are mapped as they are written, as before."""
     try:
-        _libnuma.madvise(region, _libnuma.MADV_POPULATE_WRITE)
+        _libnuma.madvise(memory, _libnuma.MADV_POPULATE_WRITE)
     except OSError:
         pass

@@ -202,6 +202,28 @@ cdef extern from "<sys/mman.h>" nogil:
     int mlock(const void *addr, size_t length)
     int munlock(const void *addr, size_t length)
 
+cdef extern from *:
+    """
+    /* mlock2(2), Linux 4.4, called by number: glibc has a wrapper only since 2.27. */
+    #ifndef MLOCK_ONFAULT
+    #define MLOCK_ONFAULT 1
+    #endif
+    #ifndef SYS_mlock2
+    #  if defined(__x86_64__)
+    #    define SYS_mlock2 325
+    #  elif defined(__aarch64__)
+    #    define SYS_mlock2 284
+    #  elif defined(__powerpc64__)
+    #    define SYS_mlock2 378
+    #  else
+    #    define SYS_mlock2 -1
+    #  endif
+    #endif
+    """
+    enum:
+        MLOCK_ONFAULT
+        SYS_mlock2
+
 cdef extern from "<unistd.h>" nogil:
     ctypedef int pid_t
     pid_t getpid()

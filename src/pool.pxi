@@ -16,13 +16,17 @@ cimport cython
 from cpython.exc cimport PyErr_CheckSignals
 
 
-def mlock(buf) -> None:
+def mlock(buf, bint on_fault=False) -> None:
     """mlock(2): keep every page ``buf`` touches resident (never swapped out), faulting
-    in any that is not yet there.
+    in any that is not yet there. With ``on_fault``, mlock2(2) with MLOCK_ONFAULT: the
+    pages there now are locked, the others as they are first touched, so locking
+    costs nothing up front (a kernel before 4.4 has no mlock2: every page is faulted
+    in and locked now, as without it).
 
     Fails with ENOMEM (or EPERM when the limit is 0) beyond RLIMIT_MEMLOCK unless the
-    process has CAP_IPC_LOCK. Locking does not stop the kernel from migrating a page
-    to another frame; a page pinned for DMA (cudaHostRegister) cannot move at all.
+    process has CAP_IPC_LOCK; the whole range counts against the limit at once either
+    way. Locking does not stop the kernel from migrating a page to another frame; a
+    page pinned for DMA (cudaHostRegister) cannot move at all.
     """
     cdef Py_buffer view
     cdef char *first
@@ -33,8 +37,15 @@ def mlock(buf) -> None:
         pages = _pages_of(&view, False, &first)
         with nogil:  # locking faults in any missing page: it can take a while
             libc_errno.errno = 0
-            rc = numa_api.mlock(first, pages * _PAGE)
-            err = libc_errno.errno
+            rc = -1
+            err = libc_errno.ENOSYS
+            if on_fault and numa_api.SYS_mlock2 >= 0:
+                rc = numa_api.syscall(numa_api.SYS_mlock2, first, pages * _PAGE, numa_api.MLOCK_ONFAULT)
+                err = libc_errno.errno
+            if rc != 0 and err in (libc_errno.ENOSYS, libc_errno.EINVAL):  # no mlock2 (or no ONFAULT) here
+                libc_errno.errno = 0
+                rc = numa_api.mlock(first, pages * _PAGE)
+                err = libc_errno.errno
         if rc != 0:
             _fail("mlock", err, f"{pages * _PAGE} bytes at {<uintptr_t>first:#x}")
     finally:

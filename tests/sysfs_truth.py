@@ -115,6 +115,26 @@ def pagemap_nodes(address: int, length: int) -> list[int | None]:
     return nodes
 
 
+_KPF_MLOCKED = 1 << 33  # /proc/kpageflags (include/uapi/linux/kernel-page-flags.h)
+
+
+def pages_mlocked(address: int, length: int) -> bool:
+    """Whether every page of [address, address + length) is present in this process
+    and mlocked, asked of /proc/self/pagemap and /proc/kpageflags (root only)."""
+    entries = _pagemap_entries(address, length)
+    if not all(entry & _PRESENT for entry in entries):
+        return False
+    with open("/proc/kpageflags", "rb") as kpageflags:
+        for entry in entries:
+            pfn = entry & _PFN_MASK
+            if pfn == 0:
+                raise PermissionError("/proc/self/pagemap hides frame numbers: run as root (CAP_SYS_ADMIN)")
+            kpageflags.seek(pfn * 8)
+            if not struct.unpack("Q", kpageflags.read(8))[0] & _KPF_MLOCKED:
+                return False
+    return True
+
+
 def vma_of(address: int) -> tuple[int, int] | None:
     """(start, end) of the mapping in /proc/self/maps that holds ``address``, if any."""
     with open("/proc/self/maps") as maps:

@@ -9,7 +9,8 @@ memory policy. The tests check, for every rank, epoch and step:
 * the same sample ids with numafast as without, and, in both runs, the two ranks'
   shards disjoint and together the whole dataset in each epoch, reshuffled each epoch;
 * with numafast, each batch's data tensor in a ``numafast-pool-node<N>`` memfd
-  mapping (/proc/self/maps) that is locked (smaps), its pages on node N (pagemap),
+  mapping (/proc/self/maps) that is locked (smaps' VmFlags), every page of it mlocked
+  (kpageflags) and on node N (pagemap),
   the workers that made it mapping that memfd too, and numafast's stats for the loader
   the framework iterates saying the workers collated it there (only a loader's first
   batches, sent before its pool existed, may be copied);
@@ -229,8 +230,9 @@ def check_numafast(label: str, ranks: list[dict[str, Any]], nodes: list[int] | N
                 node = x["node"]
             assert x["node"] == node, f"{where}: the batch is in a node-{x['node']} pool, the rank's loader is on node {node}"
             assert x["locked"], (
-                f"{where}: the pool mapping is not all locked: VmFlags {x['vmflags']!r}, {x['rss_bytes']} of "
+                f"{where}: the batch's pages are not all mlocked: VmFlags {x['vmflags']!r}, {x['rss_bytes']} of "
                 f"{x['mapping_bytes']} bytes resident, Locked {x['locked_bytes']} of Pss {x['pss_bytes']}"
+                f"{', ' + x['locked_error'] if 'locked_error' in x else ''}"
             )
             if pages:
                 assert x["pages_nodes"] is not None, f"{where}: pagemap could not say where the pages are: {x.get('pages_nodes_error')}"

@@ -25,11 +25,11 @@ import pytest
 
 from sysfs_truth import (
     cpuless_nodes_with_memory,
-    kib,
     nearest_cpu_nodes,
     node_cpus,
     online_nodes,
     pagemap_nodes,
+    pages_mlocked,
     parse_list,
     smaps_of,
     task_status,
@@ -187,7 +187,7 @@ def test_yields_the_stock_loaders_batches_in_order_landed_on_the_node(workers: i
     ours = list(loader)
     assert len(ours) == len(stock) and all(map(same, stock, ours))
     assert held_in_pools(loader, ours)
-    assert all(kib(smaps_of(pool._slots.address)["Locked"]) >= pool.slots * pool.slot_bytes for pool in loader.pools.pools)
+    assert all(pages_mlocked(batch["values"].data_ptr(), batch["values"].nbytes) for batch in ours)
     stats = loader.stats()
     # The first batches size the pool and are copied in; later ones were collated in a
     # slot by the process that made them, or copied when the consumer held every slot.
@@ -794,14 +794,13 @@ def check_placement(node: int, *, workers: int) -> None:
         nodes = _per_sample(batch["policy"][1])
         assert modes == [numafast._libnuma.MPOL_PREFERRED] * 2 and nodes == [[node], [node]], batch["policy"]
         assert set(pagemap_nodes(batch["values"].data_ptr(), batch["values"].nbytes)) == {node}
+        assert pages_mlocked(batch["values"].data_ptr(), batch["values"].nbytes)
         assert set(shared_memory_mappings()) <= before  # no shared-memory file for a landed batch
     del batch
     assert os.sched_getaffinity(0) == mine  # iter() forked the workers inside the node's scope, then left it
     assert count == 6 and loader.worker_init_fn is set_marker  # put back once the workers started
     stats = wrapped.stats()
     assert stats.batches == 12 and stats.copied == stats.fallbacks["first batches"] < 6, stats  # none copied in epoch 2
-    for pool in wrapped.pools.pools:
-        assert kib(smaps_of(pool._slots.address)["Locked"]) >= pool.slots * pool.slot_bytes
 
 
 def _per_sample(collated_cpus: Any) -> list[list[int]]:

@@ -300,7 +300,12 @@ class NodePools:
         self._publish()
 
     def _new_pool(self, slot_bytes: int) -> PinnedPool:
-        pool = PinnedPool(self.node, slot_bytes, self.slots, lock=self.lock, register=self.register, timeout=None)
+        # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
+        # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
+        # batch does not wait for every slot (~0.7 s per GiB) and unused slots cost nothing.
+        pool = PinnedPool(
+            self.node, slot_bytes, self.slots, lock=self.lock, register=self.register, timeout=None, prefault=False
+        )
         self._by_inode[pool.share().inode] = pool
         return pool
 

@@ -1,6 +1,7 @@
 """What every framework script shares: the dataset, the tiny model, and the recorder
 that writes, per rank, the sample ids of each training step and what the kernel says
-about each batch (its mapping in /proc/self/maps, smaps' Locked, pagemap's nodes),
+about each batch (its mapping in /proc/self/maps and smaps, whether its pages are
+mlocked and on which nodes, from pagemap and kpageflags),
 plus what the DataLoader workers said about themselves (CPUs, memory policy).
 
 A script runs as one rank of a 2-rank job, with numafast (``--numafast``) or
@@ -30,7 +31,7 @@ sys.path.insert(0, str(TESTS))
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from sysfs_truth import kib, pagemap_nodes, smaps_of  # noqa: E402
+from sysfs_truth import kib, pagemap_nodes, pages_mlocked, smaps_of  # noqa: E402
 
 SAMPLES = 96
 BATCH = 8
@@ -171,11 +172,11 @@ def where(tensor: torch.Tensor, worker_pids: list[int]) -> dict[str, Any]:
     locked, pss = (kib(smaps[k]) if k in smaps else 0 for k in ("Locked", "Pss"))
     flags = smaps.get("VmFlags", "").split()
     fact.update(mapping=name, in_pool=match is not None, node=int(match.group(1)) if match else None,
-                mapping_bytes=high - low, rss_bytes=rss, pss_bytes=pss, locked_bytes=locked, vmflags=" ".join(flags),
-                # smaps' Locked is proportional (Pss of the locked pages: the workers map them too), so
-                # "every page of the batch locked" reads: a VM_LOCKED mapping ("lo"), all of it
-                # resident, all of its Pss counted as Locked.
-                locked="lo" in flags and rss >= size == high - low and 0 < pss == locked and address + length <= high)
+                mapping_bytes=high - low, rss_bytes=rss, pss_bytes=pss, locked_bytes=locked, vmflags=" ".join(flags))
+    try:  # a VM_LOCKED mapping ("lo"), every page of the batch in it present and mlocked
+        fact["locked"] = "lo" in flags and address + length <= high and pages_mlocked(address, length)
+    except (PermissionError, OSError) as error:
+        fact["locked_error"] = f"{type(error).__name__}: {error}"
     try:
         fact["pages_nodes"] = sorted({n for n in pagemap_nodes(address, length) if n is not None})
     except (PermissionError, KeyError, OSError) as error:
