@@ -29,6 +29,7 @@ from sysfs_truth import (
     node_cpus,
     online_nodes,
     pagemap_nodes,
+    pages_mlocked,
     smaps_of,
     task_status,
 )
@@ -83,6 +84,25 @@ def test_a_pool_is_one_locked_shared_memfd_mapping_on_its_node() -> None:
         assert stats.lock_possible and stats.lock_note == ""
     assert smaps_of(start) == {}  # unmapped on leaving the block
     assert pool.stats().bytes_mapped == 0 and pool.stats().bytes_locked == 0
+
+
+def test_a_pool_made_without_prefault_faults_each_slot_in_on_its_node_when_first_handed_out() -> None:
+    node = NODES[-1]
+    with numafast.PinnedPool(node, 100_000, 3, register="off", prefault=False, hugepages=False) as pool:
+        start, length = pool_range(pool)
+        stride = pool._slots.stride
+        assert set(pagemap_nodes(start, length)) == {None}  # not a page yet
+        assert "lo" in smaps_of(start)["VmFlags"].split()  # locked all the same: each page as it comes
+        assert pool.stats().bytes_locked == _libnuma.slot_table_bytes(3) + length
+        slot = pool.acquire(50_000)
+        first = start + slot.index * stride
+        assert pages_mlocked(first, 50_000) and set(pagemap_nodes(first, 50_000)) == {node}  # before any write
+        assert set(pagemap_nodes(first + 53_248, stride - 53_248)) == {None}  # only as far as asked for
+        array = np.asarray(pool.acquire())  # the whole of another slot
+        assert pages_mlocked(address_of(array), array.nbytes) and set(pagemap_nodes(address_of(array), array.nbytes)) == {node}
+        untouched = ({0, 1, 2} - {slot.index, (address_of(array) - start) // stride}).pop()
+        assert set(pagemap_nodes(start + untouched * stride, stride)) == {None}
+        del slot, array
 
 
 def test_lock_off_leaves_the_pages_unlocked() -> None:
@@ -416,7 +436,7 @@ resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
 import numafast
 try:
     with warnings.catch_warnings(record=True) as caught:
-        pool = numafast.PinnedPool(0, 1 << 20, 4, lock=sys.argv[1])
+        pool = numafast.PinnedPool(0, 1 << 20, 4, lock=sys.argv[1], prefault=sys.argv[2] == "prefault")
 except numafast.MemlockError as error:
     print("MemlockError:", error)
 else:
@@ -434,8 +454,9 @@ MEMLOCK_HOST_ONLY = pytest.mark.host_only("a Python child per case: RLIMIT_MEMLO
 
 @MEMLOCK_HOST_ONLY
 @pytest.mark.parametrize("mode", ["required", "auto"])
-def test_locking_beyond_the_limit_names_the_limit_and_the_fix(mode: str) -> None:
-    result = run_child(MEMLOCK_CHILD, mode, prefix=WITHOUT_IPC_LOCK)
+@pytest.mark.parametrize("prefault", ["prefault", "on first use"])  # the whole size counts at once either way
+def test_locking_beyond_the_limit_names_the_limit_and_the_fix(mode: str, prefault: str) -> None:
+    result = run_child(MEMLOCK_CHILD, mode, prefault, prefix=WITHOUT_IPC_LOCK)
     assert result.returncode == 0, result.stderr
     message = result.stdout
     assert message.startswith(f"MemlockError: page-locking the {POOL_BYTES}-byte pool on node 0 failed"), message
@@ -445,7 +466,7 @@ def test_locking_beyond_the_limit_names_the_limit_and_the_fix(mode: str) -> None
 
 @MEMLOCK_HOST_ONLY
 def test_best_effort_locking_warns_once_and_goes_on_unlocked() -> None:
-    result = run_child(MEMLOCK_CHILD, "best-effort", prefix=WITHOUT_IPC_LOCK)
+    result = run_child(MEMLOCK_CHILD, "best-effort", "prefault", prefix=WITHOUT_IPC_LOCK)
     assert result.returncode == 0, result.stderr
     first, second = result.stdout.splitlines()
     assert first.startswith(f"pool 0 False 1 page-locking the {POOL_BYTES}-byte pool"), first
