@@ -26,7 +26,10 @@ measured in the same run:
 Each prints samples/s (median of the rounds after one warm-up epoch), the main
 process's CPU per GiB and per batch, with ratios to the baseline; NumaLoader's
 slowest round is also reported against the ceiling's median (the goal: every round
-after the first epoch within 10% of the ceiling). A last group times a new loader's
+after the first epoch within 10% of the ceiling). Then, per kind, rounds of the
+ceiling and of NumaLoader alternated (4x longer), each NumaLoader round against the
+ceiling round just before it: the median and the slowest of those ratios are the
+fairest reading on a machine whose speed drifts. A last group times a new loader's
 first batch and a short epoch (8 batches): stock, a first NumaLoader (its pools made
 then), and a NumaLoader re-created on the same node (the pools of the one it
 replaces taken over). ``python3 -m pytest bench/bench_loader.py``
@@ -94,8 +97,9 @@ class StackIntoOwnBuffer:
         return len(samples)
 
 
-def stock(kind: str, **options: Any) -> DataLoader:  # type: ignore[type-arg]
-    return DataLoader(Images(kind), batch_size=KINDS[kind][0], num_workers=WORKERS, persistent_workers=True, **options)
+def stock(kind: str, batches: int | None = None, **options: Any) -> DataLoader:  # type: ignore[type-arg]
+    return DataLoader(Images(kind, batches), batch_size=KINDS[kind][0], num_workers=WORKERS, persistent_workers=True,
+                      **options)  # fmt: skip
 
 
 def with_pin_thread(batches: Iterator[Any], pin: Callable[[Any], Any]) -> Iterator[Any]:
@@ -207,6 +211,44 @@ def test_pin_memory_hook(benchmark, table, kind: str) -> None:  # type: ignore[n
             lambda: with_pin_thread(iter(loader), lambda batch: batch))  # fmt: skip
     stats = hook.stats()
     assert stats is not None and stats.landed > 0, stats
+
+
+ALTERNATED_ROUNDS = 4  # x a kind's batches per round: rounds long enough to outlast a scheduling hiccup
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_numa_loader_against_the_ceiling_alternated(benchmark, table, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """A round of the ceiling, then one of NumaLoader, alternated, each NumaLoader round
+    against the ceiling round just before it: on a machine whose speed drifts (other
+    guests on the host), the fairest ratio; the cases above each run their rounds
+    back to back."""
+    batch, _shape, _dtype, per_round = KINDS[kind]
+    batches = per_round * ALTERNATED_ROUNDS
+    ceiling = stock(kind, batches, collate_fn=StackIntoOwnBuffer())
+    loader = numafast.torch.NumaLoader(stock(kind, batches), node=NODE)
+    ratios: list[float] = []
+
+    def seconds(epoch: Iterator[Any]) -> float:
+        start = time.perf_counter()
+        assert consume(epoch) == batch * batches
+        return time.perf_counter() - start
+
+    def pair() -> None:
+        ceiling_seconds = seconds(iter(ceiling))
+        ratios.append(ceiling_seconds / seconds(iter(loader)))
+
+    group = f"{kind}: NumaLoader / the ceiling, rounds alternated (after one warm-up epoch)"
+    record(benchmark, table, group, "ceiling + NumaLoader, a round each", pair, unit="us/op",
+           scale=lambda seconds: seconds * 1e6, warmup=1)  # fmt: skip
+    if benchmark.stats is not None:
+        rounds = sorted(ratios[1:])  # the first pair was the warm-up
+        table[group] = {
+            "the ceiling (each round)": (1.0, "x"),
+            "NumaLoader, median round": (rounds[len(rounds) // 2], "x"),
+            "NumaLoader, slowest round": (rounds[0], "x"),
+        }
+    stats = loader.stats()
+    assert stats.landed > 0 and set(stats.fallbacks) <= {"first batches"}, stats
 
 
 # ---------------------------------------------------------------- a new loader's first batches
