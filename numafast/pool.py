@@ -263,8 +263,10 @@ class PinnedPool:
     is bound and locked (mlock2 MLOCK_ONFAULT: the whole size counts against
     RLIMIT_MEMLOCK now) but no page is faulted in; each slot is, on the node, the
     first time this process hands it out, and worker processes fault in the slots
-    they lease (:class:`~numafast.pool_share.PoolView`). A pool that registers with
-    CUDA is faulted in at once all the same: registration pins every page.
+    they lease (:class:`~numafast.pool_share.PoolView`). A page is locked once it is
+    in this process's mapping: :meth:`adopt` enters a worker's batch there. A pool
+    that registers with CUDA is faulted in at once all the same: registration pins
+    every page.
 
     Use it as a context manager, or call :meth:`close`: the memory is unregistered,
     unlocked and unmapped exactly once, when the pool is closed and the last slot has
