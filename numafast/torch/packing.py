@@ -240,16 +240,71 @@ class _Unpacker(pickle.Unpickler):
         return made
 
 
+# torch dtype name -> NumPy dtype, for those NumPy has (not bfloat16, float8, ...).
+_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {}
+for _name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "float32",
+              "float64", "complex64", "complex128"):  # fmt: skip
+    if hasattr(torch, _name):
+        _NUMPY_DTYPES[_name] = torch.empty(0, dtype=getattr(torch, _name)).numpy().dtype
+
+
 def _over_slot(slot: Any, ref: Ref) -> Any:
     kind, offset, dtype, shape = ref[:4]
     count = math.prod(shape)
-    if kind == "t":
+    if kind == "a":
+        return np.frombuffer(slot, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is not None:  # half the cost of frombuffer + view, the same tensor
+        tensor = torch.from_numpy(np.frombuffer(slot, dtype=numpy_dtype, count=count, offset=offset).reshape(shape))
+    else:
         tensor = torch.frombuffer(slot, dtype=getattr(torch, dtype), count=count, offset=offset).view(shape)
-        return tensor.requires_grad_() if ref[4] else tensor
-    return np.frombuffer(slot, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
+    return tensor.requires_grad_() if ref[4] else tensor
+
+
+# How to rebuild a payload's batch over another slot without unpickling it: the
+# payload of same-shaped batches is the same bytes (offsets are slot-relative), so
+# its structure is learnt once. None: a payload whose batch holds more than lists,
+# tuples, str-keyed dicts and slot tensors and arrays (anything else is unpickled
+# anew every time, so no object is ever shared between two batches).
+Build = Callable[[dict[Ref, Any]], Any]
+_templates: dict[bytes, tuple[tuple[Ref, ...], Build] | None] = {}
+_TEMPLATES_KEPT = 64
 
 
 def unpack(payload: bytes, slot: Any) -> Any:
     """The batch :meth:`SlotPacker.pack` packed, with its tensors and arrays over ``slot``
     (each holds a reference to it: the slot comes back when the last is gone)."""
-    return _Unpacker(payload, slot).load()
+    template = _templates.get(payload, False)
+    if template:
+        refs, build = template
+        return build({ref: _over_slot(slot, ref) for ref in refs})
+    unpacker = _Unpacker(payload, slot)
+    batch = unpacker.load()
+    if template is False:
+        if len(_templates) >= _TEMPLATES_KEPT:
+            _templates.clear()
+        build = _builder(batch, {id(made): ref for ref, made in unpacker.made.items()})
+        _templates[payload] = None if build is None else (tuple(unpacker.made), build)
+    return batch
+
+
+def _builder(value: Any, refs: dict[int, Ref]) -> Build | None:
+    """A function that makes ``value`` again from the objects over a new slot (by
+    reference), or None when ``value`` holds anything else."""
+    ref = refs.get(id(value))
+    if ref is not None:
+        return lambda made: made[ref]
+    kind = type(value)
+    if kind is list or kind is tuple:
+        parts = [_builder(item, refs) for item in value]
+        if any(part is None for part in parts):
+            return None
+        if kind is list:
+            return lambda made: [part(made) for part in parts]  # type: ignore[misc]
+        return lambda made: tuple(part(made) for part in parts)  # type: ignore[misc]
+    if kind is dict and all(type(key) is str for key in value):
+        items = [(key, _builder(item, refs)) for key, item in value.items()]
+        if any(part is None for _key, part in items):
+            return None
+        return lambda made: {key: part(made) for key, part in items}  # type: ignore[misc]
+    return None

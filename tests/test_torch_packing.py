@@ -1,0 +1,87 @@
+"""A batch packed into a slot and unpacked over the owner's mapping: the second and
+later batches of a layout are rebuilt from a template, and must come out exactly as
+unpickling makes them."""
+
+from __future__ import annotations
+
+import gc
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sysfs_truth import online_nodes
+
+torch = pytest.importorskip("torch")
+
+import numafast  # noqa: E402
+from numafast.torch import packing  # noqa: E402
+
+NODE = online_nodes()[0]
+Pair = namedtuple("Pair", "image label")
+
+
+def packed(pool: numafast.PinnedPool, batch: Any) -> tuple[Any, bytes]:
+    """A slot of ``pool`` holding ``batch`` (packed as a worker packs it), and its payload."""
+    slot = pool.acquire()
+    return slot, packing.SlotPacker(memoryview(slot)).pack(batch)
+
+
+def in_slot(value: Any, slot: Any) -> bool:
+    start = np.asarray(slot).ctypes.data
+    address = value.data_ptr() if isinstance(value, torch.Tensor) else value.ctypes.data
+    return start <= address < start + len(memoryview(slot))
+
+
+def test_a_layout_seen_before_is_rebuilt_as_unpickling_makes_it() -> None:
+    packing._templates.clear()
+    with numafast.PinnedPool(NODE, 1 << 20, 4, register="off") as pool:
+        shared = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        batch = {"image": shared, "again": shared, "rows": [torch.ones(4, dtype=torch.int64), (np.arange(3),)],
+                 "mask": torch.tensor([True, False])}  # fmt: skip
+        first_slot, payload = packed(pool, batch)
+        second_slot, second_payload = packed(pool, batch)
+        assert payload == second_payload  # slot-relative: the same bytes for the same layout
+        first = packing.unpack(payload, first_slot)
+        assert payload in packing._templates and packing._templates[payload] is not None
+        second = packing.unpack(payload, second_slot)  # from the template
+        for made, slot in ((first, first_slot), (second, second_slot)):
+            assert type(made) is dict and list(made) == ["image", "again", "rows", "mask"]
+            assert made["image"] is made["again"]  # one object per reference, as unpickled
+            assert type(made["rows"]) is list and type(made["rows"][1]) is tuple
+            assert isinstance(made["rows"][1][0], np.ndarray) and made["rows"][1][0].tolist() == [0, 1, 2]
+            assert torch.equal(made["image"], shared) and made["image"].dtype == torch.float32
+            assert torch.equal(made["rows"][0], torch.ones(4, dtype=torch.int64))
+            assert made["mask"].tolist() == [True, False]
+            leaves = [made["image"], made["rows"][0], made["rows"][1][0], made["mask"]]
+            assert all(in_slot(leaf, slot) for leaf in leaves)
+        second["image"][0, 0] = 42.0
+        assert first["image"][0, 0] == 0.0  # each over its own slot
+        del first, second, first_slot, second_slot, made, slot, leaves
+        gc.collect()
+        assert pool.stats().in_use == 0  # the slots came back with the last tensor over them
+
+
+def test_a_template_keeps_bfloat16_and_tensors_that_need_grad() -> None:
+    packing._templates.clear()
+    with numafast.PinnedPool(NODE, 1 << 20, 2, register="off") as pool:
+        batch = [torch.ones(3, dtype=torch.bfloat16), torch.zeros(2, requires_grad=True)]
+        slots_and_payloads = [packed(pool, batch) for _ in range(2)]
+        for slot, payload in slots_and_payloads:
+            half, weights = packing.unpack(payload, slot)
+            assert half.dtype == torch.bfloat16 and half.tolist() == [1.0, 1.0, 1.0] and in_slot(half, slot)
+            assert weights.requires_grad and weights.tolist() == [0.0, 0.0]
+        del half, weights, slots_and_payloads
+
+
+def test_batches_with_other_objects_are_unpickled_each_time_sharing_nothing() -> None:
+    packing._templates.clear()
+    with numafast.PinnedPool(NODE, 1 << 20, 4, register="off") as pool:
+        batch = Pair(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), ["a.jpg", "b.jpg"])  # a user's own collate's
+        made = [packing.unpack(payload, slot) for slot, payload in (packed(pool, batch) for _ in range(2))]
+        assert all(type(pair) is Pair and pair.label == ["a.jpg", "b.jpg"] for pair in made)
+        assert made[0].label is not made[1].label  # a consumer may change one batch's list
+        assert torch.equal(made[1].image, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+        assert set(packing._templates.values()) == {None}
+        del made
