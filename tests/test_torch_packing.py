@@ -85,3 +85,28 @@ def test_batches_with_other_objects_are_unpickled_each_time_sharing_nothing() ->
         assert torch.equal(made[1].image, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
         assert set(packing._templates.values()) == {None}
         del made
+
+
+def test_a_packer_reuses_a_payload_only_for_the_same_layout_of_slot_tensors() -> None:
+    with numafast.PinnedPool(NODE, 1 << 20, 2, register="off") as pool:
+        slot = pool.acquire()
+        packer = packing.SlotPacker(memoryview(slot))
+
+        def pack(shape: tuple[int, ...], name: str | None = None) -> tuple[bytes, Any]:
+            packer.reset(memoryview(slot))
+            images = packer.tensor(torch.float32, shape)
+            images.fill_(1.0)
+            batch: Any = [images, packer.tensor(torch.int64, shape[:1])] if name is None else {"x": images, "name": name}
+            payload = packer.pack(batch)
+            return payload, packing.unpack(payload, slot)
+
+        first, _ = pack((4, 2))
+        again, made = pack((4, 2))
+        assert again is first  # the same layout: reused, not pickled again
+        assert [tuple(t.shape) for t in made] == [(4, 2), (4,)] and made[0].sum() == 8
+        other, made = pack((3, 2))
+        assert other != first and [tuple(t.shape) for t in made] == [(3, 2), (3,)]
+        _, named = pack((2, 2), "a.jpg")
+        _, renamed = pack((2, 2), "b.jpg")  # anything but slot tensors is pickled every time
+        assert (named["name"], renamed["name"]) == ("a.jpg", "b.jpg")
+        del made, named, renamed, slot

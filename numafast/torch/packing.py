@@ -74,6 +74,7 @@ class SlotPacker:
         self.unpinned: set[str] = set()
         """Kinds of tensors left as they are (sparse, nested, on a device)."""
         self._collate_map: dict[Any, CollateFn] | None = None
+        self._payloads: dict[Any, bytes] = {}  # by layout (see pack)
         self.reset(memory)
 
     def reset(self, memory: Any) -> SlotPacker:
@@ -99,10 +100,9 @@ class SlotPacker:
         if numel == 0:
             return torch.empty(tuple(shape), dtype=dtype)
         start = self._reserve(numel * dtype.itemsize)
-        tensor = torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=start).view(tuple(shape))
-        if requires_grad:
-            tensor.requires_grad_()
-        self.placed[id(tensor)] = (tensor, ("t", start, str(dtype).removeprefix("torch."), tuple(shape), requires_grad))
+        ref = ("t", start, str(dtype).removeprefix("torch."), tuple(shape), requires_grad)
+        tensor = _over_slot(self.memory, ref)
+        self.placed[id(tensor)] = (tensor, ref)
         return tensor
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -169,14 +169,42 @@ class SlotPacker:
     def pack(self, batch: object, cpus: Sequence[int] = (), threads: int = 1) -> bytes:
         """``batch`` pickled with its tensors and arrays as references into the slot; those
         not in it yet are copied there (in one GIL-free gather copy, ``threads`` threads
-        on ``cpus``). SlotFull when they do not fit."""
+        on ``cpus``). SlotFull when they do not fit.
+
+        A batch of lists, tuples and str-keyed dicts of tensors collated into the slot
+        has the same payload as the last one of its layout: that is reused, not pickled."""
+        layout = self._layout(batch)
+        if layout is not None:
+            payload = self._payloads.get(layout)
+            if payload is not None:
+                return payload
         out = io.BytesIO()
         _Packer(out, self).dump(batch)
         if self.copies:
             offsets = [offset for offset, _source in self.copies]
             _libnuma.gather_copy(self.memory, offsets, [source for _offset, source in self.copies], cpus, threads)
             self.copies.clear()
-        return out.getvalue()
+        payload = out.getvalue()
+        if layout is not None:
+            if len(self._payloads) >= _TEMPLATES_KEPT:
+                self._payloads.clear()
+            self._payloads[layout] = payload
+        return payload
+
+    def _layout(self, value: object) -> Any:
+        """What makes ``value``'s payload: its containers and the references of the
+        tensors in the slot they hold; None when it holds anything else."""
+        known = self.placed.get(id(value))
+        if known is not None and known[0] is value:
+            return known[1]
+        kind = type(value)
+        if kind is list or kind is tuple:
+            parts = [self._layout(item) for item in value]  # type: ignore[attr-defined]
+            return None if None in parts else (kind, *parts)
+        if kind is dict and all(type(key) is str for key in value):  # type: ignore[attr-defined]
+            items = [(key, self._layout(item)) for key, item in value.items()]  # type: ignore[attr-defined]
+            return None if any(part is None for _key, part in items) else (dict, *items)
+        return None
 
     def reference(self, value: object) -> Ref | None:
         """The slot reference for ``value`` (placing it first), or None to pickle it as is."""
