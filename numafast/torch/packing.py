@@ -101,7 +101,7 @@ class SlotPacker:
             return torch.empty(tuple(shape), dtype=dtype)
         start = self._reserve(numel * dtype.itemsize)
         ref = ("t", start, str(dtype).removeprefix("torch."), tuple(shape), requires_grad)
-        tensor = _over_slot(self.memory, ref)
+        tensor: torch.Tensor = _over_slot(self.memory, ref)
         self.placed[id(tensor)] = (tensor, ref)
         return tensor
 
@@ -302,17 +302,18 @@ _TEMPLATES_KEPT = 64
 def unpack(payload: bytes, slot: Any) -> Any:
     """The batch :meth:`SlotPacker.pack` packed, with its tensors and arrays over ``slot``
     (each holds a reference to it: the slot comes back when the last is gone)."""
-    template = _templates.get(payload, False)
-    if template:
+    seen = payload in _templates
+    template = _templates.get(payload)
+    if template is not None:
         refs, build = template
         return build({ref: _over_slot(slot, ref) for ref in refs})
     unpacker = _Unpacker(payload, slot)
     batch = unpacker.load()
-    if template is False:
+    if not seen:
         if len(_templates) >= _TEMPLATES_KEPT:
             _templates.clear()
-        build = _builder(batch, {id(made): ref for ref, made in unpacker.made.items()})
-        _templates[payload] = None if build is None else (tuple(unpacker.made), build)
+        builder = _builder(batch, {id(made): ref for ref, made in unpacker.made.items()})
+        _templates[payload] = None if builder is None else (tuple(unpacker.made), builder)
     return batch
 
 
