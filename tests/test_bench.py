@@ -331,7 +331,10 @@ def test_h2d_check_reads_the_documented_matrix() -> None:
 # it, so the threads are read again until only the first ones remain (or 10 s pass:
 # a thread still there then was never ended).
 INTERRUPTED_CHILD = """
-import json, os, sys, time
+import json, os, signal, sys, time
+# As at a terminal: a runner started in the background (nohup, `&` without job
+# control) hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from numafast.cli import main
 from sysfs_truth import numa_maps, thread_cpus_of_process, thread_policy
 def state():
