@@ -5,6 +5,11 @@ A fence may carry tags after the language (```python gpu):
 * ``gpu``: needs a CUDA GPU; skipped, saying so, where PyTorch sees none.
 * ``slurm``: needs a SLURM cluster (``srun``); skipped without one.
 * ``host``: takes minutes under the guests' TCG emulation; run on the host only.
+
+Bash blocks run on the host and in the 4-node guest, not in the memory-only guest:
+they are numafast commands, each a fresh interpreter (~12 s under TCG), which the
+CLI tests already run there against the CPU-less node; the Python blocks (placement
+onto that node) run in every guest.
 * ``ci``: installs, builds the wheel, boots a guest or is the test suite itself: not
   run here (it would change the machine or recurse) but by CI, as a phase of
   ``.ci/run``; checked here by finding each command in the CI scripts.
@@ -29,6 +34,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+from sysfs_truth import cpuless_nodes_with_memory
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -93,6 +100,9 @@ def skip_reason(block: Block) -> str | None:
         return f"{block.name} needs a SLURM cluster (no srun here)"
     if "host" in block.tags and IN_GUEST:
         return f"{block.name} takes minutes under TCG emulation: run on the host only"
+    if block.language == "bash" and IN_GUEST and cpuless_nodes_with_memory():
+        return (f"{block.name}: shell blocks run on the host and in the 4-node guest; here they would cost minutes of "
+                "TCG, and the CLI tests run the commands against the CPU-less node")
     missing = [name for name in FRAMEWORKS if name in IMPORTED.findall(block.source) and not importlib.util.find_spec(name)]
     if block.language == "python" and missing:
         return f"{block.name} needs {', '.join(missing)} (pip install numafast[frameworks]); this Python has none"

@@ -428,6 +428,7 @@ def test_a_worker_killed_while_it_holds_a_slot_gives_the_dataloaders_own_error_a
     assert leased == 0 and reclaimed == 1, ours
 
 
+@SEMANTICS
 def test_iterating_installs_torchs_sigchld_handler_as_the_stock_loader_does() -> None:
     code = (
         "import torch, numafast.torch\n"
