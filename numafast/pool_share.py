@@ -19,7 +19,7 @@ import mmap
 import os
 import struct
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 
 from numafast import _libnuma
@@ -32,6 +32,11 @@ BOARD_ENTRIES = 16
 _ENTRY = struct.Struct("6q")
 _HEADER = struct.Struct("2q")  # version (odd while the owner writes), entries
 BOARD_BYTES = _HEADER.size + BOARD_ENTRIES * _ENTRY.size
+# A worker's request for room: the bytes of slot its batch needs, and 1 where it asks for
+# more slots (every one is held); (0, 0) tells the owner's thread the board closed. One
+# write of 16 bytes is atomic on a pipe (under PIPE_BUF): requests never interleave.
+_REQUEST = struct.Struct("2q")
+_CLOSED = _REQUEST.pack(0, 0)
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,14 @@ class PoolHandle:
 
 @dataclass(frozen=True)
 class BoardHandle:
-    """Where another process finds a :class:`PoolBoard` (as :class:`PoolHandle` does a pool)."""
+    """Where another process finds a :class:`PoolBoard` (as :class:`PoolHandle` does a
+    pool): its file, and the pipe that takes the workers' requests for room."""
 
     owner_pid: int
     fd: int
     inode: int
+    request_fd: int
+    request_inode: int
 
 
 def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
@@ -77,10 +85,16 @@ def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
 
 class PoolBoard:
     """The pools a loader's workers may fill now, in a small shared file the owner
-    rewrites whenever its pools change (a first pool sized by the first batches, a
-    bigger one, one more) and every worker reads before each batch: pools reach
-    workers that were started before them, without restarting them. A version
-    number, odd while the owner writes, lets a reader retry a torn read."""
+    rewrites whenever its pools change (a first pool, a bigger one, one more) and
+    every worker reads before each batch: pools reach workers that were started
+    before them, without restarting them. A version number, odd while the owner
+    writes, lets a reader retry a torn read.
+
+    A worker whose batch fits no pool listed (there is none yet, or the batch grew)
+    asks for room through the board's pipe, :meth:`BoardReader.ask`; the owner
+    answers in a thread of its own (:meth:`serve_requests`) by publishing a pool
+    that fits, and the worker collates into it: even a loader's first batches are
+    made in place, with no copy by the main process."""
 
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
@@ -88,10 +102,17 @@ class PoolBoard:
         os.ftruncate(self.fd, BOARD_BYTES)
         self.memory = mmap.mmap(self.fd, BOARD_BYTES)
         self.version = 0
-        self._closer = weakref.finalize(self, _close_board, self.memory, self.fd)
+        self.requests, self.request_fd = os.pipe2(os.O_CLOEXEC)
+        """The pipe's ends: the owner reads requests, workers write them (a copy of the
+        write end, inherited or opened through /proc)."""
+        self._serving = False
+        self._fds = [self.fd, self.request_fd, self.requests]  # closed with the board
+        self._closer = weakref.finalize(self, _close_board, self.memory, self._fds)
 
     def handle(self) -> BoardHandle:
-        return BoardHandle(self.owner_pid, self.fd, os.fstat(self.fd).st_ino)
+        return BoardHandle(
+            self.owner_pid, self.fd, os.fstat(self.fd).st_ino, self.request_fd, os.fstat(self.request_fd).st_ino
+        )
 
     def publish(self, pools: Sequence[PoolHandle]) -> None:
         """Make ``pools`` (the first BOARD_ENTRIES of them) what workers see."""
@@ -103,14 +124,38 @@ class PoolBoard:
         self.version += 1
         _HEADER.pack_into(self.memory, 0, self.version, len(pools))
 
+    def serve_requests(self, make_room: Callable[[int, bool], object]) -> None:
+        """Call ``make_room(nbytes, more)`` for the workers' requests (those waiting at
+        once in one call: the largest size, and whether any asked for more slots) until
+        the board is closed. Blocks: run it in a thread of its own (the read waits
+        without the GIL). The thread owns the pipe's read end from now on, and closes
+        it when it returns."""
+        fd = self.requests
+        self._serving = True
+        self._fds.remove(fd)
+        try:
+            while True:
+                data = os.read(fd, 64 * _REQUEST.size)
+                requests = list(_REQUEST.iter_unpack(data[: len(data) - len(data) % _REQUEST.size]))
+                if not requests or (0, 0) in requests:
+                    return
+                make_room(max(size for size, _more in requests), any(more for _size, more in requests))
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
-        """Unmap and close the file (also when the board is collected)."""
+        """Unmap and close the file and the pipe (also when the board is collected), and
+        end :meth:`serve_requests`. In a forked child, only its own copies are closed."""
+        if self._serving and os.getpid() == self.owner_pid:
+            self._serving = False
+            os.write(self.request_fd, _CLOSED)  # the serving thread's cue to return
         self._closer()
 
 
-def _close_board(memory: mmap.mmap, fd: int) -> None:
+def _close_board(memory: mmap.mmap, fds: list[int]) -> None:
     memory.close()
-    os.close(fd)
+    for fd in fds:
+        os.close(fd)
 
 
 class BoardReader:
@@ -123,8 +168,32 @@ class BoardReader:
             self.memory = mmap.mmap(fd, BOARD_BYTES, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
+        self.handle = handle
         self.version = -1
         self.views: list[PoolView] = []
+        self._requests = -1  # the pipe's write end, opened at the first request
+        self.unanswered = False
+        """A request of this process's went unanswered: it asks no more."""
+
+    def ask(self, nbytes: int, *, more: bool = False) -> bool:
+        """Ask the owner for slots of at least ``nbytes`` bytes, ``more`` of them when
+        every one is held; it answers by publishing the pools. Never blocks (a full
+        pipe holds requests enough). False when this process asks no more: a request
+        went unanswered, or the pipe cannot be opened here."""
+        if self.unanswered:
+            return False
+        try:
+            if self._requests < 0:
+                handle = self.handle
+                self._requests = open_shared_file(handle.owner_pid, handle.request_fd, handle.request_inode,
+                                                  "a loader's request pipe")  # fmt: skip
+                os.set_blocking(self._requests, False)
+            os.write(self._requests, _REQUEST.pack(max(nbytes, 1), int(more)))
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.unanswered = True
+        return not self.unanswered
 
     def _read(self) -> tuple[int, list[PoolHandle]]:
         while True:

@@ -12,6 +12,8 @@ import gc
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +190,50 @@ def test_the_board_tells_running_processes_about_new_pools() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
         assert os.read(answer_read, 100).decode().split() == [str(MIB), str(2 * MIB), str(MIB)]
     board.close()
+
+
+def test_workers_ask_for_room_and_the_owners_thread_answers_until_the_board_closes() -> None:
+    """Two forked workers ask for slots of different sizes through the board's pipe;
+    the owner's serving thread is called with the largest waiting and publishes a
+    pool that fits, which the workers see. A forked child's close leaves the owner's
+    thread serving; the owner's close ends it and closes the read end."""
+    board = PoolBoard()
+    asked: list[int] = []
+    pools: list[numafast.PinnedPool] = []
+
+    def make_room(nbytes: int, more: bool) -> None:
+        asked.append((nbytes, more))
+        pools.append(numafast.PinnedPool(NODES[0], nbytes, 1, prefault=False))
+        board.publish([pool.share() for pool in pools])
+
+    server = threading.Thread(target=board.serve_requests, args=(make_room,), daemon=True)
+    server.start()
+
+    def worker(nbytes: int, more: bool = False) -> int:
+        reader = BoardReader(board.handle())
+        reader.ask(nbytes, more=more)
+        for _ in range(5000):
+            if any(view.handle.slot_bytes >= nbytes for view in reader.pools()):
+                return 0
+            time.sleep(0.001)
+        return 1
+
+    assert in_child(lambda: worker(MIB)) == 0
+    assert in_child(lambda: worker(3 * MIB)) == 0
+    assert in_child(lambda: board.close() or 0) == 0  # a child's copy: closes its own descriptors only
+    assert in_child(lambda: worker(3 * MIB, more=True)) == 0  # answered at once: a pool fits already
+    deadline = time.monotonic() + 5
+    while len(asked) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert asked == [(MIB, False), (3 * MIB, False), (3 * MIB, True)] and server.is_alive()  # the owner still reads requests
+    requests = board.requests
+    board.close()
+    server.join(5)
+    assert not server.is_alive()
+    with pytest.raises(OSError):
+        os.fstat(requests)
+    for pool in pools:
+        pool.close()
 
 
 @pytest.mark.numa(nodes=4)

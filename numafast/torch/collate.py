@@ -7,11 +7,14 @@ In a worker, :class:`SlotCollate` reads the loader's pool board (which pools exi
 now), leases a slot, and then either collates with torch's own ``collate`` and a
 map that stacks every tensor into the slot (the loader's ``collate_fn`` is
 ``default_collate``), or calls the loader's own ``collate_fn`` and copies its
-tensors into the slot; the result is a :class:`SlotBatch`. When a batch cannot
-land in a slot, the worker sends it as torch would, in a :class:`Fallback` that
-names the reason, and the main process copies it into a slot: never a stall,
-never a deadlock. Called in the main process (``num_workers=0``) it collates into
-a slot there.
+tensors into the slot; the result is a :class:`SlotBatch`. Where no pool fits the
+batch (the loader's first batches, a batch that grew) or every slot stays held,
+the worker measures the batch and asks the owner for room through the board, and
+collates once the owner has published it. When a batch still cannot land in a
+slot (no answer within a second), the worker sends it as torch would, in a
+:class:`Fallback` that names the reason, and the main process copies it into a
+slot: never a stall, never a deadlock. Called in the main process
+(``num_workers=0``) it collates into a slot there.
 
 The collate function is an ordinary, picklable attribute of the loader: a framework
 that builds a new DataLoader from a NumaLoader's settings (Lightning, Accelerate,
@@ -32,7 +35,7 @@ from torch.utils.data._utils.collate import collate
 from numafast.binding import bind
 from numafast.pool_share import BoardHandle, BoardReader, PoolView
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch
-from numafast.torch.packing import SlotFull, SlotPacker
+from numafast.torch.packing import SlotFull, SlotMeasure, SlotPacker
 
 if TYPE_CHECKING:
     from numafast.torch.pools import NodePools
@@ -45,6 +48,12 @@ __all__ = ["SlotCollate"]
 SLOT_WAIT_S = 0.05
 # How often a waiting worker looks at the pools again.
 SLOT_POLL_S = 0.0002
+# How long a worker waits for the pool it asked for (the owner makes it in a thread of
+# its own: ~1 ms, more where CUDA registration faults it in) before it sends its
+# batch the copying way.
+POOL_WAIT_S = 1.0
+# A batch not made yet: the collate function is torch's default, which collates into the slot.
+_UNMADE: Any = object()
 
 
 class SlotCollate:
@@ -81,32 +90,60 @@ class SlotCollate:
         return self.collate_fn(samples)
 
     def _in_worker(self, samples: Any) -> SlotBatch | Fallback:
-        owner_pid, owner_id = self.owner_pid, self.owner_id
         try:
-            views = _reader(self.board).pools()
+            reader = _reader(self.board)
+            first = not reader.pools()
         except OSError as error:
-            return Fallback(owner_pid, owner_id, self.collate_fn(samples), FallbackReason.CANNOT_MAP, str(error))
-        if not views:
-            return Fallback(owner_pid, owner_id, self.collate_fn(samples), FallbackReason.FIRST_BATCHES)
-        lease = _lease(views, SLOT_WAIT_S)
+            return self._copying(samples, _UNMADE, FallbackReason.CANNOT_MAP, str(error))
+        made = _UNMADE if self.direct else self.collate_fn(samples)
+        needed = 0  # any listed pool fits, until a batch says otherwise
+        if first:  # the loader's first batches: ask for a pool sized by this one
+            needed = self._measured(samples, made)
+            if not needed or not reader.ask(needed):
+                return self._copying(samples, made, FallbackReason.FIRST_BATCHES)
+        landed = self._land(reader, needed, samples, made, FallbackReason.FIRST_BATCHES if first else None)
+        if landed is None:  # larger than a slot: ask for larger ones
+            needed = self._measured(samples, made)
+            if reader.ask(needed):
+                landed = self._land(reader, needed, samples, made, FallbackReason.TOO_LARGE)
+        return self._copying(samples, made, FallbackReason.TOO_LARGE) if landed is None else landed
+
+    def _land(self, reader: BoardReader, needed: int, samples: Any, made: Any,
+              reason: FallbackReason | None) -> SlotBatch | Fallback | None:  # fmt: skip
+        """The batch collated (or packed, when ``made``) into a free slot of a listed pool
+        whose slots hold ``needed`` bytes; when every slot stays held, more slots are
+        asked for. A Fallback (``reason``, else no free slot) when none came, None when
+        the batch does not fit the slot."""
+        lease = _lease(reader, needed, SLOT_WAIT_S)
+        if lease is None and reader.ask(needed, more=True):  # the consumer keeps more batches than there are slots
+            lease = _lease(reader, needed, POOL_WAIT_S)
+            reader.unanswered = lease is None
         if lease is None:
-            return Fallback(owner_pid, owner_id, self.collate_fn(samples), FallbackReason.NO_FREE_SLOT)
+            return self._copying(samples, made, reason or FallbackReason.NO_FREE_SLOT)
         view, index, generation = lease
         try:
             packer = self._packer.reset(view.slot(index)) if self._packer else SlotPacker(view.slot(index))
             self._packer = packer
             try:
-                batch = self.fill(packer, samples)
-                payload = packer.pack(batch)
+                payload = packer.pack(self.fill(packer, samples) if made is _UNMADE else made)
             except SlotFull:
                 view.give_up(index, generation)
-                batch = self.collate_fn(samples) if self.direct else batch
-                return Fallback(owner_pid, owner_id, batch, FallbackReason.TOO_LARGE)
+                return None
         except BaseException:
             view.give_up(index, generation)
             raise
-        return SlotBatch(owner_pid, owner_id, view.handle.inode, index, generation, packer.end, payload,
-                         tuple(sorted(packer.unpinned)))
+        return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
+                         tuple(sorted(packer.unpinned)))  # fmt: skip
+
+    def _measured(self, samples: Any, made: Any) -> int:
+        """The bytes of slot the batch needs."""
+        measure = SlotMeasure()
+        return measure.collated(samples) if made is _UNMADE else measure.packed(made)
+
+    def _copying(self, samples: Any, made: Any, reason: FallbackReason, detail: str = "") -> Fallback:
+        """The batch as torch would send it, for the main process to copy into a slot."""
+        batch = self.collate_fn(samples) if made is _UNMADE else made
+        return Fallback(self.owner_pid, self.owner_id, batch, reason, detail)
 
     def _bind_worker(self) -> None:
         """Bind this worker to the node, once: its CPUs, and its memory preferred there
@@ -137,17 +174,24 @@ def _reader(board: BoardHandle) -> BoardReader:
     return reader
 
 
-def _lease(views: list[PoolView], wait_s: float) -> tuple[PoolView, int, int] | None:
-    """A free slot of one of ``views``, waiting up to ``wait_s`` seconds for one."""
+def _lease(reader: BoardReader, needed: int, wait_s: float) -> tuple[PoolView, int, int] | None:
+    """A free slot of ``needed`` bytes or more in one of the pools listed on the board
+    (read again while waiting: the owner may publish new ones), waiting up to
+    ``wait_s`` seconds; None when none came, or a new pool cannot be mapped here
+    (the next batch's look at the board says why)."""
     deadline = time.monotonic() + wait_s
-    while True:
-        for view in views:
-            lease = view.lease(0.0)
-            if lease is not None:
-                return view, lease[0], lease[1]
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(SLOT_POLL_S)
+    try:
+        while True:
+            for view in reader.pools():
+                if view.handle.slot_bytes >= needed:
+                    lease = view.lease(0.0)
+                    if lease is not None:
+                        return view, lease[0], lease[1]
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(SLOT_POLL_S)
+    except OSError:
+        return None
 
 
 _warned_elsewhere: set[int] = set()

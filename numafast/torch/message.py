@@ -28,11 +28,14 @@ class FallbackReason(str, Enum):
     """Why a batch did not land in a slot in its worker and was copied by the main process."""
 
     FIRST_BATCHES = "first batches"
-    """No pool yet: the first batches size it (no warning)."""
+    """No pool yet, and none came in time for the worker that asked for one, or the
+    batch has no bytes to lay out (no warning)."""
     NO_FREE_SLOT = "no free slot"
-    """Every slot was held (by batches the consumer keeps, queued ones, copies to the GPU)."""
+    """Every slot was held (by batches the consumer keeps, queued ones, copies to the
+    GPU), and no more came in time for the worker that asked for them."""
     TOO_LARGE = "batch larger than a slot"
-    """The pool is resized to the batch."""
+    """No larger slots came in time for the worker that asked: the main process resizes
+    the pool to the batch."""
     CANNOT_MAP = "worker cannot map the pool"
     """The worker could not open the pool's file (another user's process, a sandbox)."""
     BYPASSED = "collate bypassed"

@@ -17,16 +17,17 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from numafast import _libnuma
 
-__all__ = ["ALIGNMENT", "SlotFull", "SlotPacker", "placeable", "tensor_kind", "unpack"]
+__all__ = ["ALIGNMENT", "SlotFull", "SlotMeasure", "SlotPacker", "placeable", "tensor_kind", "unpack"]
 
 # Where each tensor starts inside a slot: the CUDA caching allocator's block size,
 # so a copy engine reads every tensor from an aligned address.
@@ -127,10 +128,9 @@ class SlotPacker:
         collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
         for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
             if kind in collate_map:
-                collate_map[kind] = self._placing(collate_map[kind])
-        for kind, dtypes in _NUMBERS_NUMPY_MAKES_AS_TORCH.items():
-            if kind in collate_map:
-                collate_map[kind] = self._numbers(collate_map[kind], dtypes)
+                dtypes = _NUMBERS_NUMPY_MAKES_AS_TORCH.get(kind)
+                make = collate_map[kind]
+                collate_map[kind] = self._placing(make) if dtypes is None else self._numbers(make, dtypes)
         collate_map[torch.Tensor] = self._stack
         return collate_map
 
@@ -206,6 +206,13 @@ class SlotPacker:
             return None if any(part is None for _key, part in items) else (dict, *items)
         return None
 
+    def _copy_in(self, target: torch.Tensor, offset: int, tensor: torch.Tensor) -> None:
+        if copies_as_bytes(tensor):  # in the one gather copy at the end of pack()
+            self.copies.append((offset, tensor.detach().reshape(-1).view(torch.uint8).numpy()))
+        else:
+            with torch.no_grad():
+                target.copy_(tensor)
+
     def reference(self, value: object) -> Ref | None:
         """The slot reference for ``value`` (placing it first), or None to pickle it as is."""
         known = self.placed.get(id(value))
@@ -219,11 +226,7 @@ class SlotPacker:
                 return None
             target = self.tensor(tensor.dtype, tensor.shape, tensor.requires_grad)
             ref = self.placed[id(target)][1]
-            if copies_as_bytes(tensor):  # in the one gather copy at the end of pack()
-                self.copies.append((ref[1], tensor.detach().reshape(-1).view(torch.uint8).numpy()))
-            else:
-                with torch.no_grad():
-                    target.copy_(tensor)
+            self._copy_in(target, ref[1], tensor)
         elif isinstance(value, np.ndarray) and plain_array(value) and value.size:
             start = self._reserve(value.nbytes)
             self.copies.append((start, np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
@@ -232,6 +235,58 @@ class SlotPacker:
             return None
         self.placed[id(value)] = (value, ref)
         return ref
+
+
+class SlotMeasure(SlotPacker):
+    """Lays a batch out as :class:`SlotPacker` would, in no memory: the bytes of slot
+    it needs, for a worker to ask for a pool that fits before it collates (so that
+    even the first batch is made in its slot). Tensors it makes are on the ``meta``
+    device: shapes without bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(b"")
+
+    def reset(self, memory: Any) -> SlotPacker:
+        super().reset(memory)
+        self.capacity = sys.maxsize
+        return self
+
+    def collated(self, samples: Any) -> int:
+        """The bytes ``default_collate(samples)`` needs in a slot."""
+        self.reset(b"")
+        collate(samples, collate_fn_map=self.collate_map())
+        return self.end
+
+    def packed(self, batch: Any) -> int:
+        """The bytes :meth:`SlotPacker.pack` needs for ``batch`` in a slot."""
+        self.reset(b"")
+        _Packer(io.BytesIO(), self).dump(batch)
+        self.copies.clear()
+        return self.end
+
+    def tensor(self, dtype: torch.dtype, shape: Sequence[int], requires_grad: bool = False) -> torch.Tensor:
+        numel = math.prod(shape)
+        start = self._reserve(numel * dtype.itemsize) if numel else 0
+        tensor = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        self.placed[id(tensor)] = (tensor, ("t", start, str(dtype), tuple(shape), requires_grad))
+        return tensor
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        if placeable(tensor):
+            self.tensor(tensor.dtype, tensor.shape)
+        return tensor
+
+    def _copy_in(self, target: torch.Tensor, offset: int, tensor: torch.Tensor) -> None:
+        pass
+
+    def _numbers(self, make: CollateFn, dtypes: dict[str, torch.dtype]) -> CollateFn:
+        return self._placing(make)  # the same bytes as NumPy's conversion, where that applies
+
+    def _stack(self, batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+        first = batch[0]
+        if first.is_nested or first.layout != torch.strided or first.device.type != "cpu":
+            return super()._stack(batch, collate_fn_map=collate_fn_map)
+        return self.tensor(first.dtype, (len(batch), *first.shape))
 
 
 def tensor_kind(tensor: torch.Tensor) -> str:

@@ -4,12 +4,15 @@ turns each worker's message (:mod:`numafast.torch.message`) back into the batch,
 with tensors over the slot, when the message is unpickled in this process.
 
 A loader cannot know its batch size in bytes before the first batch, nor how many
-batches its consumer keeps. So the first batch sizes the slots (with headroom for
-the batches that vary), a batch that outgrows them starts a pool with bigger slots
-(the old pools close and are released as their slots come back), and when every
-slot is held by batches the consumer still keeps, another pool of the same size is
-added rather than waiting for a slot that would never come back. A slot that is
-only in flight (a GPU copy still reading it) is waited for instead: it is free soon.
+batches its consumer keeps. So the workers ask (:meth:`NodePools.make_room`, from
+a thread that serves the board's requests): the first batch's worker measures its
+batch before collating, and the pool is made with slots that size (with headroom
+for the batches that vary); a batch that outgrows them gets a pool with bigger
+slots (the old pools close and are released as their slots come back); and when
+every slot is held by batches the consumer still keeps, another pool of the same
+size is added rather than waiting for a slot that would never come back. A slot
+that is only in flight (a GPU copy still reading it) is waited for instead: it is
+free soon. The main process makes the same choices for a batch it copies in.
 
 Every change is published on a :class:`~numafast.pool_share.PoolBoard` that the
 workers read before each batch, so running workers start filling new pools at once.
@@ -41,7 +44,7 @@ from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, p
 from numafast.pool_share import PoolBoard
 from numafast.torch.batch import fill, flatten, layout, opaque_leaves
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch, receivers
-from numafast.torch.packing import SlotFull, SlotPacker, placeable, tensor_kind, unpack
+from numafast.torch.packing import SlotFull, SlotMeasure, SlotPacker, placeable, tensor_kind, unpack
 
 __all__ = ["LoaderStats", "NodePools", "close_idle_pools", "node_pools"]
 
@@ -128,6 +131,8 @@ class NodePools:
         self.taken_over = False
         """Made for another loader, gone since: its first batches may need larger slots."""
         self._by_inode: dict[int, PinnedPool] = {}
+        self._server: threading.Thread | None = None
+        """Makes the pools the workers ask for (started with the first user)."""
         self._mutex = threading.RLock()
         self._pid = os.getpid()
         receivers[self.owner_id] = self
@@ -137,6 +142,12 @@ class NodePools:
         while it lives, and go idle (for the next loader on the node) once none is left."""
         with _idle_mutex:
             self.users += 1
+            if self._server is None:
+                self._server = threading.Thread(
+                    target=self.board.serve_requests, args=(_make_room_in(weakref.ref(self)),), daemon=True,
+                    name=f"numafast pools, node {self.node}",
+                )
+                self._server.start()
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
         weakref.finalize(user, self._detach).atexit = False
 
@@ -213,10 +224,11 @@ class NodePools:
     def collate_here(self, samples: Any, collate: Collating) -> Any:
         """Collate in this process (a loader without workers): into a slot directly when
         a pool exists and the collate function is torch's default, else a copy."""
-        if not self.pools or not collate.direct:
+        needed = self.pools[0].slot_bytes if self.pools else SlotMeasure().collated(samples) if collate.direct else 0
+        if not collate.direct or not needed:  # nothing to lay out in a pool, or no pool yet
             reason = FallbackReason.FIRST_BATCHES if not self.pools else None
             return self._copy(collate.collate_fn(samples), reason)
-        slot, _pool = self._acquire(self.pools[0].slot_bytes)
+        slot, _pool = self._acquire(needed)
         try:
             batch = collate.fill(SlotPacker(memoryview(slot)), samples)
         except SlotFull:
@@ -224,6 +236,29 @@ class NodePools:
             return self._copy(collate.collate_fn(samples), FallbackReason.TOO_LARGE)
         self.landed += 1
         return batch
+
+    def make_room(self, nbytes: int, more: bool) -> None:
+        """Pools whose slots hold ``nbytes``, and ``more`` slots when every one is held by
+        batches: the workers' requests (a batch fits no pool listed, or none is yet; no
+        slot came free), answered from the serving thread."""
+        with self._mutex:
+            if self.closed:
+                return
+            if not self.pools or nbytes > self.pools[0].slot_bytes:
+                self._resize(nbytes)
+            elif more and not self._slot_free_soon():
+                self._grow()
+
+    def _slot_free_soon(self) -> bool:
+        """A slot is free, or only in flight (a GPU copy still reads it: free soon), once
+        the leases of workers that are gone are ended."""
+        self.reclaim_orphans()
+        return any(stats.free or stats.in_flight for stats in (pool.stats() for pool in self.pools))
+
+    def _grow(self) -> None:
+        self.grown += 1
+        self.pools.append(self._new_pool(self.pools[0].slot_bytes))
+        self._publish()
 
     def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
@@ -284,9 +319,7 @@ class NodePools:
             # Only a slot in flight to the GPU is free soon; a leased one becomes a batch.
             busy = [pool for pool in self.pools if pool.stats().in_flight]
             if not busy:
-                self.grown += 1
-                self.pools.append(self._new_pool(self.pools[0].slot_bytes))
-                self._publish()
+                self._grow()
                 return self.pools[-1].acquire(nbytes, 0), self.pools[-1]
         return busy[0].acquire(nbytes, None), busy[0]
 
@@ -344,10 +377,28 @@ class NodePools:
 
     def close(self) -> None:
         """Close every pool (each released once its slots are back) and the board."""
-        self.closed = True
-        for pool in [*self.pools, *self.retired]:
-            pool.close()
+        with self._mutex:  # not while the serving thread makes a pool
+            self.closed = True
+            for pool in [*self.pools, *self.retired]:
+                pool.close()
         self.board.close()
+
+
+def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
+    """``make_room`` of the pools, for their serving thread, which must neither keep them
+    alive nor die of a pool that cannot be made: the worker that asked then times out
+    and sends its batch the copying way, and the main process's copy meets the error
+    and raises it where the user sees it."""
+
+    def make_room(nbytes: int, more: bool) -> None:
+        target = pools()
+        if target is not None:
+            try:
+                target.make_room(nbytes, more)
+            except Exception:  # noqa: BLE001 - raised again by the copy in the main process
+                pass
+
+    return make_room
 
 
 def node_pools(
