@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
@@ -124,24 +125,20 @@ class PoolBoard:
         self.version += 1
         _HEADER.pack_into(self.memory, 0, self.version, len(pools))
 
-    def serve_requests(self, make_room: Callable[[int, bool], object]) -> None:
-        """Call ``make_room(nbytes, more)`` for the workers' requests (those waiting at
-        once in one call: the largest size, and whether any asked for more slots) until
-        the board is closed. Blocks: run it in a thread of its own (the read waits
-        without the GIL). The thread owns the pipe's read end from now on, and closes
-        it when it returns."""
-        fd = self.requests
+    def serve_requests(self, make_room: Callable[[int, bool], object], name: str) -> threading.Thread:
+        """A daemon thread, started, that calls ``make_room(nbytes, more)`` for the
+        workers' requests (those waiting at once in one call: the largest size, and
+        whether any asked for more slots) until the board is closed. It owns the
+        pipe's read end from now on and closes it as it returns: taken from the board
+        here, before the thread runs, so that a board closed before the thread starts
+        cannot close it under the thread (whose number another file could then reuse)."""
+        if self._serving:
+            raise RuntimeError("this board's requests are served already")
         self._serving = True
-        self._fds.remove(fd)
-        try:
-            while True:
-                data = os.read(fd, 64 * _REQUEST.size)
-                requests = list(_REQUEST.iter_unpack(data[: len(data) - len(data) % _REQUEST.size]))
-                if not requests or (0, 0) in requests:
-                    return
-                make_room(max(size for size, _more in requests), any(more for _size, more in requests))
-        finally:
-            os.close(fd)
+        self._fds.remove(self.requests)
+        thread = threading.Thread(target=_serve, args=(self.requests, make_room), name=name, daemon=True)
+        thread.start()
+        return thread
 
     def close(self) -> None:
         """Unmap and close the file and the pipe (also when the board is collected), and
@@ -150,6 +147,19 @@ class PoolBoard:
             self._serving = False
             os.write(self.request_fd, _CLOSED)  # the serving thread's cue to return
         self._closer()
+
+
+def _serve(requests: int, make_room: Callable[[int, bool], object]) -> None:
+    """Read requests until the closing one; the read waits without the GIL."""
+    try:
+        while True:
+            data = os.read(requests, 64 * _REQUEST.size)
+            batch = list(_REQUEST.iter_unpack(data[: len(data) - len(data) % _REQUEST.size]))
+            if not batch or (0, 0) in batch:
+                return
+            make_room(max(size for size, _more in batch), any(more for _size, more in batch))
+    finally:
+        os.close(requests)
 
 
 def _close_board(memory: mmap.mmap, fds: list[int]) -> None:

@@ -12,7 +12,6 @@ import gc
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -206,8 +205,7 @@ def test_workers_ask_for_room_and_the_owners_thread_answers_until_the_board_clos
         pools.append(numafast.PinnedPool(NODES[0], nbytes, 1, prefault=False))
         board.publish([pool.share() for pool in pools])
 
-    server = threading.Thread(target=board.serve_requests, args=(make_room,), daemon=True)
-    server.start()
+    server = board.serve_requests(make_room, "test server")
 
     def worker(nbytes: int, more: bool = False) -> int:
         reader = BoardReader(board.handle())
@@ -234,6 +232,22 @@ def test_workers_ask_for_room_and_the_owners_thread_answers_until_the_board_clos
         os.fstat(requests)
     for pool in pools:
         pool.close()
+
+
+def test_a_board_closed_before_its_serving_thread_runs_leaves_no_descriptor_to_it() -> None:
+    """The thread owns the read end from the moment it is asked for: a board closed at
+    once (before the thread has read anything) ends it with the closing request, and
+    no descriptor of the board is left open, nor closed twice."""
+    for _ in range(20):
+        board = PoolBoard()
+        fds = [board.fd, board.request_fd, board.requests]
+        server = board.serve_requests(lambda nbytes, more: None, "test server")
+        board.close()
+        server.join(5)
+        assert not server.is_alive()
+        for fd in fds:
+            with pytest.raises(OSError):
+                os.fstat(fd)
 
 
 @pytest.mark.numa(nodes=4)

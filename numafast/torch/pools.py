@@ -143,11 +143,7 @@ class NodePools:
         with _idle_mutex:
             self.users += 1
             if self._server is None:
-                self._server = threading.Thread(
-                    target=self.board.serve_requests, args=(_make_room_in(weakref.ref(self)),), daemon=True,
-                    name=f"numafast pools, node {self.node}",
-                )
-                self._server.start()
+                self._server = self.board.serve_requests(_make_room_in(weakref.ref(self)), f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
         weakref.finalize(user, self._detach).atexit = False
 
