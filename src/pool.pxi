@@ -500,7 +500,9 @@ cdef class SlotPool:
             self._make_free(index, word, _FENCED)
 
     cdef void _make_free(self, Py_ssize_t index, uint64_t word, uint64_t state) noexcept:
-        self.table._change(index, _generation(word), state, <uint64_t>self.owner_pid, _FREE, 0, True)
+        # A closed pool's slot is retired, not freed: a worker must never lease it again.
+        self.table._change(index, _generation(word), state, <uint64_t>self.owner_pid,
+                           _LOST if self.closed else _FREE, 0, True)
         self._signal()
 
     cdef void _signal(self) noexcept:
@@ -565,10 +567,28 @@ cdef class SlotPool:
         return 0
 
     def settle(self) -> bool:
-        """For a closed pool: release the memory (on_drained) if no slot is held, in
-        flight or leased any more; True once released."""
+        """For a closed pool: retire its free slots, and release the memory (on_drained)
+        once every slot is retired (none held, in flight or leased any more); True once
+        released.
+
+        Other processes lease slots on their own (a worker whose view of the board is
+        a batch old): a slot that is free can be leased at any moment, even after
+        close. So every free slot is retired first, with a compare-and-swap that fails
+        if a worker leased it meanwhile, and the memory goes only when every slot is
+        retired, a state no process leaves: no worker can fill a slot of a pool that
+        its owner has let go."""
+        cdef Py_ssize_t index
+        cdef uint64_t word
+        cdef bint retired = True
         if self.closed and not self.is_drained and self.owner_pid == getpid():
-            if self.in_use == 0 and self.fenced == 0 and _LEASED not in self.table.states():
+            for index in range(self.table.count):
+                while True:
+                    word = nf_load64(self.table._slot_word(index))
+                    if _state(word) != _FREE or self.table._change(index, _generation(word), _FREE, _PID_BITS,
+                                                                   _LOST, 0, False):
+                        break
+                retired = retired and _state(nf_load64(self.table._slot_word(index))) == _LOST
+            if retired:
                 self._drain()
         return self.is_drained
 

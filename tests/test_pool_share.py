@@ -71,6 +71,43 @@ def test_a_forked_worker_fills_a_slot_that_the_owner_adopts_without_a_copy() -> 
         os.close(write)
 
 
+def test_no_process_leases_a_slot_of_a_closed_pool_and_a_lease_from_before_keeps_it() -> None:
+    """A worker whose view of the pools is a batch old may lease from a pool its owner
+    has just closed: a lease from before the close keeps the pool until its batch is
+    adopted and gone; after the close, no slot can be leased (the owner has let the
+    memory go, and a batch written there could never be read)."""
+    pool = numafast.PinnedPool(NODES[0], MIB, 2)
+    handle = pool.share()
+    go_read, go_write = os.pipe()
+    answer_read, answer_write = os.pipe()
+
+    def worker() -> int:
+        view = PoolView(handle)
+        lease = view.lease(0.0)
+        os.write(answer_write, f"{lease[0]} {lease[1]}".encode() if lease else b"none")
+        os.read(go_read, 1)  # the owner closes the pool meanwhile
+        late = view.lease(0.0)
+        os.write(answer_write, b"none" if late is None else b"leased")
+        return 0
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(worker())
+    index, generation = map(int, os.read(answer_read, 100).split())
+    pool.close()
+    assert not pool._slots.drained  # the lease keeps it
+    os.write(go_write, b"x")
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert os.read(answer_read, 100) == b"none"  # the free slot was retired at the close
+    slot = pool.adopt(index, generation, 10)  # the batch leased before the close is still read
+    assert not pool._slots.drained
+    del slot
+    gc.collect()
+    assert pool._slots.drained
+    for fd in (go_read, go_write, answer_read, answer_write):
+        os.close(fd)
+
+
 def test_a_spawned_process_maps_the_pool_through_proc() -> None:
     """A process that did not inherit the memfd (spawn, forkserver) opens it as
     /proc/OWNER/fd/N; the inode tells it found the right file."""
