@@ -154,10 +154,10 @@ def _serve(requests: int, make_room: Callable[[int, bool], object]) -> None:
     try:
         while True:
             data = os.read(requests, 64 * _REQUEST.size)
-            batch = list(_REQUEST.iter_unpack(data[: len(data) - len(data) % _REQUEST.size]))
-            if not batch or (0, 0) in batch:
+            waiting = list(_REQUEST.iter_unpack(data[: len(data) - len(data) % _REQUEST.size]))
+            if not waiting or (0, 0) in waiting:
                 return
-            make_room(max(size for size, _more in batch), any(more for _size, more in batch))
+            make_room(max(size for size, _more in waiting), any(more for _size, more in waiting))
     finally:
         os.close(requests)
 

@@ -219,12 +219,13 @@ class NodePools:
 
     def collate_here(self, samples: Any, collate: Collating) -> Any:
         """Collate in this process (a loader without workers): into a slot directly when
-        a pool exists and the collate function is torch's default, else a copy."""
-        needed = self.pools[0].slot_bytes if self.pools else SlotMeasure().collated(samples) if collate.direct else 0
-        if not collate.direct or not needed:  # nothing to lay out in a pool, or no pool yet
-            reason = FallbackReason.FIRST_BATCHES if not self.pools else None
-            return self._copy(collate.collate_fn(samples), reason)
-        slot, _pool = self._acquire(needed)
+        the collate function is torch's default (the first batch, measured, sizes the
+        pool), else a copy."""
+        first = None if self.pools else FallbackReason.FIRST_BATCHES
+        needed = SlotMeasure().collated(samples) if first and collate.direct else 0
+        if not collate.direct or (first and not needed):  # another collate function, or no bytes to lay out
+            return self._copy(collate.collate_fn(samples), first)
+        slot, _pool = self._acquire(needed or self.pools[0].slot_bytes)
         try:
             batch = collate.fill(SlotPacker(memoryview(slot)), samples)
         except SlotFull:
