@@ -19,6 +19,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
@@ -33,6 +34,8 @@ BOARD_ENTRIES = 16
 _ENTRY = struct.Struct("6q")
 _HEADER = struct.Struct("2q")  # version (odd while the owner writes), entries
 BOARD_BYTES = _HEADER.size + BOARD_ENTRIES * _ENTRY.size
+# After a request went unanswered, a worker asks again only after this many seconds.
+ASK_AGAIN_S = 30.0
 # A worker's request for room: the bytes of slot its batch needs, and 1 where it asks for
 # more slots (every one is held); (0, 0) tells the owner's thread the board closed. One
 # write of 16 bytes is atomic on a pipe (under PIPE_BUF): requests never interleave.
@@ -182,15 +185,20 @@ class BoardReader:
         self.version = -1
         self.views: list[PoolView] = []
         self._requests = -1  # the pipe's write end, opened at the first request
-        self.unanswered = False
-        """A request of this process's went unanswered: it asks no more."""
+        self._quiet_until = 0.0
+
+    def unanswered(self) -> None:
+        """A request of this process's went unanswered (the owner's thread failed to make
+        the pool, or the owner held its GIL for a second): it asks again only after
+        ASK_AGAIN_S, so that a failing owner costs one wait now and then, not one per batch."""
+        self._quiet_until = time.monotonic() + ASK_AGAIN_S
 
     def ask(self, nbytes: int, *, more: bool = False) -> bool:
         """Ask the owner for slots of at least ``nbytes`` bytes, ``more`` of them when
         every one is held; it answers by publishing the pools. Never blocks (a full
-        pipe holds requests enough). False when this process asks no more: a request
-        went unanswered, or the pipe cannot be opened here."""
-        if self.unanswered:
+        pipe holds requests enough). False when this process does not ask now: a
+        request went unanswered lately, or the pipe cannot be opened here."""
+        if time.monotonic() < self._quiet_until:
             return False
         try:
             if self._requests < 0:
@@ -202,8 +210,9 @@ class BoardReader:
         except BlockingIOError:
             pass
         except OSError:
-            self.unanswered = True
-        return not self.unanswered
+            self._quiet_until = float("inf")
+            return False
+        return True
 
     def _read(self) -> tuple[int, list[PoolHandle]]:
         while True:
@@ -220,16 +229,25 @@ class BoardReader:
                 return version, entries
 
     def pools(self) -> list[PoolView]:
-        """The pools listed now; OSError when one of them cannot be mapped here."""
-        version, entries = self._read()
-        if version != self.version:
+        """The pools listed now; OSError when one of them cannot be mapped here. (One the
+        owner let go after listing it, replaced on the board since, is read again.)"""
+        while True:
+            version, entries = self._read()
+            if version == self.version:
+                return self.views
             known = {view.handle: view for view in self.views}
-            self.views = [known.get(entry) or PoolView(entry) for entry in entries]
+            try:
+                views = [known.get(entry) or PoolView(entry) for entry in entries]
+            except OSError:
+                if _HEADER.unpack_from(self.memory, 0)[0] != version:
+                    continue
+                raise
+            self.views = views
             for handle, view in known.items():
                 if handle not in entries:
                     view.close()
             self.version = version
-        return self.views
+            return views
 
 
 class PoolView:

@@ -117,7 +117,8 @@ class SlotCollate:
         lease = _lease(reader, needed, SLOT_WAIT_S)
         if lease is None and reader.ask(needed, more=True):  # the consumer keeps more batches than there are slots
             lease = _lease(reader, needed, POOL_WAIT_S)
-            reader.unanswered = lease is None
+            if lease is None:
+                reader.unanswered()
         if lease is None:
             return self._copying(samples, made, reason or FallbackReason.NO_FREE_SLOT)
         view, index, generation = lease
@@ -177,7 +178,7 @@ def _reader(board: BoardHandle) -> BoardReader:
 def _lease(reader: BoardReader, needed: int, wait_s: float) -> tuple[PoolView, int, int] | None:
     """A free slot of ``needed`` bytes or more in one of the pools listed on the board
     (read again while waiting: the owner may publish new ones), waiting up to
-    ``wait_s`` seconds; None when none came, or a new pool cannot be mapped here
+    ``wait_s`` seconds; None when none came, or a pool listed cannot be mapped here
     (the next batch's look at the board says why)."""
     deadline = time.monotonic() + wait_s
     try:

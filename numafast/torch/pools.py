@@ -323,12 +323,12 @@ class NodePools:
     def _resize(self, nbytes: int) -> None:
         if self.pools:
             self.resized += 1
-        for pool in self.pools:
-            pool.close()  # released as its slots come back
-        self.retired.extend(self.pools)
-        slot_bytes = -(-int(nbytes * HEADROOM) // SLOT_GRAIN) * SLOT_GRAIN
+        old, slot_bytes = self.pools, -(-int(nbytes * HEADROOM) // SLOT_GRAIN) * SLOT_GRAIN
         self.pools = [self._new_pool(slot_bytes)]
-        self._publish()
+        self._publish()  # first: a pool the board lists is never one already let go
+        for pool in old:
+            pool.close()  # released as its slots come back
+        self.retired.extend(old)
 
     def _new_pool(self, slot_bytes: int) -> PinnedPool:
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
