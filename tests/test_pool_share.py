@@ -229,12 +229,12 @@ def test_the_board_tells_running_processes_about_new_pools() -> None:
 
 
 def test_workers_ask_for_room_and_the_owners_thread_answers_until_the_board_closes() -> None:
-    """Two forked workers ask for slots of different sizes through the board's pipe;
-    the owner's serving thread is called with the largest waiting and publishes a
-    pool that fits, which the workers see. A forked child's close leaves the owner's
-    thread serving; the owner's close ends it and closes the read end."""
+    """Forked workers ask for slots of different sizes through the board's pipe; the
+    owner's serving thread is called with each request and publishes a pool that
+    fits, which the workers see. A forked child's close leaves the owner's thread
+    serving; the owner's close ends it and closes the read end."""
     board = PoolBoard()
-    asked: list[int] = []
+    asked: list[tuple[int, bool]] = []
     pools: list[numafast.PinnedPool] = []
 
     def make_room(nbytes: int, more: bool) -> None:
