@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 import numafast  # noqa: E402
 from numafast.torch import packing  # noqa: E402
+from numafast.torch.batch import flatten  # noqa: E402
 
 NODE = online_nodes()[0]
 Pair = namedtuple("Pair", "image label")
@@ -110,3 +111,74 @@ def test_a_packer_reuses_a_payload_only_for_the_same_layout_of_slot_tensors() ->
         _, renamed = pack((2, 2), "b.jpg")  # anything but slot tensors is pickled every time
         assert (named["name"], renamed["name"]) == ("a.jpg", "b.jpg")
         del made, named, renamed, slot
+
+
+def _same(made: Any, expected: Any) -> None:
+    """``made`` is ``expected``: the same container types, keys and order, tensor dtypes,
+    shapes and values, and other leaves equal and of the same type."""
+    assert type(made) is type(expected), (made, expected)
+    if isinstance(expected, torch.Tensor):
+        assert made.dtype == expected.dtype and made.shape == expected.shape and torch.equal(made, expected)
+    elif isinstance(expected, dict):
+        assert list(made) == list(expected)
+        for key in expected:
+            _same(made[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert len(made) == len(expected)
+        for part, expected_part in zip(made, expected):
+            _same(part, expected_part)
+    else:
+        assert made == expected
+
+
+def _image(index: int) -> torch.Tensor:
+    return torch.full((3, 4), index, dtype=torch.uint8)
+
+
+COLLATED_SAMPLES: dict[str, list[Any]] = {
+    "(tensor, int)": [(_image(i), i) for i in range(5)],
+    "[tensor, float, bool]": [[_image(i), i / 2, i % 2 == 0] for i in range(5)],
+    "dict of tensor, int, str, nested dict": [
+        {"pixels": _image(i), "label": i, "name": f"s{i}", "extra": {"weight": float(i), "ids": (i, i + 1)}}
+        for i in range(4)
+    ],
+    "namedtuple": [Pair(_image(i), i) for i in range(3)],
+    "tuple of arrays and a list": [(np.arange(3) + i, [i, i + 1]) for i in range(3)],
+    "empty tuples": [() for _ in range(3)],
+    "ints then a float": [(_image(i), 2.5 if i == 2 else i) for i in range(4)],
+    "a bool then ints": [(_image(i), True if i == 0 else i) for i in range(4)],
+}
+COLLATE_ERRORS: dict[str, list[Any]] = {
+    "tuples of two lengths": [(_image(0), 0), (_image(1), 1, "extra")],
+    "a sample without a length": [(_image(0), 0), 7],
+    "a dict without a key": [{"pixels": _image(0), "label": 0}, {"pixels": _image(1)}],
+    "images of two shapes": [(_image(0), 0), (torch.zeros(2, 2, dtype=torch.uint8), 1)],
+    "an int beyond int64": [(_image(0), 1 << 70), (_image(1), 1)],
+    "an object torch cannot collate": [(_image(0), object()), (_image(1), object())],
+}
+
+
+@pytest.mark.parametrize("kind", list(COLLATED_SAMPLES))
+def test_collating_into_a_slot_gives_default_collates_batch(kind: str) -> None:
+    """The packer's own branch for exact tuples, lists and dicts (and torch's collate for
+    the rest) gives what default_collate gives, with its tensors in the slot, and the
+    measured size is the bytes the packer used."""
+    samples = COLLATED_SAMPLES[kind]
+    expected = torch.utils.data.default_collate(samples)
+    memory = bytearray(1 << 16)
+    packer = packing.SlotPacker(memoryview(memory))
+    made = packer.collate(samples)
+    _same(made, expected)
+    assert packing.SlotMeasure().collated(samples) == packer.end
+    tensors, _rebuild = flatten(made)
+    assert all(in_slot(tensor, memory) for tensor in tensors if tensor.numel())
+
+
+@pytest.mark.parametrize("kind", list(COLLATE_ERRORS))
+def test_collating_into_a_slot_fails_as_default_collate_does(kind: str) -> None:
+    samples = COLLATE_ERRORS[kind]
+    with pytest.raises(Exception) as expected:
+        torch.utils.data.default_collate(samples)
+    with pytest.raises(expected.type) as made:
+        packing.SlotPacker(memoryview(bytearray(1 << 16))).collate(samples)
+    assert str(made.value) == str(expected.value)

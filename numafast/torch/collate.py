@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import default_collate, get_worker_info
-from torch.utils.data._utils.collate import collate
 
 from numafast.binding import bind
 from numafast.pool_share import BoardHandle, BoardReader, PoolView
@@ -74,10 +73,11 @@ class SlotCollate:
         self.strict = strict
         self._bound_pid = 0
         self._packer: SlotPacker | None = None  # a worker's, reused batch after batch
+        self._reader: tuple[int, BoardReader] | None = None  # a worker's (its pid, the board mapped)
         pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "pools": None, "_packer": None}
+        return {**vars(self), "pools": None, "_packer": None, "_reader": None}
 
     def __call__(self, samples: Any) -> Any:
         if get_worker_info() is not None:
@@ -91,7 +91,7 @@ class SlotCollate:
 
     def _in_worker(self, samples: Any) -> SlotBatch | Fallback:
         try:
-            reader = _reader(self.board)
+            reader = self._board_reader()
             first = not reader.pools()
         except OSError as error:
             return self._copying(samples, _UNMADE, FallbackReason.CANNOT_MAP, str(error))
@@ -136,6 +136,16 @@ class SlotCollate:
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
                          tuple(sorted(packer.unpinned)))  # fmt: skip
 
+    def _board_reader(self) -> BoardReader:
+        """The board, as this process maps it (one mapping per board and process)."""
+        pid = os.getpid()
+        if self._reader is None or self._reader[0] != pid:
+            reader = _readers.get(self.board)
+            if reader is None:
+                reader = _readers[self.board] = BoardReader(self.board)
+            self._reader = (pid, reader)
+        return self._reader[1]
+
     def _measured(self, samples: Any, made: Any) -> int:
         """The bytes of slot the batch needs."""
         measure = SlotMeasure()
@@ -159,20 +169,11 @@ class SlotCollate:
     def fill(self, packer: SlotPacker, samples: Any) -> Any:
         """The batch, collated into ``packer``'s slot when the collate function is
         ``default_collate``, else as the loader's own function makes it."""
-        if self.direct:
-            return collate(samples, collate_fn_map=packer.collate_map())
-        return self.collate_fn(samples)
+        return packer.collate(samples) if self.direct else self.collate_fn(samples)
 
 
 # In a worker: the board of each loader it serves, mapped once.
 _readers: dict[BoardHandle, BoardReader] = {}
-
-
-def _reader(board: BoardHandle) -> BoardReader:
-    reader = _readers.get(board)
-    if reader is None:
-        reader = _readers[board] = BoardReader(board)
-    return reader
 
 
 def _lease(reader: BoardReader, needed: int, wait_s: float) -> tuple[PoolView, int, int] | None:

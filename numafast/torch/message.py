@@ -73,7 +73,8 @@ class SlotBatch:
         self.unpinned = unpinned
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _arrive_in_slot, tuple(getattr(self, name) for name in SlotBatch.__slots__)
+        return _arrive_in_slot, (self.owner_pid, self.owner_id, self.inode, self.index, self.generation, self.nbytes,
+                                 self.payload, self.unpinned)  # fmt: skip
 
 
 class Fallback:

@@ -101,7 +101,7 @@ class SlotPacker:
         if numel == 0:
             return torch.empty(tuple(shape), dtype=dtype)
         start = self._reserve(numel * dtype.itemsize)
-        ref = ("t", start, str(dtype).removeprefix("torch."), tuple(shape), requires_grad)
+        ref = ("t", start, _dtype_name(dtype), tuple(shape), requires_grad)
         tensor: torch.Tensor = _over_slot(self.memory, ref)
         self.placed[id(tensor)] = (tensor, ref)
         return tensor
@@ -115,6 +115,32 @@ class SlotPacker:
         return copy
 
     # ---------------------------------------------------------------- collating into the slot
+
+    def collate(self, samples: Sequence[Any]) -> Any:
+        """``default_collate(samples)``, every tensor it makes made in the slot: torch's own
+        ``collate`` with :meth:`collate_map`, except that samples (and their parts) that are
+        exactly a tuple, list or dict take torch's branch for them here, with its check of
+        their lengths made in C (by ``zip(strict=True)``) rather than per sample in Python;
+        any other type, and samples that fail that check, go to torch's ``collate`` (its
+        result, its error)."""
+        return self._collate(samples, self.collate_map())
+
+    def _collate(self, batch: Sequence[Any], collate_map: dict[Any, CollateFn]) -> Any:
+        elem = batch[0]
+        kind = type(elem)
+        make = collate_map.get(kind)
+        if make is not None:  # torch looks the exact type up first too
+            return make(batch, collate_fn_map=collate_map)
+        if kind is tuple or kind is list:  # torch: a list of the collated columns, for both
+            try:
+                columns = list(zip(*batch, strict=True))  # samples of other lengths raise: torch's error below
+            except (TypeError, ValueError):
+                columns = None
+            if columns is not None:
+                return [self._collate(column, collate_map) for column in columns]
+        elif kind is dict:  # torch: a copy of the first sample with each key's column collated
+            return {key: self._collate([sample[key] for sample in batch], collate_map) for key in elem}
+        return collate(batch, collate_fn_map=collate_map)
 
     def collate_map(self) -> dict[Any, CollateFn]:
         """torch's ``default_collate_fn_map`` with every tensor it makes made in the slot:
@@ -153,10 +179,10 @@ class SlotPacker:
 
     def _stack(self, batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
         first = batch[0]
-        if first.is_nested or first.layout != torch.strided or first.device.type != "cpu":
+        if not first.is_cpu or first.layout is not torch.strided or first.is_nested:
             own: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's own answer
             return own
-        return torch.stack(list(batch), 0, out=self.tensor(first.dtype, (len(batch), *first.shape)))
+        return torch.stack(batch, 0, out=self.tensor(first.dtype, (len(batch), *first.shape)))
 
     def _placing(self, make: CollateFn) -> CollateFn:
         def collate_in_slot(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
@@ -254,7 +280,7 @@ class SlotMeasure(SlotPacker):
     def collated(self, samples: Any) -> int:
         """The bytes ``default_collate(samples)`` needs in a slot."""
         self.reset(b"")
-        collate(samples, collate_fn_map=self.collate_map())
+        self.collate(samples)
         return self.end
 
     def packed(self, batch: Any) -> int:
@@ -268,7 +294,7 @@ class SlotMeasure(SlotPacker):
         numel = math.prod(shape)
         start = self._reserve(numel * dtype.itemsize) if numel else 0
         tensor = torch.empty(tuple(shape), dtype=dtype, device="meta")
-        self.placed[id(tensor)] = (tensor, ("t", start, str(dtype), tuple(shape), requires_grad))
+        self.placed[id(tensor)] = (tensor, ("t", start, _dtype_name(dtype), tuple(shape), requires_grad))
         return tensor
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -331,16 +357,28 @@ for _name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uin
         _NUMPY_DTYPES[_name] = torch.empty(0, dtype=getattr(torch, _name)).numpy().dtype
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``dtype``'s name as a reference carries it ("uint8")."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _over_slot(slot: Any, ref: Ref) -> Any:
+    """The tensor or array ``ref`` names, over ``slot``. The array (and so the tensor made
+    from it) holds a reference to ``slot``: the slot lives as long as they do."""
     kind, offset, dtype, shape = ref[:4]
-    count = math.prod(shape)
     if kind == "a":
-        return np.frombuffer(slot, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
+        return np.ndarray(shape, np.dtype(dtype), slot, offset)
     numpy_dtype = _NUMPY_DTYPES.get(dtype)
-    if numpy_dtype is not None:  # half the cost of frombuffer + view, the same tensor
-        tensor = torch.from_numpy(np.frombuffer(slot, dtype=numpy_dtype, count=count, offset=offset).reshape(shape))
+    if numpy_dtype is not None:  # a third of the cost of torch.frombuffer + view, the same tensor
+        tensor = torch.from_numpy(np.ndarray(shape, numpy_dtype, slot, offset))
     else:
-        tensor = torch.frombuffer(slot, dtype=getattr(torch, dtype), count=count, offset=offset).view(shape)
+        tensor = torch.frombuffer(slot, dtype=getattr(torch, dtype), count=math.prod(shape), offset=offset).view(shape)
     return tensor.requires_grad_() if ref[4] else tensor
 
 
