@@ -106,6 +106,18 @@ class SlotPacker:
         self.placed[id(tensor)] = (tensor, ref)
         return tensor
 
+    def _holding(self, values: np.ndarray[Any, Any], dtype: torch.dtype) -> torch.Tensor:
+        """A new ``dtype`` tensor in the slot holding ``values`` (NumPy numbers of that dtype's
+        kind), written through a NumPy view of the slot: ``Tensor.numpy()`` costs as
+        much as NumPy's conversion of the values."""
+        name = _dtype_name(dtype)
+        start = self._reserve(values.size * dtype.itemsize)
+        target = np.ndarray(values.shape, _NUMPY_DTYPES[name], self.memory, start)
+        target[...] = values
+        tensor = torch.from_numpy(target)
+        self.placed[id(tensor)] = (tensor, ("t", start, name, values.shape, False))
+        return tensor
+
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` copied into the slot (now, by torch: for small and strided ones)."""
         if not placeable(tensor):
@@ -171,9 +183,7 @@ class SlotPacker:
             dtype = dtypes.get(values.dtype.kind) if values.ndim == 1 else None
             if dtype is None or not values.size:
                 return self.place(make(batch, collate_fn_map=collate_fn_map))
-            out = self.tensor(dtype, values.shape)
-            out.numpy()[...] = values
-            return out
+            return self._holding(values, dtype)
 
         return collate_numbers
 
