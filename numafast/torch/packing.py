@@ -397,45 +397,45 @@ def _over_slot(slot: Any, ref: Ref) -> Any:
 # its structure is learnt once. None: a payload whose batch holds more than lists,
 # tuples, str-keyed dicts and slot tensors and arrays (anything else is unpickled
 # anew every time, so no object is ever shared between two batches).
-Build = Callable[[dict[Ref, Any]], Any]
+Build = Callable[[list[Any]], Any]
 _templates: dict[bytes, tuple[tuple[Ref, ...], Build] | None] = {}
 _TEMPLATES_KEPT = 64
+_UNSEEN: Any = object()
 
 
 def unpack(payload: bytes, slot: Any) -> Any:
     """The batch :meth:`SlotPacker.pack` packed, with its tensors and arrays over ``slot``
     (each holds a reference to it: the slot comes back when the last is gone)."""
-    seen = payload in _templates
-    template = _templates.get(payload)
-    if template is not None:
+    template = _templates.get(payload, _UNSEEN)
+    if template is not None and template is not _UNSEEN:
         refs, build = template
-        return build({ref: _over_slot(slot, ref) for ref in refs})
+        return build([_over_slot(slot, ref) for ref in refs])
     unpacker = _Unpacker(payload, slot)
     batch = unpacker.load()
-    if not seen:
+    if template is _UNSEEN:
         if len(_templates) >= _TEMPLATES_KEPT:
             _templates.clear()
-        builder = _builder(batch, {id(made): ref for ref, made in unpacker.made.items()})
+        builder = _builder(batch, {id(made): position for position, made in enumerate(unpacker.made.values())})
         _templates[payload] = None if builder is None else (tuple(unpacker.made), builder)
     return batch
 
 
-def _builder(value: Any, refs: dict[int, Ref]) -> Build | None:
-    """A function that makes ``value`` again from the objects over a new slot (by
-    reference), or None when ``value`` holds anything else."""
-    ref = refs.get(id(value))
-    if ref is not None:
-        return lambda made: made[ref]
+def _builder(value: Any, positions: dict[int, int]) -> Build | None:
+    """A function that makes ``value`` again from the objects over a new slot (given in
+    the order of the references), or None when ``value`` holds anything else."""
+    position = positions.get(id(value))
+    if position is not None:
+        return lambda made: made[position]
     kind = type(value)
     if kind is list or kind is tuple:
-        parts = [_builder(item, refs) for item in value]
+        parts = [_builder(item, positions) for item in value]
         if any(part is None for part in parts):
             return None
         if kind is list:
             return lambda made: [part(made) for part in parts]  # type: ignore[misc]
         return lambda made: tuple(part(made) for part in parts)  # type: ignore[misc]
     if kind is dict and all(type(key) is str for key in value):
-        items = [(key, _builder(item, refs)) for key, item in value.items()]
+        items = [(key, _builder(item, positions)) for key, item in value.items()]
         if any(part is None for _key, part in items):
             return None
         return lambda made: {key: part(made) for key, part in items}  # type: ignore[misc]
