@@ -187,7 +187,7 @@ class SlotPacker:
 
         return collate_numbers
 
-    def _stack(self, batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    def _stack(self, batch: tuple[torch.Tensor, ...] | list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
         first = batch[0]
         if not first.is_cpu or first.layout is not torch.strided or first.is_nested:
             own: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's own answer
@@ -318,7 +318,7 @@ class SlotMeasure(SlotPacker):
     def _numbers(self, make: CollateFn, dtypes: dict[str, torch.dtype]) -> CollateFn:
         return self._placing(make)  # the same bytes as NumPy's conversion, where that applies
 
-    def _stack(self, batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    def _stack(self, batch: tuple[torch.Tensor, ...] | list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
         first = batch[0]
         if first.is_nested or first.layout != torch.strided or first.device.type != "cpu":
             return super()._stack(batch, collate_fn_map=collate_fn_map)
