@@ -31,10 +31,10 @@ after the first epoch within 10% of the ceiling). Then, per kind, rounds of the
 ceiling and of NumaLoader alternated (4x longer, each pair in the other order from
 the one before), each NumaLoader round against the ceiling round of its pair: the
 median and the slowest of those ratios are the fairest reading on a machine whose
-speed drifts. A last group times a new loader's
-first batch and a short epoch (8 batches): stock, a first NumaLoader (its pools made
-then), and a NumaLoader re-created on the same node (the pools of the one it
-replaces taken over). ``python3 -m pytest bench/bench_loader.py``
+speed drifts. A last group times a new loader's first batch and a short epoch (8
+batches): stock, a first NumaLoader (its pools made then), and a NumaLoader
+re-created on the same node (the pools of the one it replaces taken over).
+``python3 -m pytest bench/bench_loader.py``
 """
 
 from __future__ import annotations

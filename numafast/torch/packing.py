@@ -189,7 +189,7 @@ class SlotPacker:
 
     def _stack(self, batch: tuple[torch.Tensor, ...] | list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
         first = batch[0]
-        if not first.is_cpu or first.layout is not torch.strided or first.is_nested:
+        if not _stacks_in_slot(first):
             own: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's own answer
             return own
         return torch.stack(batch, 0, out=self.tensor(first.dtype, (len(batch), *first.shape)))
@@ -320,7 +320,7 @@ class SlotMeasure(SlotPacker):
 
     def _stack(self, batch: tuple[torch.Tensor, ...] | list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
         first = batch[0]
-        if first.is_nested or first.layout != torch.strided or first.device.type != "cpu":
+        if not _stacks_in_slot(first):
             return super()._stack(batch, collate_fn_map=collate_fn_map)
         return self.tensor(first.dtype, (len(batch), *first.shape))
 
@@ -328,6 +328,12 @@ class SlotMeasure(SlotPacker):
 def tensor_kind(tensor: torch.Tensor) -> str:
     """What kind of tensor one that numafast leaves where it is is, for a warning."""
     return "nested tensor" if tensor.is_nested else f"{tensor.layout} tensor on {tensor.device}"
+
+
+def _stacks_in_slot(first: torch.Tensor) -> bool:
+    """A column whose first tensor is this one is stacked into the slot (dense, on the
+    CPU); others are left to torch's own collate function."""
+    return first.is_cpu and first.layout is torch.strided and not first.is_nested
 
 
 def placeable(tensor: torch.Tensor) -> bool:
