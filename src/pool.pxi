@@ -235,12 +235,18 @@ cdef class SlotTable:
         cdef uint64_t generation = 0
         cdef uint64_t pid = <uint64_t>getpid()
         cdef Py_ssize_t index
-        cdef double start = _monotonic()
+        cdef double start
         cdef timespec pause
         pause.tv_sec = 0
         pause.tv_nsec = _CLAIM_POLL_NS
         if self._unmapped():
             return None
+        # A look that does not wait is a few atomic reads: it keeps the GIL, whose
+        # release would let the worker's queue thread in first (a thread switch per batch).
+        index = self._claim(_LEASED, pid, &generation)
+        if index >= 0 or timeout <= 0:
+            return None if index < 0 else (index, generation)
+        start = _monotonic()
         with nogil:
             while True:
                 index = self._claim(_LEASED, pid, &generation)
