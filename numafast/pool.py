@@ -37,7 +37,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-from numafast import _libnuma
+from numafast import _libnuma, _pid
 from numafast._buffers import PAGE_SIZE
 from numafast._validate import allowed_cpus, check_node, cpus_near
 from numafast.errors import (
@@ -417,12 +417,13 @@ class PinnedPool:
         :meth:`share`) and filled with ``nbytes`` bytes, as a slot of this process:
         it comes back to the pool like any other. LookupError when that lease has
         ended (the worker died and the slot was reclaimed, or it was adopted already)."""
-        self._check_usable_for_adoption()
+        if _pid.pid != self._slots.owner_pid or self._slots.drained:  # a closed pool still takes its workers' batches
+            raise self._state_error()
         try:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
             raise LookupError(f"node-{self._node} pool: {error}; its batch cannot be read any more") from None
-        if self._faulted is not None:
+        if self._faulted is not None and self._faulted[index] < nbytes:
             self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
         return slot
 
@@ -464,11 +465,6 @@ class PinnedPool:
             return False
         self.reclaim_orphans()
         return bool(self._slots.settle())
-
-    def _check_usable_for_adoption(self) -> None:
-        # A closed pool still takes over the batches its workers filled before it closed.
-        if os.getpid() != self._slots.owner_pid or self._slots.drained:
-            raise self._state_error()
 
     def __reduce__(self) -> NoReturn:
         self._slots.__reduce__()  # raises TypeError: why pool memory does not travel, and what to do

@@ -16,10 +16,11 @@ neither the workers' side nor the owner's: the batch's path has no import circle
 
 from __future__ import annotations
 
-import os
 import weakref
 from enum import Enum
 from typing import Any, Protocol
+
+from numafast import _pid
 
 __all__ = ["Fallback", "FallbackReason", "Receiver", "SlotBatch", "receivers"]
 
@@ -96,7 +97,7 @@ class Fallback:
 def _receiver(owner_pid: int, owner_id: int) -> Receiver | None:
     """This process's receiver ``owner_id`` when this is its process (a forked child
     inherits the registry, not the pools)."""
-    return receivers.get(owner_id) if owner_pid == os.getpid() else None
+    return receivers.get(owner_id) if owner_pid == _pid.pid else None
 
 
 def _arrive_in_slot(*fields: Any) -> Any:
