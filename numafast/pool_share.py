@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import astuple, dataclass
 
 from numafast import _libnuma
@@ -271,8 +272,11 @@ class PoolView:
             os.close(fd)
         self.table = _libnuma.SlotTable.attach(region)
         self.memory = memoryview(region)
-        self.faulted_in: set[int] = set()
-        """The slots whose pages this process has entered in its page tables."""
+        self._slots: list[memoryview | None] = [None] * self.table.count
+        """Each slot's memory, made (and faulted in) at its first lease here."""
+        self.made: list[dict[Any, Any]] = [{} for _ in range(self.table.count)]
+        """Per slot, what a filler keeps over its memory from batch to batch (a worker's
+        tensors to collate into): it lives as long as this view's mapping."""
 
     def lease(self, timeout: float) -> tuple[int, int] | None:
         """A free slot leased to this process, ``(index, generation)``; None when none came
@@ -281,12 +285,12 @@ class PoolView:
         return lease
 
     def slot(self, index: int) -> memoryview:
-        """The writable memory of slot ``index``."""
-        start = self.table.offset(index)
-        memory = self.memory[start : start + self.handle.slot_bytes]
-        if index not in self.faulted_in:  # once per slot, not per batch
+        """The writable memory of slot ``index`` (the same memoryview at every lease)."""
+        memory = self._slots[index]
+        if memory is None:  # once per slot, not per batch
+            start = self.table.offset(index)
+            memory = self._slots[index] = self.memory[start : start + self.handle.slot_bytes]
             fault_in(memory)
-            self.faulted_in.add(index)
         return memory
 
     def give_up(self, index: int, generation: int) -> None:

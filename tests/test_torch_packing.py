@@ -147,6 +147,9 @@ COLLATED_SAMPLES: dict[str, list[Any]] = {
     "empty tuples": [() for _ in range(3)],
     "ints then a float": [(_image(i), 2.5 if i == 2 else i) for i in range(4)],
     "a bool then ints": [(_image(i), True if i == 0 else i) for i in range(4)],
+    "ints with a bool among them": [(_image(i), True if i == 2 else i) for i in range(4)],
+    "ints with a NumPy int among them": [(_image(i), np.int32(i) if i == 1 else i) for i in range(4)],
+    "floats with an int among them": [(_image(i), 3 if i == 1 else i + 0.25) for i in range(4)],
 }
 COLLATE_ERRORS: dict[str, list[Any]] = {
     "tuples of two lengths": [(_image(0), 0), (_image(1), 1, "extra")],
@@ -154,6 +157,7 @@ COLLATE_ERRORS: dict[str, list[Any]] = {
     "a dict without a key": [{"pixels": _image(0), "label": 0}, {"pixels": _image(1)}],
     "images of two shapes": [(_image(0), 0), (torch.zeros(2, 2, dtype=torch.uint8), 1)],
     "an int beyond int64": [(_image(0), 1 << 70), (_image(1), 1)],
+    "ints with a NumPy uint16 among them": [(_image(0), 0), (_image(1), np.uint16(1))],
     "an object torch cannot collate": [(_image(0), object()), (_image(1), object())],
 }
 
@@ -182,3 +186,23 @@ def test_collating_into_a_slot_fails_as_default_collate_does(kind: str) -> None:
     with pytest.raises(expected.type) as made:
         packing.SlotPacker(memoryview(bytearray(1 << 16))).collate(samples)
     assert str(made.value) == str(expected.value)
+
+
+def test_a_packer_keeping_its_tensors_fills_them_anew_for_each_batch() -> None:
+    """A worker's packer keeps the tensors it made over a slot and collates the next batch
+    of the same layout into the very same ones: each batch still comes out as
+    default_collate makes it, in the slot, and so does the owner's unpacked view."""
+    memory = memoryview(bytearray(1 << 16))
+    kept: dict[Any, Any] = {}
+    packer = packing.SlotPacker(memory, kept)
+    batches = [[(_image(i + start), i + start) for i in range(count)] for start, count in ((0, 4), (10, 4), (20, 3), (30, 4))]
+    made = []
+    for samples in batches:
+        collated = packer.reset(memory, kept).collate(samples)
+        expected = torch.utils.data.default_collate(samples)
+        _same(collated, expected)
+        _same(packing.unpack(packer.pack(collated), memory), expected)
+        assert all(in_slot(tensor, memory) for tensor in collated)
+        made.append(collated)
+    assert made[1][0] is made[0][0] and made[1][1] is made[0][1]  # the same layout: the same tensors, filled again
+    assert made[2][0] is not made[0][0] and made[3][0] is made[0][0]

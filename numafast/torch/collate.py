@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import default_collate, get_worker_info
 
+from numafast import _pid
 from numafast.binding import bind
 from numafast.pool_share import BoardHandle, BoardReader, PoolView
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch
@@ -81,7 +82,7 @@ class SlotCollate:
 
     def __call__(self, samples: Any) -> Any:
         if get_worker_info() is not None:
-            if self.node is not None and self._bound_pid != os.getpid():
+            if self.node is not None and self._bound_pid != _pid.pid:
                 self._bind_worker()
             return self._in_worker(samples)
         if self.pools is not None and os.getpid() == self.owner_pid:
@@ -123,7 +124,8 @@ class SlotCollate:
             return self._copying(samples, made, reason or FallbackReason.NO_FREE_SLOT)
         view, index, generation = lease
         try:
-            packer = self._packer.reset(view.slot(index)) if self._packer else SlotPacker(view.slot(index))
+            memory, kept = view.slot(index), view.made[index]
+            packer = self._packer.reset(memory, kept) if self._packer else SlotPacker(memory, kept)
             self._packer = packer
             try:
                 payload = packer.pack(self.fill(packer, samples) if made is _UNMADE else made)
@@ -133,12 +135,13 @@ class SlotCollate:
         except BaseException:
             view.give_up(index, generation)
             raise
+        unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
-                         tuple(sorted(packer.unpinned)))  # fmt: skip
+                         unpinned)  # fmt: skip
 
     def _board_reader(self) -> BoardReader:
         """The board, as this process maps it (one mapping per board and process)."""
-        pid = os.getpid()
+        pid = _pid.pid
         if self._reader is None or self._reader[0] != pid:
             reader = _readers.get(self.board)
             if reader is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import struct
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,13 +39,15 @@ ALIGNMENT = 512
 Ref = tuple[Any, ...]
 CollateFn = Callable[..., Any]
 # The keys of torch's default_collate_fn_map whose functions return a new tensor.
-_NUMBER_KINDS: tuple[Any, ...] = (float, int, (np.bool_, np.number, np.object_))
-# torch.tensor(batch) of Python ints gives int64 (bool when all are bools); of floats,
-# collate gives float64: where np.array(batch) infers a kind listed here, its values
-# are those torch would make.
-_NUMBERS_NUMPY_MAKES_AS_TORCH: dict[type, dict[str, torch.dtype]] = {
-    int: {"i": torch.int64, "b": torch.bool},
-    float: {"f": torch.float64, "i": torch.float64, "b": torch.float64},
+_NUMPY_SCALARS = (np.bool_, np.number, np.object_)
+_NUMBER_KINDS: tuple[Any, ...] = (float, int, _NUMPY_SCALARS)
+# torch.tensor(batch) of Python ints only gives int64, of bools only bool; collate gives
+# float64 for floats only: such a batch is written into the slot by struct (its code for
+# the dtype) in one call, 20x faster than torch.tensor and 3x faster than NumPy.
+_PACKED_NUMBERS: dict[type, tuple[str, torch.dtype]] = {
+    int: ("q", torch.int64),
+    bool: ("?", torch.bool),
+    float: ("d", torch.float64),
 }
 
 
@@ -69,20 +72,23 @@ class SlotPacker:
     """Lays a batch out in ``memory`` (one slot, writable); :meth:`reset` lays the next
     one out in another slot, with the same collate map (made once)."""
 
-    def __init__(self, memory: Any) -> None:
+    def __init__(self, memory: Any, made: dict[Ref, Any] | None = None) -> None:
         self.placed: dict[int, tuple[object, Ref]] = {}
         self.copies: list[tuple[int, Any]] = []
         self.unpinned: set[str] = set()
         """Kinds of tensors left as they are (sparse, nested, on a device)."""
         self._collate_map: dict[Any, CollateFn] | None = None
         self._payloads: dict[Any, bytes] = {}  # by layout (see pack)
-        self.reset(memory)
+        self.reset(memory, made)
 
-    def reset(self, memory: Any) -> SlotPacker:
-        """Start laying a new batch out in ``memory``."""
+    def reset(self, memory: Any, made: dict[Ref, Any] | None = None) -> SlotPacker:
+        """Start laying a new batch out in ``memory``. ``made``: the tensors made over
+        ``memory`` for earlier batches, by reference, to reuse (a worker's, whose
+        tensors never leave it: only their references travel); None: new ones."""
         self.memory = memory
         self.capacity = len(memory)
         self.end = 0
+        self._made = made
         self.placed.clear()
         self.copies.clear()
         self.unpinned.clear()
@@ -102,20 +108,36 @@ class SlotPacker:
             return torch.empty(tuple(shape), dtype=dtype)
         start = self._reserve(numel * dtype.itemsize)
         ref = ("t", start, _dtype_name(dtype), tuple(shape), requires_grad)
-        tensor: torch.Tensor = _over_slot(self.memory, ref)
+        tensor: torch.Tensor = self._over(ref)
         self.placed[id(tensor)] = (tensor, ref)
         return tensor
 
-    def _holding(self, values: np.ndarray[Any, Any], dtype: torch.dtype) -> torch.Tensor:
-        """A new ``dtype`` tensor in the slot holding ``values`` (NumPy numbers of that dtype's
-        kind), written through a NumPy view of the slot: ``Tensor.numpy()`` costs as
-        much as NumPy's conversion of the values."""
-        name = _dtype_name(dtype)
-        start = self._reserve(values.size * dtype.itemsize)
-        target = np.ndarray(values.shape, _NUMPY_DTYPES[name], self.memory, start)
-        target[...] = values
-        tensor = torch.from_numpy(target)
-        self.placed[id(tensor)] = (tensor, ("t", start, name, values.shape, False))
+    def _over(self, ref: Ref) -> Any:
+        """The tensor ``ref`` names over the slot: made anew, or the one made for an
+        earlier batch where they are kept (see :meth:`reset`)."""
+        made = self._made
+        if made is None:
+            return _over_slot(self.memory, ref)
+        over = made.get(ref)
+        if over is None:
+            if len(made) >= _TEMPLATES_KEPT:
+                made.clear()
+            over = made[ref] = _over_slot(self.memory, ref)
+        return over
+
+    def _packed(self, values: Sequence[Any], code: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """A ``dtype`` tensor in the slot holding ``values`` (Python numbers, all of one type),
+        written by ``struct`` in one call, ``code`` being its code for ``dtype``; None when
+        one does not fit (an int beyond int64: torch's own function says so)."""
+        count = len(values)
+        start = self._reserve(count * dtype.itemsize)
+        try:
+            _struct_of(code, count).pack_into(self.memory, start, *values)
+        except struct.error:
+            return None
+        ref = ("t", start, _dtype_name(dtype), (count,), False)
+        tensor: torch.Tensor = self._over(ref)
+        self.placed[id(tensor)] = (tensor, ref)
         return tensor
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -166,24 +188,24 @@ class SlotPacker:
         collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
         for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
             if kind in collate_map:
-                dtypes = _NUMBERS_NUMPY_MAKES_AS_TORCH.get(kind)
                 make = collate_map[kind]
-                collate_map[kind] = self._placing(make) if dtypes is None else self._numbers(make, dtypes)
+                collate_map[kind] = self._placing(make) if kind is _NUMPY_SCALARS else self._numbers(make)
         collate_map[torch.Tensor] = self._stack
         return collate_map
 
-    def _numbers(self, make: CollateFn, dtypes: dict[str, torch.dtype]) -> CollateFn:
-        """Python ints or floats (labels, ids) written into the slot by NumPy, which
-        converts a list 6x faster than ``torch.tensor``; only where NumPy infers what
-        torch would (``dtypes``: NumPy's kind -> torch's dtype), else torch's own
-        function, with its own result or error."""
+    def _numbers(self, make: CollateFn) -> CollateFn:
+        """Python ints, bools or floats (labels, ids) written into the slot by struct where
+        they are all of one of those types (torch's dtype is then known without looking
+        at the values), else torch's own function (``make``), with its result or error."""
 
         def collate_numbers(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
-            values = np.array(batch)
-            dtype = dtypes.get(values.dtype.kind) if values.ndim == 1 else None
-            if dtype is None or not values.size:
-                return self.place(make(batch, collate_fn_map=collate_fn_map))
-            return self._holding(values, dtype)
+            kind = type(batch[0])
+            packing = _PACKED_NUMBERS.get(kind)
+            if packing is not None and list(map(type, batch)).count(kind) == len(batch):
+                packed = self._packed(batch, *packing)
+                if packed is not None:
+                    return packed
+            return self.place(make(batch, collate_fn_map=collate_fn_map))
 
         return collate_numbers
 
@@ -282,7 +304,7 @@ class SlotMeasure(SlotPacker):
     def __init__(self) -> None:
         super().__init__(b"")
 
-    def reset(self, memory: Any) -> SlotPacker:
+    def reset(self, memory: Any, made: dict[Ref, Any] | None = None) -> SlotPacker:
         super().reset(memory)
         self.capacity = sys.maxsize
         return self
@@ -315,8 +337,8 @@ class SlotMeasure(SlotPacker):
     def _copy_in(self, target: torch.Tensor, offset: int, tensor: torch.Tensor) -> None:
         pass
 
-    def _numbers(self, make: CollateFn, dtypes: dict[str, torch.dtype]) -> CollateFn:
-        return self._placing(make)  # the same bytes as NumPy's conversion, where that applies
+    def _numbers(self, make: CollateFn) -> CollateFn:
+        return self._placing(make)  # the same bytes as struct writes, where that applies
 
     def _stack(self, batch: tuple[torch.Tensor, ...] | list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
         first = batch[0]
@@ -371,6 +393,19 @@ for _name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uin
               "float64", "complex64", "complex128"):  # fmt: skip
     if hasattr(torch, _name):
         _NUMPY_DTYPES[_name] = torch.empty(0, dtype=getattr(torch, _name)).numpy().dtype
+
+
+def _struct_of(code: str, count: int) -> struct.Struct:
+    """``count`` values of struct code ``code``, compiled once."""
+    compiled = _STRUCTS.get((code, count))
+    if compiled is None:
+        if len(_STRUCTS) >= _TEMPLATES_KEPT:
+            _STRUCTS.clear()
+        compiled = _STRUCTS[(code, count)] = struct.Struct(f"{count}{code}")
+    return compiled
+
+
+_STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
