@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import math
+import operator
 import pickle
 import struct
 import sys
@@ -439,9 +440,14 @@ def _over_slot(slot: Any, ref: Ref) -> Any:
 # tuples, str-keyed dicts and slot tensors and arrays (anything else is unpickled
 # anew every time, so no object is ever shared between two batches).
 Build = Callable[[list[Any]], Any]
-_templates: dict[bytes, tuple[tuple[Ref, ...], Build] | None] = {}
+# A reference as a template makes it again: (NumPy dtype, shape, offset) of a tensor
+# made by torch.from_numpy (the dtype None for any other kind), and the reference.
+Maker = tuple[Any, tuple[int, ...], int, Ref]
+_templates: dict[bytes, tuple[tuple[Maker, ...], Build] | None] = {}
 _TEMPLATES_KEPT = 64
 _UNSEEN: Any = object()
+_from_numpy = torch.from_numpy
+_ndarray = np.ndarray
 
 
 def unpack(payload: bytes, slot: Any) -> Any:
@@ -449,34 +455,46 @@ def unpack(payload: bytes, slot: Any) -> Any:
     (each holds a reference to it: the slot comes back when the last is gone)."""
     template = _templates.get(payload, _UNSEEN)
     if template is not None and template is not _UNSEEN:
-        refs, build = template
-        return build([_over_slot(slot, ref) for ref in refs])
+        makers, build = template
+        return build([
+            _over_slot(slot, ref) if dtype is None else _from_numpy(_ndarray(shape, dtype, slot, offset))
+            for dtype, shape, offset, ref in makers
+        ])  # fmt: skip
     unpacker = _Unpacker(payload, slot)
     batch = unpacker.load()
     if template is _UNSEEN:
         if len(_templates) >= _TEMPLATES_KEPT:
             _templates.clear()
-        builder = _builder(batch, {id(made): position for position, made in enumerate(unpacker.made.values())})
-        _templates[payload] = None if builder is None else (tuple(unpacker.made), builder)
+        builder = _builder(batch, {id(made): position for position, made in enumerate(unpacker.made.values())},
+                           len(unpacker.made))  # fmt: skip
+        _templates[payload] = None if builder is None else (tuple(map(_maker, unpacker.made)), builder)
     return batch
 
 
-def _builder(value: Any, positions: dict[int, int]) -> Build | None:
-    """A function that makes ``value`` again from the objects over a new slot (given in
-    the order of the references), or None when ``value`` holds anything else."""
+def _maker(ref: Ref) -> Maker:
+    plain = ref[0] == "t" and not ref[4]  # not an array, no gradient to ask for
+    return (_NUMPY_DTYPES.get(ref[2]) if plain else None), ref[3], ref[1], ref
+
+
+def _builder(value: Any, positions: dict[int, int], count: int) -> Build | None:
+    """A function that makes ``value`` again from the ``count`` objects over a new slot
+    (given in a new list, in the order of the references), or None when ``value``
+    holds anything else."""
     position = positions.get(id(value))
     if position is not None:
-        return lambda made: made[position]
+        return operator.itemgetter(position)
     kind = type(value)
     if kind is list or kind is tuple:
-        parts = [_builder(item, positions) for item in value]
+        if [positions.get(id(item)) for item in value] == list(range(count)):
+            return list if kind is list else tuple  # the objects themselves, in order: a list of images and labels
+        parts = [_builder(item, positions, count) for item in value]
         if any(part is None for part in parts):
             return None
         if kind is list:
             return lambda made: [part(made) for part in parts]  # type: ignore[misc]
         return lambda made: tuple(part(made) for part in parts)  # type: ignore[misc]
     if kind is dict and all(type(key) is str for key in value):
-        items = [(key, _builder(item, positions)) for key, item in value.items()]
+        items = [(key, _builder(item, positions, count)) for key, item in value.items()]
         if any(part is None for _key, part in items):
             return None
         return lambda made: {key: part(made) for key, part in items}  # type: ignore[misc]
