@@ -241,8 +241,8 @@ cdef class SlotTable:
         pause.tv_nsec = _CLAIM_POLL_NS
         if self._unmapped():
             return None
-        # A look that does not wait is a few atomic reads: it keeps the GIL, whose
-        # release would let the worker's queue thread in first (a thread switch per batch).
+        # A look that does not wait is a few atomic reads, made with the GIL held; only
+        # a claim that waits releases it.
         index = self._claim(_LEASED, pid, &generation)
         if index >= 0 or timeout <= 0:
             return None if index < 0 else (index, generation)

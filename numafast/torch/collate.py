@@ -128,7 +128,7 @@ class SlotCollate:
             packer = self._packer.reset(memory, kept) if self._packer else SlotPacker(memory, kept)
             self._packer = packer
             try:
-                payload = packer.pack(self.fill(packer, samples) if made is _UNMADE else made)
+                payload = packer.pack(packer.collate(samples) if made is _UNMADE else made)
             except SlotFull:
                 view.give_up(index, generation)
                 return None
@@ -184,7 +184,7 @@ def _lease(reader: BoardReader, needed: int, wait_s: float) -> tuple[PoolView, i
     (read again while waiting: the owner may publish new ones), waiting up to
     ``wait_s`` seconds; None when none came, or a pool listed cannot be mapped here
     (the next batch's look at the board says why)."""
-    deadline = time.monotonic() + wait_s
+    deadline = None  # taken when the first look finds no slot: the usual batch finds one
     try:
         while True:
             for view in reader.pools():
@@ -192,7 +192,9 @@ def _lease(reader: BoardReader, needed: int, wait_s: float) -> tuple[PoolView, i
                     lease = view.lease(0.0)
                     if lease is not None:
                         return view, lease[0], lease[1]
-            if time.monotonic() >= deadline:
+            if deadline is None:
+                deadline = time.monotonic() + wait_s
+            elif time.monotonic() >= deadline:
                 return None
             time.sleep(SLOT_POLL_S)
     except OSError:

@@ -184,9 +184,11 @@ class NodePools:
                 )
             slot = pool.adopt(message.index, message.generation, message.nbytes)
             self.landed += 1
-        for kind in message.unpinned:
-            self._warn_unpinned(kind)
-        self._settle_retired()
+        if message.unpinned:
+            for kind in message.unpinned:
+                self._warn_unpinned(kind)
+        if self.retired:
+            self._settle_retired()
         return unpack(message.payload, slot)
 
     def copy_in(self, fallback: Fallback) -> Any:
@@ -345,8 +347,6 @@ class NodePools:
         self.board.publish([pool.share() for pool in self.pools])
 
     def _settle_retired(self) -> None:
-        if not self.retired:  # the usual case, checked per batch without the lock
-            return
         with self._mutex:
             for pool in list(self.retired):
                 if pool.settle():
