@@ -22,8 +22,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import astuple, dataclass
+from typing import Any
 
 from numafast import _libnuma
 
