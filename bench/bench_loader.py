@@ -28,7 +28,7 @@ Each prints samples/s (median of the rounds after one warm-up epoch), the main
 process's CPU per GiB and per batch, with ratios to the baseline; NumaLoader's
 slowest round is also reported against the ceiling's median (the goal: every round
 after the first epoch within 10% of the ceiling). Then, per kind, rounds of the
-ceiling and of NumaLoader alternated (4x longer, each pair in the other order from
+ceiling and of NumaLoader alternated (8x longer, each pair in the other order from
 the one before), each NumaLoader round against the ceiling round of its pair: the
 median and the slowest of those ratios are the fairest reading on a machine whose
 speed drifts. A last group times a new loader's first batch and a short epoch (8
