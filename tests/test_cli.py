@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from numafast import topology
 from numafast._validate import parse_list
-from numafast.cli import SUBCOMMANDS
+from numafast.cli import SUBCOMMANDS, main
 from sysfs_truth import node_cpus, online_nodes
 
 TESTS = Path(__file__).resolve().parent
@@ -112,6 +113,63 @@ def test_run_refuses_malformed_lists_naming_the_value(options: list[str], messag
 def test_plan_refuses_a_core_count_that_leaves_no_cpu_naming_the_option() -> None:
     result = numafast("plan", "--sysfs", str(TESTS / "fixtures" / "dgx-h100"), "--mode", "single", "--max-cores", "0")
     assert result.returncode == 2 and "argument --max-cores: '0': give an integer >= 1" in result.stderr
+
+
+NO_GPUS = "no GPUs to plan for: "
+NEEDS = "so it needs GPUs that sysfs shows, or a snapshot of a machine with them (--sysfs ROOT"
+
+
+def plan_output(capsys: pytest.CaptureFixture[str], *options: str) -> tuple[int, str, str]:
+    code = main(["plan", *options])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.host_only("reads a snapshot")
+@pytest.mark.parametrize("options", [[], ["--nproc-per-node", "2"], ["--mode", "single-unique", "--json"]])
+def test_plan_without_gpus_says_so_once_and_what_it_needs(capsys: pytest.CaptureFixture[str], options: list[str]) -> None:
+    root = str(TESTS / "fixtures" / "sparse-nodes")
+    code, out, err = plan_output(capsys, "--sysfs", root, *options)
+    assert (code, out) == (1, ""), out
+    assert err.count(NO_GPUS) == 1 and f"the snapshot {root} has no GPU" in err and NEEDS in err, err
+
+
+@pytest.mark.host_only("reads a snapshot")
+def test_plan_says_when_cuda_visible_devices_hides_every_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = plan_output(capsys, "--sysfs", str(TESTS / "fixtures" / "dgx-h100"), "--cuda-visible-devices", "-1")
+    assert (code, out) == (1, "") and NO_GPUS + "CUDA_VISIBLE_DEVICES hides all 8 GPUs of the snapshot" in err, err
+
+
+@pytest.mark.host_only("the host has no GPU; the guests' answer is the same")
+def test_plan_on_this_machine_without_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    if topology().gpus:
+        pytest.skip("this machine has GPUs: plan has something to plan")
+    code, out, err = plan_output(capsys)
+    assert (code, out) == (1, "") and err.count(NO_GPUS + "this machine has no GPU") == 1 and NEEDS in err, err
+
+
+@pytest.mark.host_only("reads a snapshot")
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--mode", "single", "--max-cores", "4"], "--max-cores 4 does nothing in mode single: it gives each rank one core"),
+        (["--mode", "node", "--max-cores", "4"], "--max-cores 4 does nothing in mode node"),
+        (["--mode", "exclusive", "--min-cores", "2"], "--min-cores 2 does nothing in mode exclusive"),
+    ],
+)
+def test_plan_refuses_a_core_count_its_mode_would_ignore(
+    capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    code, out, err = plan_output(capsys, "--sysfs", str(TESTS / "fixtures" / "dgx-h100"), *options)
+    assert (code, out) == (1, "") and message in err, err
+
+
+@pytest.mark.host_only("reads a snapshot")
+def test_plan_applies_max_cores_where_the_mode_takes_it(capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(TESTS / "fixtures" / "dgx-h100")
+    code, out, _ = plan_output(capsys, "--sysfs", root, "--mode", "all", "--max-cores", "4", "--smt", "one", "--json")
+    assert code == 0 and [rank["cpus"] for rank in json.loads(out)["ranks"]] == [[0, 1, 2, 3]] * 4 + [[8, 9, 10, 11]] * 4
+    assert plan_output(capsys, "--sysfs", root, "--mode", "single", "--max-cores", "1")[0] == 0
 
 
 # ---------------------------------------------------------------- a bare numafast, --help

@@ -10,6 +10,12 @@ from numafast._validate import format_ids
 from numafast.affinity import AffinityMode, MemoryPolicy, Plan, Smt, plan
 from numafast.cli.arguments import count
 from numafast.cli.show import add_topology_arguments, load_topology
+from numafast.topo import Topology
+from numafast.topo.cuda import cuda_devices
+
+# The modes in which --max-cores caps a rank's cores: NVIDIA's modes that give several.
+CAPPED_MODES = (AffinityMode.ALL, AffinityMode.UNIQUE_CONTIGUOUS, AffinityMode.UNIQUE_INTERLEAVED)
+ONE_CORE_MODES = (AffinityMode.SINGLE, AffinityMode.SINGLE_UNIQUE)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -31,13 +37,48 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
+    check_core_counts(AffinityMode(args.mode), args.min_cores, args.max_cores)
+    machine = load_topology(args)
+    if not machine.gpus:
+        raise ValueError(no_gpus(machine, "this machine" if args.sysfs is None else f"the snapshot {args.sysfs}"))
     result = plan(
-        args.nproc_per_node, mode=args.mode, topology=load_topology(args), smt=args.smt,
+        args.nproc_per_node, mode=args.mode, topology=machine, smt=args.smt,
         balanced=not args.unbalanced, min_cores=args.min_cores, max_cores=args.max_cores,
         memory=args.memory, dataloader_workers=args.workers,
     )  # fmt: skip
     print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(render(result)))
     return 0
+
+
+def check_core_counts(mode: AffinityMode, min_cores: int, max_cores: int | None) -> None:
+    """Refuse a core count the mode would ignore: the plan must not quietly differ from what was asked."""
+    capped = ", ".join(m.value for m in CAPPED_MODES)
+    if mode in ONE_CORE_MODES and max_cores is not None and max_cores > 1:
+        raise ValueError(
+            f"--max-cores {max_cores} does nothing in mode {mode.value}: it gives each rank one core; "
+            f"--max-cores caps the modes that give several ({capped}), e.g. --mode all --max-cores {max_cores}"
+        )
+    nvidia_only = [f"--{name} {value}" for name, value in (("min-cores", min_cores), ("max-cores", max_cores))
+                   if value is not None and (name == "max-cores" or value > 1)]  # fmt: skip
+    if mode not in CAPPED_MODES + ONE_CORE_MODES and nvidia_only:
+        verb = "does" if len(nvidia_only) == 1 else "do"
+        raise ValueError(
+            f"{' and '.join(nvidia_only)} {verb} nothing in mode {mode.value} (PyTorch's modes take whole nodes, "
+            f"sockets or shares); they apply to NVIDIA's modes, e.g. --mode all {' '.join(nvidia_only)}"
+        )
+
+
+def no_gpus(machine: Topology, name: str) -> str:
+    """Why there is nothing to plan (``name``: the machine looked at), and what plan needs:
+    said once, whichever options asked."""
+    hidden = len(cuda_devices(list(machine.pci)))
+    where = (f"CUDA_VISIBLE_DEVICES hides all {hidden} GPUs of {name}" if hidden
+             else f"{name} has no GPU (no NVIDIA or AMD display, 3D or accelerator controller on its PCI bus)")  # fmt: skip
+    return (
+        f"no GPUs to plan for: {where}. plan gives each local rank the CPUs and memory of its GPU's node, "
+        "so it needs GPUs that sysfs shows, or a snapshot of a machine with them (--sysfs ROOT, e.g. "
+        "tests/fixtures/dgx-h100). To bind without a GPU: numafast run --cpunodebind NODES --membind NODES -- COMMAND"
+    )
 
 
 def render(result: Plan) -> Iterator[str]:
