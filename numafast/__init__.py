@@ -2,9 +2,14 @@
 
 The native layer, :mod:`numafast._libnuma`, mirrors libnuma one call to one
 function; this package adds validation, policy and typed objects on top.
+:mod:`numafast.torch` (the PyTorch loader) is imported on first use of
+``numafast.torch``: ``import numafast`` never imports torch.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from numafast import _libnuma, binding
 from numafast.affinity import (
@@ -65,6 +70,9 @@ from numafast.pages import PageNodes, PlacementReport, page_nodes, placement
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode
 from numafast.policy import Mode, ModeFlag, Policy, get_policy, set_policy
 from numafast.topo import Cpu, Gpu, Node, PciDevice, Topology, topology
+
+if TYPE_CHECKING:
+    from numafast import torch
 
 __version__ = "0.1.0"
 
@@ -152,3 +160,18 @@ def numa_available() -> bool:
     :class:`NumaUnavailable`.
     """
     return _libnuma.available() >= 0
+
+
+def __getattr__(name: str) -> object:
+    """``numafast.torch`` on first access (it imports PyTorch, which ``import numafast``
+    does not), as other packages load an optional heavy part."""
+    if name != "torch":
+        raise AttributeError(f"module 'numafast' has no attribute {name!r}")
+    try:
+        return importlib.import_module("numafast.torch")
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        raise ModuleNotFoundError(
+            "numafast.torch needs PyTorch, which this Python does not have: pip install 'numafast[torch]'", name="torch"
+        ) from error

@@ -183,7 +183,7 @@ def check_nodes(nodes: object, *, need_allowed: bool = True) -> list[int]:
     for node in given:
         node_id = integer(node)
         if node_id is None:
-            raise InvalidNodeError(f"node {node!r} is not an integer node id; nodes here: {format_ids(online)}")
+            raise InvalidNodeError(f"node {node!r} is not an integer node id{_list_hint(node)}; nodes here: {format_ids(online)}")
         if node_id not in online:
             raise InvalidNodeError(f"node {node_id} does not exist; nodes here: {format_ids(online)}")
         checked.add(node_id)
@@ -198,6 +198,17 @@ def check_nodes(nodes: object, *, need_allowed: bool = True) -> list[int]:
                 f"Mems_allowed is {format_ids(allowed)}; a container or numactl/cgroup limit)"
             )
     return sorted(checked)
+
+
+def _list_hint(node: object) -> str:
+    """For a list where one node was expected (numa_local([0, 1])): the calls that take
+    CPUs or several nodes, since a list there is often meant as CPUs."""
+    if isinstance(node, (str, bytes)) or not isinstance(node, Iterable):
+        return ""
+    return (
+        f" (a list where one node id belongs: to run on CPUs {node!r}, use cpubind(cpus={node!r}); "
+        "for several nodes, membind, interleave, preferred_many or cpubind(nodes=...))"
+    )
 
 
 def check_cpus(cpus: object, allowed: set[int] | None = None) -> list[int]:

@@ -39,6 +39,9 @@ CASES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("numafast.numa_local(True)", "InvalidNodeError", ("node True is not an integer node id", "nodes here: ")),
     ("numafast.numa_local(np.float64(0))", "InvalidNodeError", ("0.0", "is not an integer node id", "nodes here: ")),
     ("numafast.preferred(4095)", "InvalidNodeError", ("node 4095 does not exist", "nodes here: ")),
+    ("numafast.numa_local([0, 1])", "InvalidNodeError",
+     ("node [0, 1] is not an integer node id", "to run on CPUs [0, 1], use cpubind(cpus=[0, 1])", "nodes here: ")),
+    ("numafast.topolgy", "AttributeError", ("module 'numafast' has no attribute 'topolgy'",)),
     # CPU arguments
     (f"numafast.cpubind(cpus={CPU})", None, ()),
     (f"numafast.cpubind(cpus=[np.int64({CPU})])", None, ()),
@@ -140,7 +143,33 @@ def test_bad_input_gets_a_clear_answer(
     assert outcome is not None, f"{call} raised nothing"
     name, mro, message = outcome
     assert error in mro, f"{call} raised {name}: {message}"  # type: ignore[operator]
-    if error.endswith("Error") and error not in ("ValueError", "TypeError", "KeyError"):
+    if error.endswith("Error") and error not in ("ValueError", "TypeError", "KeyError", "AttributeError"):
         assert "NumaError" in mro and ({"ValueError", "PermissionError", "OSError"} & set(mro))  # type: ignore[arg-type]
     for fragment in fragments:
         assert fragment in message, f"{call}: {fragment!r} not in {message!r}"  # type: ignore[operator]
+
+
+TORCH_ON_FIRST_USE = r"""
+import sys
+import numafast
+assert "torch" not in sys.modules, "import numafast imported torch"
+sys.modules["torch"] = None  # as if PyTorch were not installed
+try:
+    numafast.torch
+except ModuleNotFoundError as error:
+    print(error)
+del sys.modules["torch"]
+print(numafast.torch.NumaLoader.__name__)
+"""
+
+
+def test_numafast_torch_is_imported_on_first_use_or_says_what_to_install() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", TORCH_ON_FIRST_USE], capture_output=True, text=True, timeout=600,
+        cwd=TESTS.parent, env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "numafast.torch needs PyTorch, which this Python does not have: pip install 'numafast[torch]'",
+        "NumaLoader",
+    ]
