@@ -202,6 +202,26 @@ def test_api_threads_ran_where_pinned(host_result: BenchResult) -> None:
             assert set(placement["cpus"]) <= set(node_cpus(placement["cpu_node"])) & set(allowed), key
 
 
+def largest_cache_in_sysfs() -> int | None:
+    """The largest cache of any CPU here, in bytes, read from sysfs without numafast; None when none is listed."""
+    sizes = []
+    for size in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*/size"):
+        text = size.read_text().strip()
+        sizes.append(int(text[:-1]) << 10 if text.endswith("K") else int(text[:-1]) << 20 if text.endswith("M") else int(text))
+    return max(sizes, default=None)
+
+
+@pytest.mark.host_only("the guests run --quick for placement, not figures (test_bench_live.py)")
+def test_a_quick_run_within_the_cache_says_it_measured_the_cache(host_result: BenchResult) -> None:
+    largest = largest_cache_in_sysfs()
+    if largest is not None and 4 * largest <= host_result.settings["size"]:
+        pytest.skip(f"8 MiB buffers are 4x this machine's largest cache ({largest >> 10} KiB): they measure memory")
+    lines = list(render(host_result))
+    assert lines[2].startswith(("CACHE, NOT MEMORY: buffers of 8 MiB are under 4x the ", "sysfs does not give the last-level cache"))
+    titles = [line for line in lines if line.startswith(("latency_ns", "read_gbps", "copy_gbps", "node_copy_gbps"))]
+    assert len(titles) == 4 and all(" [cache] (" in title for title in titles), titles
+
+
 @pytest.mark.host_only("drawing is not kernel-specific")
 def test_plot_draws_a_png(host_result: BenchResult, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
@@ -279,6 +299,30 @@ def test_table_has_units_ratios_and_reasons() -> None:
     ]
     read = lines.index("read_gbps (GB/s, higher is better): 2 threads per cell, best of 10 after 1 warm-up")
     assert lines[read + 2] == "        0  20.00  10.00   5.00   0.25-0.50"
+
+
+@pytest.mark.host_only(FORMATTING)
+@pytest.mark.parametrize(
+    ("size", "llc", "note"),
+    [
+        (8 << 20, 32 << 20, "CACHE, NOT MEMORY: buffers of 8 MiB are under 4x the 32 MiB last-level cache, so the matrices "
+                            "marked [cache] measured the caches; for memory give --size 128M (or drop --quick)"),
+        (127 << 20, 32 << 20, "CACHE, NOT MEMORY: buffers of 127 MiB are under 4x the 32 MiB last-level cache"),
+        (128 << 20, 32 << 20, None),
+        (8 << 20, None, "sysfs does not give the last-level cache's size here, so buffers of 8 MiB may have measured the caches"),
+    ],
+)
+def test_table_says_when_buffers_fit_the_cache(size: int, llc: int | None, note: str | None) -> None:
+    document = written_result()
+    document["settings"].update(size=size, quick=True)
+    for node in document["machine"]["nodes"]:
+        node["llc_bytes"] = llc if node["cpus"] else 0
+    lines = list(render(BenchResult.from_dict(document)))
+    if note is None:
+        assert not any("cache" in line for line in lines[2:]), lines
+        return
+    assert lines[2].startswith(note), lines[2]
+    assert lines[4] == "latency_ns [cache] (ns, lower is better): 2 threads per cell, best of 5 after 1 warm-up"
 
 
 @pytest.mark.host_only(FORMATTING)

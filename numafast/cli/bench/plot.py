@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from numafast.cli.bench.result import BenchResult, Matrix
+from numafast.cli.bench.settings import LLC_FACTOR
+from numafast.cli.bench.table import cache_answered
 
 MISSING_COLOR = "#d9d9d9"
 
@@ -80,6 +82,8 @@ def draw(result: BenchResult, path: str | os.PathLike[str]) -> None:
         _heat_map(figure.add_subplot(1, len(matrices), index + 1), matrix)
     machine = result.machine
     quick = ", --quick" if result.settings["quick"] else ""
+    if cache_answered(result) is not None:
+        quick += f": CPU matrices measured the caches, not memory (buffers under {LLC_FACTOR}x the LLC)"
     figure.suptitle(
         f"numafast bench {result.version}: {machine['hostname']}, {machine['cpu_model']}{quick}", fontsize=10
     )

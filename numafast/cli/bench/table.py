@@ -7,7 +7,9 @@ import string
 from collections.abc import Iterator
 
 from numafast._validate import format_ids
+from numafast.cli.bench.machine import largest_llc
 from numafast.cli.bench.result import BenchResult, Matrix
+from numafast.cli.bench.settings import CPU_MATRICES, LLC_FACTOR, SIZE_WITHOUT_LLC
 
 # The corner of each table: what its rows and columns are.
 AXIS_NAMES = {
@@ -23,6 +25,26 @@ def _mib(value: int | None) -> str:
     return "unknown" if value is None else f"{value / (1 << 20):.0f} MiB"
 
 
+def cache_answered(result: BenchResult) -> str | None:
+    """Why the CPU matrices measured the caches, not memory (buffers under LLC_FACTOR x the
+    largest last-level cache a cell can use), saying how to measure memory; None when
+    the buffers were big enough. A --quick run's 8 MiB usually are not."""
+    size = result.settings["size"]
+    llc = largest_llc(result.machine, result.settings["nodes"])
+    if llc is None:
+        if size >= SIZE_WITHOUT_LLC:
+            return None
+        return (f"sysfs does not give the last-level cache's size here, so buffers of {_mib(size)} may have "
+                f"measured the caches, not memory; for memory give --size {SIZE_WITHOUT_LLC >> 20}M")  # fmt: skip
+    if not llc or size >= LLC_FACTOR * llc:
+        return None
+    return (
+        f"CACHE, NOT MEMORY: buffers of {_mib(size)} are under {LLC_FACTOR}x the {_mib(llc)} last-level cache, so the "
+        f"matrices marked [cache] measured the caches; for memory give --size {-(-LLC_FACTOR * llc // (1 << 20))}M "
+        "(or drop --quick)"
+    )
+
+
 def render(result: BenchResult) -> Iterator[str]:
     """The whole report: a machine line, the settings, then each matrix."""
     machine, settings = result.machine, result.settings
@@ -33,12 +55,15 @@ def render(result: BenchResult) -> Iterator[str]:
         f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}, {len(machine['allowed_cpus'])} allowed CPUs, LLC per node {'/'.join(llc) or 'none'}, "
         f"THP {machine['thp']}"
     )
-    quick = "; --quick: small buffers, figures indicative only" if settings["quick"] else ""
+    quick = "; --quick: few repetitions, figures indicative only" if settings["quick"] else ""
     yield f"nodes {format_ids(settings['nodes'])}, buffers of {_mib(settings['size'])}{quick}"
+    cache = cache_answered(result)
+    if cache is not None:
+        yield cache
     gpu_nodes = {gpu["index"]: gpu["node"] for gpu in machine.get("gpus", [])}
     for matrix in result.matrices.values():
         yield ""
-        yield from render_matrix(matrix, gpu_nodes)
+        yield from render_matrix(matrix, gpu_nodes, cache=cache is not None and matrix.name in CPU_MATRICES)
     failures = result.placement_failures
     if failures:
         yield ""
@@ -58,16 +83,17 @@ def _format(value: float, unit: str) -> str:
     return f"{value:.1f}" if unit == "ns" else f"{value:.2f}"
 
 
-def render_matrix(matrix: Matrix, gpu_nodes: dict[int, int | None] | None = None) -> Iterator[str]:
+def render_matrix(matrix: Matrix, gpu_nodes: dict[int, int | None] | None = None, *, cache: bool = False) -> Iterator[str]:
     """One matrix: title line, the table with a remote/local column, the reasons for empty cells.
 
     For a GPU matrix (columns: CUDA devices, ``gpu_nodes`` their nodes) a row's ratios
-    compare it with each GPU's own node's row.
+    compare it with each GPU's own node's row. ``cache``: its buffers fit the caches,
+    so its title says that it measured them.
     """
     kind = matrix.kind
     streams = f", {matrix.streams} stream{'s' if matrix.streams != 1 else ''}" if matrix.streams else ""
     yield (
-        f"{matrix.name} ({kind.unit}, {kind.better} is better): {_threads_text(matrix)}{streams}, "
+        f"{matrix.name}{' [cache]' if cache else ''} ({kind.unit}, {kind.better} is better): {_threads_text(matrix)}{streams}, "
         f"{matrix.statistic} of {matrix.repetitions} after {matrix.warmup} warm-up"
     )
     labels: dict[str, str] = {}  # reason -> "[a]"
