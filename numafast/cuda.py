@@ -12,6 +12,7 @@ works wherever torch or a GPU is missing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -21,14 +22,16 @@ __all__ = [
     "CopyStream",
     "Registration",
     "SlotEvents",
+    "current_index",
     "device_count",
     "device_uuids",
     "hand_over",
+    "initialized",
+    "on_device",
     "transfer_gbps",
     "usable",
     "why_not_usable",
     "register_ranges",
-    "with_index",
 ]
 
 # cudaHostRegisterPortable: the memory counts as pinned in every CUDA context of the
@@ -44,6 +47,7 @@ REGISTER_CHUNK_BYTES = 1 << 30
 _cudart: Callable[[], Any] = torch.cuda.cudart
 _Event: Callable[..., Any] = torch.cuda.Event
 _Stream: Callable[[torch.device], Any] = torch.cuda.Stream
+_is_initialized: Callable[[], bool] = torch.cuda.is_initialized
 
 
 def usable() -> bool:
@@ -57,13 +61,24 @@ def why_not_usable() -> str:
     return "no CUDA device is visible (torch.cuda.is_available() is False; check CUDA_VISIBLE_DEVICES and the driver)"
 
 
-def with_index(device: torch.device) -> torch.device:
-    """``device`` with its index: 'cuda' means the current CUDA device."""
-    if device.index is not None:
-        if device.index >= torch.cuda.device_count():
-            raise ValueError(f"{device}: this process sees {torch.cuda.device_count()} CUDA devices")
-        return device
-    return torch.device("cuda", torch.cuda.current_device())
+def initialized() -> bool:
+    """Whether torch has initialised CUDA in this process (asking does not)."""
+    return bool(_is_initialized())
+
+
+def current_index() -> int:
+    """The calling thread's current CUDA device. CUDA keeps it per thread: a thread
+    that never chose one (a serving thread, PyTorch's pin thread before it sets
+    one) is on device 0. Initialises torch's CUDA state, which a loader does only
+    once it iterates (the user picks the rank's device after building it)."""
+    return int(torch.cuda.current_device())
+
+
+def on_device(index: int) -> AbstractContextManager[Any]:
+    """Make ``index`` the calling thread's current device for a block, and restore the
+    one before without creating a context on it (torch's device guard)."""
+    guard: AbstractContextManager[Any] = torch.cuda.device(index)
+    return guard
 
 
 def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
@@ -93,25 +108,38 @@ class Registration:
     register only memory that is already where it should be. A failure part way
     unregisters the pieces already done, in reverse: never half-registered.
 
+    Every call runs with ``device`` current: the runtime registers through the current
+    device's context and creates that context if the thread has none, so a call
+    from a thread that never chose a device (the pools' serving thread, a thread
+    dropping the last tensor of a closed pool) would otherwise make a context on
+    device 0, hundreds of MiB of GPU memory, in every rank of a multi-GPU job.
+
     ``runtime`` is what answers ``cudaHostRegister`` / ``cudaHostUnregister`` /
-    ``cudaGetErrorString``: ``torch.cuda.cudart()`` unless given (a test can give a
-    recorder to check the order of calls; that tests this class, not CUDA).
+    ``cudaGetErrorString``: ``torch.cuda.cudart()`` unless given; ``device_guard``
+    makes a device current for a block (:func:`on_device` unless given). A test can
+    give recorders to check the order of calls and the device each names; that
+    tests this class, not CUDA.
     """
 
-    def __init__(self, address: int, nbytes: int, *, unit: int | None = None, head: int = 0,
-                 limit: int = REGISTER_CHUNK_BYTES, runtime: Any = None) -> None:
+    def __init__(self, address: int, nbytes: int, *, device: int, unit: int | None = None, head: int = 0,
+                 limit: int = REGISTER_CHUNK_BYTES, runtime: Any = None,
+                 device_guard: Callable[[int], AbstractContextManager[Any]] = on_device) -> None:
         self.runtime = _cudart() if runtime is None else runtime
+        self.device = device
+        self._device_guard = device_guard
         self.ranges: list[tuple[int, int]] = []
-        for start, length in register_ranges(address, nbytes, unit=unit or nbytes, head=head, limit=limit):
-            code = int(self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE))
-            if code != 0:
-                done = len(self.ranges)
-                self.unregister()
-                raise RuntimeError(
-                    f"cudaHostRegister of {length} bytes at {start:#x} (piece {done + 1} of {nbytes} bytes at "
-                    f"{address:#x}) failed: {self._error_text(code)}; the {done} pieces before it were unregistered"
-                )
-            self.ranges.append((start, length))
+        with device_guard(device):
+            for start, length in register_ranges(address, nbytes, unit=unit or nbytes, head=head, limit=limit):
+                code = int(self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE))
+                if code != 0:
+                    done = len(self.ranges)
+                    self.unregister()
+                    raise RuntimeError(
+                        f"cudaHostRegister of {length} bytes at {start:#x} (piece {done + 1} of {nbytes} bytes at "
+                        f"{address:#x}, device {device}) failed: {self._error_text(code)}; the {done} pieces "
+                        "before it were unregistered"
+                    )
+                self.ranges.append((start, length))
         self.address: int | None = address
 
     def _error_text(self, code: int) -> str:
@@ -121,11 +149,14 @@ class Registration:
     def unregister(self) -> None:
         """cudaHostUnregister of every piece, last first, once."""
         ranges, self.ranges, self.address = self.ranges, [], None
+        if not ranges:
+            return
         failures = []
-        for start, _length in reversed(ranges):
-            code = int(self.runtime.cudaHostUnregister(start))
-            if code != 0:
-                failures.append(f"{start:#x}: {self._error_text(code)}")
+        with self._device_guard(self.device):
+            for start, _length in reversed(ranges):
+                code = int(self.runtime.cudaHostUnregister(start))
+                if code != 0:
+                    failures.append(f"{start:#x}: {self._error_text(code)}")
         if failures:
             raise RuntimeError(f"cudaHostUnregister failed at {', '.join(failures)}")
 
@@ -147,19 +178,25 @@ class _Fence:
 
 
 class SlotEvents:
-    """A pool's fences: ``self(index, streams)`` records CUDA events on the current
-    stream and on each of ``streams`` as slot ``index`` comes back.
+    """A pool's fences: ``self(index, streams)`` records CUDA events on ``device``'s
+    current stream and on each of ``streams`` as slot ``index`` comes back.
+
+    ``device`` is the pool's, named explicitly: a slot comes back in whichever thread
+    drops its last tensor (PyTorch's pin thread, a framework's prefetch thread), and
+    that thread's own current device may be another GPU, or none yet (device 0,
+    where asking for its stream would create a context).
 
     Each slot keeps its own events, one per stream device, and reuses them: a slot is
     given back again only after it was handed out again, which happens only once its
     last fence said done, so an event is never re-recorded while still awaited.
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, device: int) -> None:
+        self.device = device
         self.events: list[dict[tuple[torch.device, int], Any]] = [{} for _ in range(slots)]
 
     def __call__(self, index: int, streams: Sequence[Any]) -> _Fence:
-        current = torch.cuda.current_stream()
+        current = torch.cuda.current_stream(self.device)
         readers = [current, *(stream for stream in streams if stream != current)]
         owned = self.events[index]
         events = []

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import numbers
 import os
 import sys
 import threading
@@ -42,6 +43,7 @@ from numafast._buffers import PAGE_SIZE
 from numafast._validate import allowed_cpus, check_node, cpus_near
 from numafast.errors import (
     CudaUnavailable,
+    InvalidGpuError,
     InvalidNodeError,
     InvalidSizeError,
     LibnumaError,
@@ -259,6 +261,10 @@ class PinnedPool:
     raises :class:`PoolExhaustedError`. ``hugepages`` backs the pool with transparent
     huge pages where the kernel allows.
 
+    ``device`` is the CUDA device whose context registers the memory and whose current
+    stream fences the slots (default: the calling thread's current device). The
+    registration is portable: copies to every device read the memory as pinned.
+
     ``prefault=False`` makes a pool cost nothing until its slots are used: the memory
     is bound and locked (mlock2 MLOCK_ONFAULT: the whole size counts against
     RLIMIT_MEMLOCK now) but no page is faulted in; each slot is, on the node, the
@@ -285,6 +291,7 @@ class PinnedPool:
         timeout: float | None = None,
         hugepages: bool = True,
         prefault: bool = True,
+        device: int | None = None,
     ) -> None:
         global _exit_hook_installed
         self._node = check_node(node)
@@ -293,9 +300,12 @@ class PinnedPool:
         lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
         register_mode: RegisterMode = parse_mode(register, RegisterMode, "register")
         self._timeout = _check_timeout(timeout)
+        if device is not None:
+            check_device_index(device)
         if _libnuma.node_size64(self._node)[0] == 0:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
         registers = _registers(register_mode)
+        self._device: int | None = _registering_device(device) if registers else None
         prefault = prefault or registers
         stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
@@ -319,10 +329,12 @@ class PinnedPool:
             if registers:
                 from numafast import cuda
 
+                assert self._device is not None
                 self._resources.registration = cuda.Registration(
-                    region.address, region.size, unit=stride, head=_libnuma.slot_table_bytes(slots)
+                    region.address, region.size, device=self._device, unit=stride,
+                    head=_libnuma.slot_table_bytes(slots),
                 )
-                fence = _StreamFences(slots, cuda.SlotEvents(slots))
+                fence = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
             self._fences = fence
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
             self._acquire_slot = self._slots.acquire
@@ -563,6 +575,11 @@ class PinnedPool:
         return self._cpus
 
     @property
+    def device(self) -> int | None:
+        """The CUDA device the pool is registered through; None when not registered."""
+        return self._device
+
+    @property
     def closed(self) -> bool:
         return bool(self._slots.closed)
 
@@ -628,6 +645,30 @@ def _registers(mode: RegisterMode) -> bool:
     if mode is RegisterMode.REQUIRED:
         raise CudaUnavailable(f"register='required', but CUDA is not usable here: {cuda.why_not_usable()}")
     return False
+
+
+def check_device_index(device: object) -> int:
+    """``device`` as a CUDA device index (an int or NumPy integer, >= 0), or a TypeError
+    / InvalidGpuError naming the value. Whether the device exists is the
+    registration's to check: counting devices is for a process that uses CUDA."""
+    if isinstance(device, bool) or not isinstance(device, numbers.Integral):
+        raise TypeError(f"device={device!r}: give a CUDA device index (0, 1, ...) or None for the current device")
+    if int(device) < 0:
+        raise InvalidGpuError(f"device={device!r}: a CUDA device index is 0 or more")
+    return int(device)
+
+
+def _registering_device(device: int | None) -> int:
+    """The device a pool registers through: ``device``, checked against the devices this
+    process sees, else the calling thread's current one."""
+    from numafast import cuda
+
+    if device is None:
+        return cuda.current_index()
+    count = cuda.device_count()
+    if int(device) >= count:
+        raise InvalidGpuError(f"device={device}: this process sees {count} CUDA devices (0 to {count - 1})")
+    return int(device)
 
 
 def _memlock_message(nbytes: int, node: int, error: LibnumaError) -> str:

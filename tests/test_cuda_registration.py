@@ -9,6 +9,8 @@ real registration is tested in test_pool_cuda.py where a GPU is).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -44,19 +46,32 @@ def test_nonsense_is_refused(size: int, unit: int, head: int) -> None:
 
 class Recorder:
     """Answers cudaHostRegister / cudaHostUnregister as the runtime would, failing the
-    ``fail_at``-th registration, and records every call."""
+    ``fail_at``-th registration, and records every call; as the device guard, records
+    which device each call ran under (None: outside any guard)."""
 
     def __init__(self, fail_at: int | None = None) -> None:
         self.calls: list[tuple[str, int]] = []
+        self.devices: list[int | None] = []
         self.fail_at = fail_at
+        self.current: int | None = None
+
+    @contextmanager
+    def guard(self, index: int) -> Iterator[None]:
+        before, self.current = self.current, index
+        try:
+            yield
+        finally:
+            self.current = before
 
     def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
         self.calls.append(("register", address))
+        self.devices.append(self.current)
         registered = sum(1 for call, _ in self.calls if call == "register")
         return 2 if registered == self.fail_at else 0  # 2: cudaErrorMemoryAllocation
 
     def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
         self.calls.append(("unregister", address))
+        self.devices.append(self.current)
         return 0
 
     def cudaGetErrorString(self, code: int) -> str:  # noqa: N802
@@ -66,19 +81,24 @@ class Recorder:
 def test_a_failure_part_way_unregisters_the_pieces_done_last_first() -> None:
     runtime = Recorder(fail_at=3)
     with pytest.raises(RuntimeError, match=r"piece 3 .* failed: cudaError 2: out of memory; the 2 pieces before it"):
-        cuda.Registration(0x10000, 4096 + 8 * MIB, unit=MIB, head=4096, limit=2 * MIB, runtime=runtime)
+        cuda.Registration(0x10000, 4096 + 8 * MIB, device=3, unit=MIB, head=4096, limit=2 * MIB, runtime=runtime,
+                          device_guard=runtime.guard)
     starts = [0x10000, 0x10000 + 4096 + 2 * MIB, 0x10000 + 4096 + 4 * MIB]
     assert runtime.calls == [
         ("register", starts[0]), ("register", starts[1]), ("register", starts[2]),
         ("unregister", starts[1]), ("unregister", starts[0]),
     ]  # fmt: skip
+    assert runtime.devices == [3] * 5
 
 
 def test_unregistering_goes_last_first_once() -> None:
     runtime: Any = Recorder()
-    registration = cuda.Registration(0, 4096 + 4 * MIB, unit=MIB, head=4096, limit=2 * MIB, runtime=runtime)
+    registration = cuda.Registration(0, 4096 + 4 * MIB, device=1, unit=MIB, head=4096, limit=2 * MIB,
+                                     runtime=runtime, device_guard=runtime.guard)
     assert len(registration.ranges) == 2
     registration.unregister()
     registration.unregister()
     assert [call for call, _ in runtime.calls] == ["register", "register", "unregister", "unregister"]
     assert runtime.calls[2][1] > runtime.calls[3][1]
+    # Each call on the pool's device, whichever thread makes it: never a thread's default device 0.
+    assert runtime.devices == [1] * 4 and runtime.current is None
