@@ -6,6 +6,13 @@ driven by PyTorch's own pin thread. They need a CUDA device and are skipped with
 from __future__ import annotations
 
 import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -47,7 +54,8 @@ def test_registration_in_chunks_pins_every_slot_and_unpins_them_all() -> None:
     with numafast.PinnedPool(NODE, 3 * MIB, 6, register="off") as pool:
         region = pool._resources.region
         registration = cuda.Registration(
-            region.address, region.size, unit=pool._slots.stride, head=numafast._libnuma.slot_table_bytes(6), limit=8 * MIB
+            region.address, region.size, device=0, unit=pool._slots.stride, head=numafast._libnuma.slot_table_bytes(6),
+            limit=8 * MIB,
         )
         assert len(registration.ranges) == 3  # two 3 MiB slots a piece
         slots = [pool.acquire() for _ in range(6)]
@@ -158,3 +166,90 @@ def test_bench_measures_every_node_to_every_gpu_from_pinned_node_local_buffers()
                 assert (value is not None and value > 0) or key in matrix.missing
                 if value is not None:
                     assert matrix.placement[key]["buffers"]["host"]["node"] == row
+
+
+FRESH_LOADER = """
+import json, os, pickle, shutil, subprocess, sys, torch, numafast.torch
+
+class Images(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24
+    def __getitem__(self, index):
+        return {"image": torch.full((3, 64, 64), float(index)), "label": index}
+
+def contexts():
+    if shutil.which("nvidia-smi") is None:
+        return None
+    listing = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    return sorted(uuid.strip() for line in listing.splitlines() if line.strip()
+                  for pid, uuid in [line.split(",")] if int(pid) == os.getpid())
+
+device = int(sys.argv[1])
+loader = numafast.torch.NumaLoader(torch.utils.data.DataLoader(Images(), batch_size=4, num_workers=2), device="cuda")
+pickle.dumps(loader.collate_fn)
+built = {"initialized": torch.cuda.is_initialized(), "contexts": contexts() or []}
+torch.cuda.set_device(device)  # the rank's device, picked after the loader was built, as scripts do
+sums = [batch["image"].sum().item() for batch in loader]
+print(json.dumps({"built": built, "device": str(loader.device), "pools": loader.pools.device, "sums": sums,
+                  "registered": [pool.device for pool in loader.pools.pools], "contexts": contexts(),
+                  "uuid": "GPU-" + str(torch.cuda.get_device_properties(device).uuid)}))
+"""
+
+
+def test_a_loader_touches_cuda_only_when_iterated_and_only_on_the_ranks_device() -> None:
+    """In a fresh process: building and pickling a loader create no CUDA context (and
+    leave torch's CUDA uninitialised); iterating creates one, on the device current
+    then, through which its pools registered (the last device where there are several)."""
+    device = torch.cuda.device_count() - 1
+    environment = {key: value for key, value in os.environ.items() if key != "LOCAL_RANK"}
+    done = subprocess.run([sys.executable, "-c", FRESH_LOADER, str(device)],
+                          capture_output=True, text=True, timeout=300, env=environment)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["built"] == {"initialized": False, "contexts": []}
+    assert report["device"] == f"cuda:{device}" and report["pools"] == device
+    assert report["registered"] and set(report["registered"]) == {device}
+    assert report["sums"] == [float(sum(range(4 * i, 4 * i + 4)) * 3 * 64 * 64) for i in range(6)]
+    if report["contexts"] is not None:
+        assert report["contexts"] == [report["uuid"]]  # one context, on the rank's device alone
+
+
+def test_a_pool_made_in_another_thread_registers_through_the_device_it_names() -> None:
+    made: list[numafast.PinnedPool] = []
+    device = torch.cuda.device_count() - 1
+    maker = threading.Thread(target=lambda: made.append(numafast.PinnedPool(NODE, MIB, 2, device=device)))
+    maker.start()
+    maker.join(120)
+    with made[0] as pool:
+        assert pool.registered and pool.device == device
+        host = torch.frombuffer(pool.acquire(), dtype=torch.uint8).fill_(7)
+        assert host.is_pinned()
+        assert bool((host.to(f"cuda:{device}", non_blocking=True) == 7).all())
+        del host
+    with pytest.raises(numafast.InvalidGpuError, match="sees"):
+        numafast.PinnedPool(NODE, MIB, 2, device=torch.cuda.device_count())
+
+
+def test_batches_keep_arriving_while_a_registered_pool_is_made() -> None:
+    """A resize to 512 MiB slots faults in and registers a GiB on the serving thread's side,
+    outside the mutex every batch takes: copies into the current pool go on meanwhile,
+    each taking far less than the making does."""
+    pools = numafast.torch.pools.NodePools(NODE, 2)
+    pools.use_device(0)
+    pools.make_room(MIB, more=False)
+    started = time.perf_counter()
+    making = threading.Thread(target=pools.make_room, args=(400 * MIB, False))
+    making.start()
+    waits = []
+    while making.is_alive():
+        before = time.perf_counter()
+        batch = pools.pin(torch.ones(1024))
+        waits.append(time.perf_counter() - before)
+        del batch
+    took = time.perf_counter() - started
+    try:
+        assert pools.pools[0].slot_bytes >= 400 * MIB and pools.pools[0].registered
+        assert len(waits) > 1 and max(waits) < took / 4, (max(waits), took)
+    finally:
+        pools.close()

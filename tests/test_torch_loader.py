@@ -750,14 +750,6 @@ def test_numaloader_is_generic_as_dataloader_is() -> None:
     assert typed.__annotations__ and numafast.torch.NumaLoader[list] is not None
 
 
-def test_each_rank_takes_its_local_ranks_gpu_or_else_the_current_one() -> None:
-    from numafast.torch.loader import rank_gpu
-
-    assert rank_gpu(3, 8, 0) == 3  # torchrun on an 8-GPU machine
-    assert rank_gpu(3, 1, 0) == 0  # one visible device per rank (Ray Train, CUDA_VISIBLE_DEVICES per rank)
-    assert rank_gpu(None, 4, 2) == 2  # no launcher: the current device
-
-
 @SEMANTICS
 def test_a_sampler_with_set_epoch_reshuffles_as_the_stock_one() -> None:
     from torch.utils.data.distributed import DistributedSampler

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from numafast._validate import check_node
 from numafast.binding import bind
 from numafast.torch.collate import SlotCollate
-from numafast.torch.loader import gpu_node, resolve_device
+from numafast.torch.device import gpu_node, iteration_gpu, resolve_device
 from numafast.torch.pools import LoaderStats, node_pools
 
 __all__ = ["PinMemoryHook", "pin_memory_hook"]
@@ -55,6 +55,8 @@ class PinMemoryHook:
         self.pools = node_pools(node, slots) if node is not None and installed else None
         self._collate = loader.collate_fn
         if self.pools is not None:
+            if device is not None and device.index is not None:
+                self.pools.use_device(device.index)
             self.pools.before_receive = self._bind_pin_thread
             loader.collate_fn = SlotCollate(self._collate, self.pools)
 
@@ -109,10 +111,12 @@ def pin_memory_hook(
     if why_not:
         warnings.warn(f"numafast.torch.pin_memory_hook installs nothing: {why_not}", RuntimeWarning, stacklevel=2)
         return PinMemoryHook(loader, checked, None, slots, False, why_not)
-    resolved = resolve_device("cuda" if device is None else device)
-    assert resolved is not None
-    target = checked if checked is not None else check_node(gpu_node(resolved))
-    return PinMemoryHook(loader, target, resolved, slots, True, "")
+    # PyTorch's pin thread pins for the device current when iteration starts; the hook
+    # is installed just before, so it reads that device now (initialising CUDA).
+    index = iteration_gpu(resolve_device("cuda" if device is None else device))
+    assert index is not None
+    target = checked if checked is not None else check_node(gpu_node(index))
+    return PinMemoryHook(loader, target, torch.device("cuda", index), slots, True, "")
 
 
 def _why_torch_will_not_pin() -> str:

@@ -41,15 +41,13 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from numafast import cuda
 from numafast._validate import check_node
-from numafast.affinity.apply import local_rank_from_environment
 from numafast.binding import bind, numa_local
-from numafast.errors import CudaUnavailable, InvalidGpuError, InvalidSizeError, LocalRankError
-from numafast.pages import local_node
+from numafast.errors import InvalidSizeError
 from numafast.pool import LockMode, parse_mode
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
+from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
 from numafast.torch.pools import LoaderStats, NodePools, node_pools
-from numafast.topo import topology
 
 # What the loader's dataset yields: NumaLoader[T] reads like DataLoader[T].
 T_co = TypeVar("T_co", covariant=True)
@@ -94,62 +92,6 @@ class WorkerPlacement:
         bind(self.node, strict=self.strict)
         if self.then is not None:
             self.then(worker_id)
-
-
-def resolve_device(device: object) -> torch.device | None:
-    """None for host batches (``None`` or ``"cpu"``), else a CUDA device with its index.
-
-    Raises CudaUnavailable for a CUDA device when CUDA is not usable here, and
-    ValueError for any other device type.
-    """
-    if device is None:
-        return None
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(f"device {device!r}: give a CUDA device ('cuda:0', 0, torch.device) or None")
-    try:
-        resolved = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-    except RuntimeError:
-        raise ValueError(
-            f"device {device!r} is not a device: give a CUDA device ('cuda', 'cuda:1', 1, torch.device) "
-            "or None / 'cpu' for host batches"
-        ) from None
-    if resolved.type == "cpu":
-        return None
-    if resolved.type != "cuda":
-        raise ValueError(f"device {device!r}: NumaLoader copies to a CUDA device or yields host batches (None, 'cpu')")
-    if not cuda.usable():
-        raise CudaUnavailable(f"device {device!r}: {cuda.why_not_usable()}")
-    return cuda.with_index(resolved)
-
-
-def gpu_node(device: torch.device) -> int:
-    """The NUMA node of CUDA device ``device`` (its PCI root's node), from the topology."""
-    node = topology().node_of_gpu(device.index or 0)
-    if node is None:
-        raise InvalidGpuError(f"the NUMA node of {device} is unknown (firmware did not say); pass node=")
-    return node
-
-
-def rank_gpu(local_rank: int | None, count: int, current: int) -> int:
-    """The CUDA device a rank uses: its local rank where it names a visible device (as
-    torchrun, srun and mpirun set it, one GPU per rank), else the current device (one
-    visible device per rank, as Ray Train and CUDA_VISIBLE_DEVICES-per-rank set it)."""
-    return local_rank if local_rank is not None and local_rank < count else current
-
-
-def default_node() -> int:
-    """Where a loader lands when neither ``node`` nor ``device`` is given: the node of
-    this rank's GPU where CUDA is usable and its node is known, else the calling
-    thread's node."""
-    if not cuda.usable():
-        return local_node()
-    try:
-        local_rank: int | None = local_rank_from_environment()[0]
-    except LocalRankError:
-        local_rank = None
-    index = rank_gpu(local_rank, cuda.device_count(), torch.cuda.current_device())
-    node = topology().node_of_gpu(index)
-    return local_node() if node is None else node
 
 
 def settings_of(loader: DataLoader[Any]) -> dict[str, Any]:
@@ -222,7 +164,10 @@ class NumaLoader(DataLoader[T_co]):
 
     ``node`` defaults to the device's node, else to the node of this rank's GPU
     (local rank, or the current CUDA device) where CUDA is usable, else to the
-    calling thread's node. ``slots`` is the size of each pinned pool (default: the
+    calling thread's node. Neither building nor pickling a loader initialises CUDA:
+    where the device is the current one (``device="cuda"``, or no device and no
+    local rank with several GPUs visible), it is read at the first iteration, in
+    the iterating thread, and the node follows it there. ``slots`` is the size of each pinned pool (default: the
     batches the DataLoader keeps in flight, ``prefetch_factor`` x ``num_workers``,
     plus ``prefetch`` with a device, plus two for the batch being filled and the one
     the consumer holds); when the consumer keeps more, another pool is added rather
@@ -289,8 +234,9 @@ class NumaLoader(DataLoader[T_co]):
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise InvalidSizeError(f"slots must be a positive integer or None, not {slots!r}")
         resolved = resolve_device(device)
+        node_guessed = False
         if node is None:
-            node = gpu_node(resolved) if resolved is not None else default_node()
+            node, node_guessed = landing_node(resolved)
         checked = check_node(node)
         workers = settings["num_workers"]
         in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
@@ -303,6 +249,9 @@ class NumaLoader(DataLoader[T_co]):
         self.strict: bool = strict
         self.lock: str | bool = lock
         self.pools: NodePools = _pools_of(settings["collate_fn"], checked, lock) or node_pools(checked, wanted, lock=lock)
+        self._wanted_slots = wanted
+        self._node_guessed = node_guessed
+        self._cuda_settled = False
         self._through: DataLoader[Any] | None = through
         super().__init__(settings.pop("dataset"), **settings)
         if through is not None:
@@ -331,7 +280,35 @@ class NumaLoader(DataLoader[T_co]):
     def __len__(self) -> int:
         return len(self._through) if self._through is not None else super().__len__()
 
+    def _settle_cuda(self) -> None:
+        """At the first iteration, in the iterating thread: the CUDA device (where the
+        user has picked the rank's device by now), the node that follows from it where
+        construction could only guess, and the device the pools register through."""
+        if self._cuda_settled:
+            return
+        index = iteration_gpu(self.device)
+        if index is not None:
+            if self._node_guessed:
+                self._land_on(gpu_node(index, required=self.device is not None))
+            if self.device is not None:
+                self.device = torch.device("cuda", index)
+            self.pools.use_device(index)
+        self._cuda_settled = True
+
+    def _land_on(self, node: int) -> None:
+        """Land on ``node`` instead of the node guessed at construction (before any worker
+        started): its pools, and numafast's collate function over them."""
+        self._node_guessed = False
+        if node == self.node:
+            return
+        self.node = check_node(node)
+        self.pools = node_pools(self.node, self._wanted_slots, lock=self.lock)
+        self.collate_fn = _own_collate(self.collate_fn)  # wrapped again, over the new pools
+        if self._through is not None:
+            settings_loader(self._through).collate_fn = self.collate_fn
+
     def __iter__(self) -> Any:
+        self._settle_cuda()
         if self._through is not None:
             batches: Iterator[Any] = _through_batches(self, iter(self._through))
         elif self.persistent_workers and self._iterator is not None:

@@ -39,10 +39,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from numafast.errors import PoolExhaustedError
+from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import PoolBoard
 from numafast.torch.batch import fill, flatten, layout, opaque_leaves
+from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch, receivers
 from numafast.torch.packing import SlotFull, SlotMeasure, SlotPacker, placeable, tensor_kind, unpack
 
@@ -124,6 +125,10 @@ class NodePools:
         self.warned: set[str] = set()
         self.before_receive: Callable[[], None] | None = None
         """Called before each batch is received (the hook binds PyTorch's pin thread)."""
+        self.device: int | None = None
+        """The CUDA device new pools register through (:meth:`use_device`); None: this
+        rank's GPU where that is certain (see :func:`~numafast.torch.device.settled_gpu`),
+        else the making thread's current device (for the serving thread, device 0)."""
         self.board = PoolBoard()
         self.owner_id = next(_owner_ids)
         self.users = 0
@@ -134,6 +139,10 @@ class NodePools:
         self._server: threading.Thread | None = None
         """Makes the pools the workers ask for (started with the first user)."""
         self._mutex = threading.RLock()
+        """Guards the pool lists and counters: taken by the receive of every batch, so
+        held only for bookkeeping, never while a pool is faulted in or registered."""
+        self._making = threading.Lock()
+        """One pool is made at a time (by the serving thread or a copy in this one)."""
         self._pid = os.getpid()
         receivers[self.owner_id] = self
 
@@ -159,6 +168,12 @@ class NodePools:
             _idle[key] = self
         if replaced is not None and replaced is not self:
             replaced.close()
+
+    def use_device(self, index: int) -> None:
+        """Register the pools made from now on through CUDA device ``index`` (the loader's,
+        decided in the thread that iterates). Pools made before stay as they are: their
+        registration is portable, good for copies to any device."""
+        self.device = index
 
     def reset_counters(self) -> None:
         """Start the batch counters afresh (a new loader taking idle pools)."""
@@ -239,25 +254,38 @@ class NodePools:
     def make_room(self, nbytes: int, more: bool) -> None:
         """Pools whose slots hold ``nbytes``, and ``more`` slots when every one is held by
         batches: the workers' requests (a batch fits no pool listed, or none is yet; no
-        slot came free), answered from the serving thread."""
-        with self._mutex:
-            if self.closed:
-                return
-            if not self.pools or nbytes > self.pools[0].slot_bytes:
-                self._resize(nbytes)
-            elif more and not self._slot_free_soon():
-                self._grow()
+        slot came free), answered from the serving thread.
+
+        The new pool is made outside the mutex that every batch's receive takes (a
+        registered pool is faulted in whole and pinned: seconds per GiB), then
+        swapped in; the decision is made again once the pool making is this
+        thread's, since another thread may have made room meanwhile."""
+        with self._making:
+            with self._mutex:
+                if self.closed:
+                    return
+                resize = not self.pools or nbytes > self.pools[0].slot_bytes
+                if not resize and not (more and not self._slot_free_soon()):
+                    return
+                slot_bytes = _slot_bytes_for(nbytes) if resize else self.pools[0].slot_bytes
+            pool = self._new_pool(slot_bytes)
+            with self._mutex:
+                if self.closed:
+                    pool.close()
+                    return
+                self._by_inode[pool.share().inode] = pool
+                if resize:
+                    self._swap_in(pool)
+                else:
+                    self.grown += 1
+                    self.pools.append(pool)
+                    self._publish()
 
     def _slot_free_soon(self) -> bool:
         """A slot is free, or only in flight (a GPU copy still reads it: free soon), once
         the leases of workers that are gone are ended."""
         self.reclaim_orphans()
         return any(stats.free or stats.in_flight for stats in (pool.stats() for pool in self.pools))
-
-    def _grow(self) -> None:
-        self.grown += 1
-        self.pools.append(self._new_pool(self.pools[0].slot_bytes))
-        self._publish()
 
     def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
@@ -306,42 +334,46 @@ class NodePools:
         return rebuild([leaf if id(leaf) in kept else next(placed) for leaf in leaves])
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
-        with self._mutex:
-            if not self.pools or nbytes > self.pools[0].slot_bytes:
-                self._resize(nbytes)
-            for pool in self.pools:
-                try:
-                    return pool.acquire(nbytes, 0), pool
-                except PoolExhaustedError:
-                    pass
-            self.reclaim_orphans()
-            # Only a slot in flight to the GPU is free soon; a leased one becomes a batch.
-            busy = [pool for pool in self.pools if pool.stats().in_flight]
-            if not busy:
-                self._grow()
-                return self.pools[-1].acquire(nbytes, 0), self.pools[-1]
-        return busy[0].acquire(nbytes, None), busy[0]
+        """A slot of ``nbytes`` for a copy in this process: a free one, else one in flight
+        to the GPU (free soon), else a new pool's (a leased slot becomes a batch that
+        the consumer may keep)."""
+        while True:
+            with self._mutex:
+                if self.closed:
+                    raise PoolClosedError(f"the node-{self.node} pools of this loader are closed")
+                fits = bool(self.pools) and nbytes <= self.pools[0].slot_bytes
+                for pool in self.pools if fits else ():
+                    try:
+                        return pool.acquire(nbytes, 0), pool
+                    except PoolExhaustedError:
+                        pass
+                self.reclaim_orphans()
+                busy = [pool for pool in self.pools if pool.stats().in_flight] if fits else []
+            if busy:
+                return busy[0].acquire(nbytes, None), busy[0]
+            self.make_room(nbytes, more=True)
 
-    def _resize(self, nbytes: int) -> None:
+    def _swap_in(self, pool: PinnedPool) -> None:
+        """``pool`` (with larger slots) in place of the pools in use, which close and are
+        released as their slots come back."""
         if self.pools:
             self.resized += 1
-        old, slot_bytes = self.pools, -(-int(nbytes * HEADROOM) // SLOT_GRAIN) * SLOT_GRAIN
-        self.pools = [self._new_pool(slot_bytes)]
+        old, self.pools = self.pools, [pool]
         self._publish()  # first: a pool the board lists is never one already let go
-        for pool in old:
-            pool.close()  # released as its slots come back
+        for retiring in old:
+            retiring.close()
         self.retired.extend(old)
 
     def _new_pool(self, slot_bytes: int) -> PinnedPool:
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
-        # slots cost nothing.
-        pool = PinnedPool(
-            self.node, slot_bytes, self.slots, lock=self.lock, register=self.register, timeout=None, prefault=False
+        # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
+        device = self.device if self.device is not None else settled_gpu(None)
+        return PinnedPool(
+            self.node, slot_bytes, self.slots, lock=self.lock, register=self.register, timeout=None,
+            prefault=False, device=device,
         )
-        self._by_inode[pool.share().inode] = pool
-        return pool
 
     def _publish(self) -> None:
         self.board.publish([pool.share() for pool in self.pools])
@@ -379,6 +411,11 @@ class NodePools:
             for pool in [*self.pools, *self.retired]:
                 pool.close()
         self.board.close()
+
+
+def _slot_bytes_for(nbytes: int) -> int:
+    """The slot size of a pool made for batches of ``nbytes``: HEADROOM more, in SLOT_GRAINs."""
+    return -(-int(nbytes * HEADROOM) // SLOT_GRAIN) * SLOT_GRAIN
 
 
 def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:

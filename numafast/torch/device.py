@@ -1,0 +1,124 @@
+"""Which CUDA device a loader serves, and so the NUMA node its batches land on.
+
+CUDA keeps the current device per thread, and torch initialises CUDA the first
+time anything asks for it. A training script usually builds its loaders before it
+picks the rank's device (``torch.cuda.set_device(local_rank)``), and a DataLoader
+forks its workers later still. So a loader settles at construction only what it
+can know without initialising CUDA (an explicit index, the launcher's local rank,
+the only visible device), and asks for the current device at its first iteration,
+in the thread that iterates: that is the device its pools register through and
+its copies and fences run on, never a helper thread's default, device 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from numafast import cuda
+from numafast.affinity.apply import local_rank_from_environment
+from numafast.errors import CudaUnavailable, InvalidGpuError, LocalRankError
+from numafast.pages import local_node
+from numafast.topo import topology
+
+__all__ = ["gpu_node", "iteration_gpu", "landing_node", "rank_gpu", "resolve_device", "settled_gpu"]
+
+
+def resolve_device(device: object) -> torch.device | None:
+    """None for host batches (``None`` or ``"cpu"``), else the CUDA device, its index
+    kept as given: ``"cuda"`` stays the current device, decided at first iteration.
+
+    Raises CudaUnavailable for a CUDA device when CUDA is not usable here,
+    InvalidGpuError for an index this process does not see, and ValueError for any
+    other device type. Asks nothing that initialises CUDA.
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device {device!r}: give a CUDA device ('cuda:0', 0, torch.device) or None")
+    try:
+        resolved = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    except RuntimeError:
+        raise ValueError(
+            f"device {device!r} is not a device: give a CUDA device ('cuda', 'cuda:1', 1, torch.device) "
+            "or None / 'cpu' for host batches"
+        ) from None
+    if resolved.type == "cpu":
+        return None
+    if resolved.type != "cuda":
+        raise ValueError(f"device {device!r}: NumaLoader copies to a CUDA device or yields host batches (None, 'cpu')")
+    if not cuda.usable():
+        raise CudaUnavailable(f"device {device!r}: {cuda.why_not_usable()}")
+    count = cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise InvalidGpuError(f"device {device!r}: this process sees {count} CUDA devices (0 to {count - 1})")
+    return resolved
+
+
+def rank_gpu(local_rank: int | None, count: int, current: int) -> int:
+    """The CUDA device a rank uses: its local rank where it names a visible device (as
+    torchrun, srun and mpirun set it, one GPU per rank), else the current device (one
+    visible device per rank, as Ray Train and CUDA_VISIBLE_DEVICES-per-rank set it)."""
+    return local_rank if local_rank is not None and local_rank < count else current
+
+
+def _local_rank() -> int | None:
+    try:
+        return local_rank_from_environment()[0]
+    except LocalRankError:
+        return None
+
+
+def settled_gpu(device: torch.device | None) -> int | None:
+    """The CUDA device of a loader with ``device`` (None: this rank's GPU) where it is
+    certain without initialising CUDA: the index given, else the local rank naming a
+    visible device, else the only visible device. None where it is the current
+    device at first iteration, or CUDA is not usable."""
+    if device is not None and device.index is not None:
+        return device.index
+    if not cuda.usable():
+        return None
+    count = cuda.device_count()
+    local_rank = _local_rank() if device is None else None  # 'cuda' means the current device
+    if local_rank is not None and local_rank < count:
+        return local_rank
+    return 0 if count == 1 else None
+
+
+def iteration_gpu(device: torch.device | None) -> int | None:
+    """At first iteration, in the iterating thread: the loader's CUDA device, asking for
+    the current one where it is not settled; None where CUDA is not usable."""
+    settled = settled_gpu(device)
+    if settled is not None or not cuda.usable():
+        return settled
+    return cuda.current_index()
+
+
+def gpu_node(index: int, *, required: bool = True) -> int:
+    """The NUMA node of CUDA device ``index`` (its PCI root's node), from the topology.
+    Where firmware does not say: InvalidGpuError when ``required``, else the calling
+    thread's node."""
+    try:
+        node = topology().node_of_gpu(index)
+    except InvalidGpuError:  # CUDA sees a device the topology does not list (a container's sysfs)
+        if required:
+            raise
+        return local_node()
+    if node is not None:
+        return node
+    if required:
+        raise InvalidGpuError(f"the NUMA node of cuda:{index} is unknown (firmware did not say); pass node=")
+    return local_node()
+
+
+def landing_node(device: torch.device | None) -> tuple[int, bool]:
+    """Where a loader without ``node=`` lands, and whether that is only a guess until its
+    first iteration: the node of its device (given, else this rank's GPU, whose node
+    may be unknown) where CUDA is usable, else the calling thread's node. A guess is
+    the node of the current device as of now (device 0 while CUDA is not
+    initialised, without initialising it)."""
+    index = settled_gpu(device)
+    if index is not None:
+        return gpu_node(index, required=device is not None), False
+    if not cuda.usable():
+        return local_node(), False
+    return gpu_node(cuda.current_index() if cuda.initialized() else 0, required=False), True

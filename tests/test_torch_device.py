@@ -1,0 +1,188 @@
+"""Which CUDA device a loader serves, when it decides, and that making a pool never
+stops the batches that arrive meanwhile.
+
+The device choice is tested without a GPU against a stand-in for the four CUDA
+state queries numafast.torch.device makes (usable, device count, initialised,
+current device), put in that module only: these tests check numafast's decisions
+(what it asks, when, and which index it hands on), not CUDA, and nothing here is
+a CUDA test. The real registration, on the device chosen, is tested in
+test_pool_cuda.py where a GPU is.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import numafast  # noqa: E402
+import numafast.torch  # noqa: E402
+from numafast.pages import local_node  # noqa: E402
+from numafast.torch import device as loader_device  # noqa: E402
+from numafast.torch.device import rank_gpu  # noqa: E402
+from numafast.torch.pools import NodePools  # noqa: E402
+from sysfs_truth import online_nodes, pagemap_nodes  # noqa: E402
+from test_launch_live import LAUNCHER_VARIABLES, snapshot_with_gpus  # noqa: E402
+
+SEMANTICS = pytest.mark.host_only("loader decisions, the same on any kernel")
+
+
+class CudaState:
+    """What CUDA would answer to numafast.torch.device, with every question recorded. Its
+    current device is unknown (``None``) until a test sets one: asking then fails
+    the test, as asking at construction would initialise CUDA on a real machine."""
+
+    def __init__(self, count: int, *, initialized: bool = False, current: int | None = None) -> None:
+        self.count = count
+        self.is_initialized = initialized
+        self.current = current
+        self.asked: list[str] = []
+
+    def usable(self) -> bool:
+        return True
+
+    def why_not_usable(self) -> str:
+        return ""
+
+    def device_count(self) -> int:
+        return self.count
+
+    def initialized(self) -> bool:
+        return self.is_initialized
+
+    def current_index(self) -> int:
+        self.asked.append("current_index")
+        if self.current is None:
+            raise AssertionError("the current CUDA device was asked for before the first iteration")
+        return self.current
+
+
+class Samples(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> Any:
+        return torch.full((4,), index)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def standing_in(monkeypatch: pytest.MonkeyPatch, state: CudaState) -> CudaState:
+    monkeypatch.setattr(loader_device, "cuda", state)
+    return state
+
+
+@SEMANTICS
+def test_each_rank_takes_its_local_ranks_gpu_or_else_the_current_one() -> None:
+    assert rank_gpu(3, 8, 0) == 3  # torchrun on an 8-GPU machine
+    assert rank_gpu(3, 1, 0) == 0  # one visible device per rank (Ray Train, CUDA_VISIBLE_DEVICES per rank)
+    assert rank_gpu(None, 4, 2) == 2  # no launcher: the current device
+
+
+@SEMANTICS
+def test_what_is_settled_without_initialising_cuda(monkeypatch: pytest.MonkeyPatch, no_launcher: None) -> None:
+    standing_in(monkeypatch, CudaState(4))
+    assert loader_device.settled_gpu(torch.device("cuda", 2)) == 2
+    assert loader_device.settled_gpu(None) is None  # several devices, no launcher: the current one, later
+    assert loader_device.settled_gpu(torch.device("cuda")) is None
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert loader_device.settled_gpu(None) == 3
+    assert loader_device.settled_gpu(torch.device("cuda")) is None  # 'cuda' is the current device, not the rank's
+    monkeypatch.setenv("LOCAL_RANK", "5")  # more ranks than visible devices: each sees its own
+    assert loader_device.settled_gpu(None) is None
+    standing_in(monkeypatch, CudaState(1))
+    assert loader_device.settled_gpu(None) == 0
+
+
+@SEMANTICS
+def test_building_and_pickling_a_loader_never_asks_for_the_current_device(
+    monkeypatch: pytest.MonkeyPatch, no_launcher: None
+) -> None:
+    state = standing_in(monkeypatch, CudaState(2))
+    loader = numafast.torch.NumaLoader(Samples(), batch_size=4)
+    pickle.dumps(loader.collate_fn)  # what a spawned worker receives
+    assert state.asked == []
+    assert loader.node == local_node()  # this machine's topology lists no GPU: the node of the calling thread
+    assert not torch.cuda.is_initialized()
+    state.current = 1  # the user picks the rank's device after building the loader
+    batches = list(loader)
+    assert state.asked == ["current_index"]
+    assert loader.pools.device == 1  # the pools register through the rank's device, not the serving thread's 0
+    assert [batch.tolist() for batch in batches] == [[[i] * 4 for i in range(4)], [[i] * 4 for i in range(4, 8)]]
+    list(loader)
+    assert state.asked == ["current_index"]  # once: the device is the loader's from then on
+
+
+@SEMANTICS
+def test_a_settled_device_is_not_asked_for_at_all(monkeypatch: pytest.MonkeyPatch, no_launcher: None) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    state = standing_in(monkeypatch, CudaState(2))
+    loader = numafast.torch.NumaLoader(Samples(), batch_size=4)
+    list(loader)
+    assert state.asked == []
+    assert loader.pools.device == 1
+
+
+@pytest.mark.numa(nodes=2)
+def test_the_node_follows_the_device_picked_after_the_loader_was_built(
+    monkeypatch: pytest.MonkeyPatch, no_launcher: None, tmp_path: Path
+) -> None:
+    first, second = online_nodes()[:2]
+    machine = numafast.Topology.from_sysfs(snapshot_with_gpus(tmp_path, [first, second]))
+    monkeypatch.setattr(loader_device, "topology", lambda: machine)
+    state = standing_in(monkeypatch, CudaState(2))
+    loader = numafast.torch.NumaLoader(Samples(), batch_size=4)
+    assert loader.node == first  # a guess: device 0, the current one while CUDA is not initialised
+    state.current = 1
+    batches = list(loader)
+    assert loader.node == second and loader.pools.node == second and loader.pools.device == 1
+    assert loader.stats().landed == 2
+    assert {pool.node for pool in loader.stats().pools} == {second}
+    pages = {node for batch in batches for node in pagemap_nodes(batch.data_ptr(), batch.nbytes)}
+    assert pages == {second}  # asked of the kernel (pagemap and the memory blocks), not of the loader
+
+
+@SEMANTICS
+def test_a_batch_is_received_while_a_pool_is_being_made() -> None:
+    """A resize makes its pool (for a registered pool: faulted in whole and pinned,
+    seconds per GiB) outside the mutex that every batch's receive and copy takes."""
+    making = threading.Event()
+    proceed = threading.Event()
+
+    class SlowPools(NodePools):
+        def _new_pool(self, slot_bytes: int) -> numafast.PinnedPool:
+            if self.pools:  # the resize, not the first pool
+                making.set()
+                assert proceed.wait(30)
+            return super()._new_pool(slot_bytes)
+
+    pools = SlowPools(local_node(), 2, lock="off")
+    try:
+        pools.make_room(1 << 16, more=False)
+        small = pools.pools[0].slot_bytes
+        resizing = threading.Thread(target=pools.make_room, args=(4 * small, False))
+        resizing.start()
+        assert making.wait(30)
+        copied: list[Any] = []
+        copier = threading.Thread(target=lambda: copied.append(pools.pin(torch.ones(256))))
+        copier.start()
+        copier.join(5)
+        stuck = copier.is_alive()
+        proceed.set()
+        resizing.join(30)
+        copier.join(30)
+        assert not stuck, "a batch waited for the pool being made"
+        assert copied[0].tolist() == [1.0] * 256
+        assert pools.pools[0].slot_bytes > small and pools.resized == 1
+    finally:
+        proceed.set()
+        pools.close()
