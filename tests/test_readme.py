@@ -14,6 +14,9 @@ onto that node) run in every guest.
   run here (it would change the machine or recurse) but by CI, as a phase of
   ``.ci/run``; checked here by finding each command in the CI scripts.
 
+``NUMAFAST_README_ONLY=gpu`` runs only the blocks with that tag (the GPU proof,
+bench/gpu_proof.py, runs the ``gpu`` blocks so on a GPU machine).
+
 Python blocks run in one process (torch is imported once: ~30 s in a guest), each in
 a namespace of its own, so a block must import and define what it uses. Bash blocks
 run one by one with ``bash -euo pipefail``; ``numafast`` there is this checkout's.
@@ -42,6 +45,7 @@ REPO = TESTS.parent
 README = REPO / "README.md"
 IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"
 TAGS = {"gpu", "slurm", "host", "ci"}
+ONLY = os.environ.get("NUMAFAST_README_ONLY")
 # Where CI runs the commands of the blocks tagged ci.
 CI_SCRIPTS = [*sorted((REPO / ".ci").glob("*")), TESTS / "run_suite.py"]
 # A block that imports torch or numafast.torch (which imports torch).
@@ -92,6 +96,8 @@ def gpu_problem() -> str | None:
 
 
 def skip_reason(block: Block) -> str | None:
+    if ONLY is not None and ONLY not in block.tags:
+        return f"{block.name} is not tagged {ONLY} (NUMAFAST_README_ONLY={ONLY})"
     if "ci" in block.tags:
         return None  # checked against the CI scripts, never run here
     if "gpu" in block.tags and (problem := gpu_problem()) is not None:
@@ -129,7 +135,7 @@ def workdir(tmp_path: Path) -> Path:
 def environment(bin_dir: Path) -> dict[str, str]:
     return {
         **os.environ,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
     }
 
@@ -194,6 +200,8 @@ def test_bash_block_runs_as_written(block: Block, tmp_path: Path) -> None:
 @pytest.mark.host_only("reads files")
 @pytest.mark.parametrize("block", [b for b in BLOCKS if "ci" in b.tags], ids=lambda b: b.name)
 def test_ci_block_commands_are_run_by_ci(block: Block) -> None:
+    if ONLY is not None and ONLY not in block.tags:
+        pytest.skip(f"{block.name} is not tagged {ONLY} (NUMAFAST_README_ONLY={ONLY})")
     scripts = "\n".join(path.read_text() for path in CI_SCRIPTS if path.is_file())
     for line in block.source.splitlines():
         command = line.split("#", 1)[0].strip()
