@@ -75,12 +75,15 @@ class LockMode(str, Enum):
     """How a pool page-locks its memory (``lock=``)."""
 
     AUTO = "auto"
-    """``required``, except that a pool registered with CUDA locks on a best-effort basis:
-    registration pins the pages itself, outside RLIMIT_MEMLOCK."""
+    """``best-effort``: where the kernel refuses (RLIMIT_MEMLOCK without CAP_IPC_LOCK, 8 MiB
+    for a user on most systems), locking buys nothing the caller asked for: it only
+    keeps the pages resident, and CUDA registration pins them itself, outside
+    RLIMIT_MEMLOCK. So the default never fails for want of that privilege."""
     REQUIRED = "required"
     """Lock every page or raise :class:`MemlockError` naming the limit and the fix (``True``)."""
     BEST_EFFORT = "best-effort"
-    """Lock if the kernel allows; otherwise one warning and unlocked memory."""
+    """Lock if the kernel allows; otherwise one warning per process (naming the limit and
+    the fix) and unlocked memory."""
     OFF = "off"
     """Never lock (``False``)."""
 
@@ -323,7 +326,7 @@ class PinnedPool:
             raise
         self._resources = _Resources(region, fd)
         try:
-            self._lock_note = self._lock(lock_mode, register_next=registers, on_fault=not prefault)
+            self._lock_note = self._lock(lock_mode, on_fault=not prefault)
             self._lock_possible = not self._lock_note
             fence = None
             if registers:
@@ -350,7 +353,7 @@ class PinnedPool:
             atexit.register(_close_at_exit)
             _exit_hook_installed = True
 
-    def _lock(self, mode: LockMode, *, register_next: bool, on_fault: bool) -> str:
+    def _lock(self, mode: LockMode, *, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
         if mode is LockMode.OFF:
             return "not asked to lock (lock='off')"
@@ -364,10 +367,10 @@ class PinnedPool:
                 _libnuma.munlock(region)
             except LibnumaError:
                 pass
-            message = _memlock_message(region.size, self._node, error)
-            if mode is LockMode.REQUIRED or (mode is LockMode.AUTO and not register_next):
-                raise MemlockError(message) from error
-            warnings.warn(f"{message}; the pool goes on with unlocked memory", MemlockWarning, stacklevel=3)
+            if mode is LockMode.REQUIRED:
+                raise MemlockError(_memlock_message(region.size, self._node, error, "or pass lock='best-effort' to "
+                                                    "go on unlocked")) from error  # fmt: skip
+            _warn_unlocked_once(_memlock_message(region.size, self._node, error, "or pass lock='off' not to lock"))
             return str(error)
         self._resources.locked = True
         return ""
@@ -671,8 +674,33 @@ def _registering_device(device: int | None) -> int:
     return int(device)
 
 
-def _memlock_message(nbytes: int, node: int, error: LibnumaError) -> str:
-    """Why locking failed, the limit, and how to raise it."""
+_unlocked_warned = False
+
+
+def _warn_unlocked_once(message: str) -> None:
+    """One MemlockWarning per process: a loader's pools are made one by one as batches
+    need them, each refused alike."""
+    global _unlocked_warned
+    if not _unlocked_warned:
+        _unlocked_warned = True
+        warnings.warn(f"{message}. Pools go on with unlocked memory (this is said once)", MemlockWarning, stacklevel=4)
+
+
+def memlock_room() -> int | None:
+    """Bytes this process may still page-lock: None when unlimited (RLIMIT_MEMLOCK is, or
+    the process has CAP_IPC_LOCK)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    status = read_fields(Path("/proc/self/status")) or {}
+    if soft == resource.RLIM_INFINITY or int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1:
+        return None
+    locked_kib = int(status.get("VmLck", "0 kB").split()[0])
+    return max(soft - locked_kib * 1024, 0)
+
+
+def _memlock_message(nbytes: int, node: int, error: LibnumaError | None, otherwise: str) -> str:
+    """Why locking ``nbytes`` failed (or would), the limit, how to raise it, and ``otherwise``."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
@@ -680,16 +708,17 @@ def _memlock_message(nbytes: int, node: int, error: LibnumaError) -> str:
     locked = status.get("VmLck", "unknown")
     capable = bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
     need_kib = -(-nbytes // 1024)
+    why = f"mlock: {os.strerror(error.errno or 0)}" if error is not None else "over the limit"
 
     def limit(value: int) -> str:
         return "unlimited" if value == resource.RLIM_INFINITY else f"{value // 1024} KiB"
 
     return (
-        f"page-locking the {nbytes}-byte pool on node {node} failed (mlock: {os.strerror(error.errno or 0)}): RLIMIT_MEMLOCK is "
+        f"page-locking the {nbytes}-byte pool on node {node} failed ({why}): RLIMIT_MEMLOCK is "
         f"{limit(soft)} (hard {limit(hard)}), this process already locks {locked}, and it "
         f"{'has' if capable else 'lacks'} CAP_IPC_LOCK. Raise the limit by at least {need_kib} KiB: "
         "`ulimit -l unlimited` in the shell that starts the job, `docker run --ulimit memlock=-1`, "
         "`LimitMEMLOCK=infinity` in a systemd unit, or `* - memlock unlimited` in "
-        "/etc/security/limits.conf; or pass lock='best-effort' to go on unlocked"
+        f"/etc/security/limits.conf; {otherwise}"
     )
 
