@@ -42,8 +42,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from numafast import cuda
 from numafast._validate import check_node
 from numafast.binding import bind, numa_local
-from numafast.errors import InvalidSizeError
-from numafast.pool import LockMode, parse_mode
+from numafast.errors import InvalidSizeError, MemlockError
+from numafast.pool import LockMode, memlock_room, parse_mode
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
@@ -251,7 +251,7 @@ class NumaLoader(DataLoader[T_co]):
         self.pools: NodePools = _pools_of(settings["collate_fn"], checked, lock) or node_pools(checked, wanted, lock=lock)
         self._wanted_slots = wanted
         self._node_guessed = node_guessed
-        self._cuda_settled = False
+        self._first_iteration_done = False
         self._through: DataLoader[Any] | None = through
         super().__init__(settings.pop("dataset"), **settings)
         if through is not None:
@@ -280,12 +280,15 @@ class NumaLoader(DataLoader[T_co]):
     def __len__(self) -> int:
         return len(self._through) if self._through is not None else super().__len__()
 
-    def _settle_cuda(self) -> None:
-        """At the first iteration, in the iterating thread: the CUDA device (where the
-        user has picked the rank's device by now), the node that follows from it where
-        construction could only guess, and the device the pools register through."""
-        if self._cuda_settled:
+    def _before_first_iteration(self) -> None:
+        """At the first iteration, in the iterating thread, before any worker starts: the
+        locking limit checked where locking is required, then the CUDA device (where
+        the user has picked the rank's device by now), the node that follows from it
+        where construction could only guess, and the device the pools register through."""
+        if self._first_iteration_done:
             return
+        if parse_mode(self.lock, LockMode, "lock") is LockMode.REQUIRED:
+            _check_unlimited_locking()
         index = iteration_gpu(self.device)
         if index is not None:
             if self._node_guessed:
@@ -293,7 +296,7 @@ class NumaLoader(DataLoader[T_co]):
             if self.device is not None:
                 self.device = torch.device("cuda", index)
             self.pools.use_device(index)
-        self._cuda_settled = True
+        self._first_iteration_done = True
 
     def _land_on(self, node: int) -> None:
         """Land on ``node`` instead of the node guessed at construction (before any worker
@@ -308,7 +311,7 @@ class NumaLoader(DataLoader[T_co]):
             settings_loader(self._through).collate_fn = self.collate_fn
 
     def __iter__(self) -> Any:
-        self._settle_cuda()
+        self._before_first_iteration()
         if self._through is not None:
             batches: Iterator[Any] = _through_batches(self, iter(self._through))
         elif self.persistent_workers and self._iterator is not None:
@@ -328,6 +331,21 @@ class NumaLoader(DataLoader[T_co]):
     def __repr__(self) -> str:
         target = str(self.device) if self.device is not None else "host"
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
+
+
+def _check_unlimited_locking() -> None:
+    """lock='required' needs RLIMIT_MEMLOCK unlimited or CAP_IPC_LOCK: a loader's pools are
+    sized by its batches, grow when the consumer keeps them and resize when batches
+    grow, so any finite limit can be met mid-epoch, where the error would come out
+    of a batch. Refused at iter() instead, before any worker starts."""
+    room = memlock_room()
+    if room is not None:
+        raise MemlockError(
+            f"lock='required', but this process may page-lock only {room // 1024} KiB more (RLIMIT_MEMLOCK, without "
+            "CAP_IPC_LOCK), and a loader's pools grow with its batches: run with `ulimit -l unlimited` (docker run "
+            "--ulimit memlock=-1, LimitMEMLOCK=infinity in a systemd unit), or pass lock='auto' to lock where the "
+            "kernel allows and go on unlocked, with one warning, where it does not"
+        )
 
 
 def _own_collate(value: Any) -> Any:
