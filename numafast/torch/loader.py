@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -248,12 +249,17 @@ class NumaLoader(DataLoader[T_co]):
         self.prefetch: int = prefetch
         self.strict: bool = strict
         self.lock: str | bool = lock
-        self.pools: NodePools = _pools_of(settings["collate_fn"], checked, lock) or node_pools(checked, wanted, lock=lock)
+        self.pools: NodePools = (
+            _pools_of(settings["collate_fn"], checked, lock)
+            or _pools_of_loader_over(settings["dataset"], checked, lock, wanted)
+            or node_pools(checked, wanted, lock=lock)
+        )
         self._wanted_slots = wanted
         self._node_guessed = node_guessed
         self._first_iteration_done = False
         self._through: DataLoader[Any] | None = through
         super().__init__(settings.pop("dataset"), **settings)
+        _live_loaders.add(self)
         if through is not None:
             inner = settings_loader(through)
             for name in _BATCHING:  # the very objects the loader iterated through uses (past the frozen check)
@@ -358,13 +364,34 @@ def _lands_in(value: Any, pools: NodePools, strict: bool) -> bool:
     return isinstance(value, SlotCollate) and value.pools is pools and (value.node, value.strict) == (pools.node, strict)
 
 
+# Every NumaLoader alive: a framework that re-creates one from the user's arguments
+# (Lightning, with its DistributedSampler) makes a loader over the same dataset.
+_live_loaders: weakref.WeakSet[NumaLoader[Any]] = weakref.WeakSet()
+
+
+def _pools_of_loader_over(dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
+    """The pools of a live NumaLoader over this very ``dataset`` object, on the same node
+    with the same locking: a framework's copy of the user's loader (Lightning makes one
+    from the arguments the user's was made with, so no numafast setting comes along).
+    Sharing them, the loader the user holds counts every batch of its copies, and the
+    copy starts on warm pools."""
+    for loader in list(_live_loaders):
+        pools = loader.pools
+        if loader.dataset is dataset and _placed_alike(pools, node, lock) and not pools.closed:
+            pools.slots = max(pools.slots, slots)  # the pools it makes from now on keep the copy's batches too
+            return pools
+    return None
+
+
 def _pools_of(collate_fn: Any, node: int, lock: str | bool) -> NodePools | None:
     """The pools of the loader this one re-creates (its collate function came along),
     when they are on the same node with the same locking."""
     pools = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
-    if pools is not None and pools.node == node and pools.lock is parse_mode(lock, LockMode, "lock"):
-        return pools
-    return None
+    return pools if pools is not None and _placed_alike(pools, node, lock) else None
+
+
+def _placed_alike(pools: NodePools, node: int, lock: str | bool) -> bool:
+    return pools.node == node and pools.lock is parse_mode(lock, LockMode, "lock")
 
 
 def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterator[Any]:
