@@ -276,6 +276,12 @@ def check_stats(label: str, rank: int, record: dict[str, Any], node: int) -> Non
         )
         assert stats["node"] == node, f"{where}: the loader's stats say node {stats['node']}, its batches are on node {node}"
         assert stats["landed"] + stats["copied"] == stats["batches"], f"{where}: landed + copied != batches in {stats}"
+        own = entry.get("own_stats")
+        if own is not None and key == "stats":  # the NumaLoader the user made counts what the framework's copy did
+            assert (own["batches"], own["landed"]) == (stats["batches"], stats["landed"]), (
+                f"{where}: the user's own NumaLoader counts {own['batches']} batches, {own['landed']} landed; the "
+                f"{entry['loader']} the framework iterates counts {stats['batches']}, {stats['landed']} landed"
+            )
         this_epoch = sum(1 for step in record["steps"] if step["epoch"] == epoch)
         so_far = sum(1 for step in record["steps"] if step["epoch"] <= epoch)
         if previous is not None and stats["batches"] == so_far:  # the same loader as the epoch before

@@ -895,3 +895,20 @@ def test_workers_run_on_each_node_and_batches_land_there() -> None:
 def test_a_memory_only_node_is_fed_from_its_nearest_cpus() -> None:
     for node in cpuless_nodes_with_memory():
         check_placement(node, workers=1)
+
+
+@SEMANTICS
+def test_a_loader_a_framework_makes_again_from_the_users_arguments_counts_on_the_users_handle() -> None:
+    """What Lightning does with the loader a user returns: the same class made again from
+    the arguments the user's was made with, plus its DistributedSampler. The loader the
+    user holds counts the copy's batches, which land in the same pools."""
+    dataset = Numbers(16)
+    own = numafast.torch.NumaLoader(dataset, batch_size=4, num_workers=2)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=False)
+    made = numafast.torch.NumaLoader(dataset, batch_size=4, num_workers=2, sampler=sampler)
+    batches = list(made)
+    assert [batch["index"].tolist() for batch in batches] == [[1, 3, 5, 7], [9, 11, 13, 15]]
+    assert made.pools is own.pools
+    assert own.stats().batches == made.stats().batches == 2 and own.stats().landed > 0
+    other = numafast.torch.NumaLoader(Numbers(16), batch_size=4)  # another dataset: pools of its own
+    assert other.pools is not own.pools
