@@ -75,15 +75,21 @@ class SlotCollate:
         self._bound_pid = 0
         self._packer: SlotPacker | None = None  # a worker's, reused batch after batch
         self._reader: tuple[int, BoardReader] | None = None  # a worker's (its pid, the board mapped)
+        self._batch = (0, -1, 0)
+        """In a worker: its pid, its worker id, the number of the batch it collates now
+        (1 for its first): what its messages say, for an error met on their arrival."""
         pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "pools": None, "_packer": None, "_reader": None}
+        return {**vars(self), "pools": None, "_packer": None, "_reader": None, "_batch": (0, -1, 0)}
 
     def __call__(self, samples: Any) -> Any:
-        if get_worker_info() is not None:
+        info = get_worker_info()
+        if info is not None:
             if self.node is not None and self._bound_pid != _pid.pid:
                 self._bind_worker()
+            pid, _worker, number = self._batch
+            self._batch = (_pid.pid, info.id, number + 1 if pid == _pid.pid else 1)
             return self._in_worker(samples)
         if self.pools is not None and os.getpid() == self.owner_pid:
             return self.pools.collate_here(samples, self)
@@ -137,7 +143,7 @@ class SlotCollate:
             raise
         unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
-                         unpinned)  # fmt: skip
+                         unpinned, self._batch[1], self._batch[2])  # fmt: skip
 
     def _board_reader(self) -> BoardReader:
         """The board, as this process maps it (one mapping per board and process)."""
@@ -157,7 +163,7 @@ class SlotCollate:
     def _copying(self, samples: Any, made: Any, reason: FallbackReason, detail: str = "") -> Fallback:
         """The batch as torch would send it, for the main process to copy into a slot."""
         batch = self.collate_fn(samples) if made is _UNMADE else made
-        return Fallback(self.owner_pid, self.owner_id, batch, reason, detail)
+        return Fallback(self.owner_pid, self.owner_id, batch, reason, detail, self._batch[1], self._batch[2])
 
     def _bind_worker(self) -> None:
         """Bind this worker to the node, once: its CPUs, and its memory preferred there

@@ -12,6 +12,15 @@ they stay messages, and can travel on.
 
 The owner's side registers here (:data:`receivers`), so this module imports
 neither the workers' side nor the owner's: the batch's path has no import circle.
+
+A message that arrives but cannot become its batch (its pool gone, its lease over,
+the copy failing) becomes what a worker sends for a batch whose collation raised:
+torch's ``ExceptionWrapper``, saying which worker's batch and why. Raising inside
+the unpickling instead would lose the message after the DataLoader took it off its
+queue (its count of batches in flight then never comes right: the next batch is
+waited for forever) and, under the pin_memory hook, end PyTorch's pin thread. So the
+consumer meets the error at that batch, as a worker's own, and the next ``next()``
+goes on with the next batch.
 """
 
 from __future__ import annotations
@@ -60,10 +69,11 @@ class SlotBatch:
     """A batch a worker packed into slot ``index`` (lease ``generation``) of the pool
     whose file is ``inode``, owned by receiver ``owner_id`` of process ``owner_pid``."""
 
-    __slots__ = ("owner_pid", "owner_id", "inode", "index", "generation", "nbytes", "payload", "unpinned")
+    __slots__ = ("owner_pid", "owner_id", "inode", "index", "generation", "nbytes", "payload", "unpinned", "worker",
+                 "number")  # fmt: skip
 
     def __init__(self, owner_pid: int, owner_id: int, inode: int, index: int, generation: int, nbytes: int,
-                 payload: bytes, unpinned: tuple[str, ...] = ()) -> None:
+                 payload: bytes, unpinned: tuple[str, ...] = (), worker: int = -1, number: int = 0) -> None:
         self.owner_pid = owner_pid
         self.owner_id = owner_id
         self.inode = inode
@@ -72,23 +82,37 @@ class SlotBatch:
         self.nbytes = nbytes
         self.payload = payload
         self.unpinned = unpinned
+        self.worker = worker
+        """The DataLoader worker that sent it (-1: not said)."""
+        self.number = number
+        """Its batch's number among those that worker collated (1 for its first)."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _arrive_in_slot, (self.owner_pid, self.owner_id, self.inode, self.index, self.generation, self.nbytes,
-                                 self.payload, self.unpinned)  # fmt: skip
+                                 self.payload, self.unpinned, self.worker, self.number)  # fmt: skip
+
+    def describe(self) -> str:
+        where = f"slot {self.index} of pool file {self.inode}, lease {self.generation}"
+        return f"{_batch_of(self.worker, self.number)} ({where})"
 
 
 class Fallback:
     """A batch that travels as torch sends it (tensors in shared memory), and why."""
 
-    __slots__ = ("owner_pid", "owner_id", "batch", "reason", "detail")
+    __slots__ = ("owner_pid", "owner_id", "batch", "reason", "detail", "worker", "number")
 
-    def __init__(self, owner_pid: int, owner_id: int, batch: Any, reason: FallbackReason, detail: str = "") -> None:
+    def __init__(self, owner_pid: int, owner_id: int, batch: Any, reason: FallbackReason, detail: str = "",
+                 worker: int = -1, number: int = 0) -> None:  # fmt: skip
         self.owner_pid = owner_pid
         self.owner_id = owner_id
         self.batch = batch
         self.reason = reason
         self.detail = detail
+        self.worker = worker
+        self.number = number
+
+    def describe(self) -> str:
+        return f"{_batch_of(self.worker, self.number)} (sent to be copied: {self.reason.value})"
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _arrive_copied, tuple(getattr(self, name) for name in Fallback.__slots__)
@@ -103,10 +127,36 @@ def _receiver(owner_pid: int, owner_id: int) -> Receiver | None:
 def _arrive_in_slot(*fields: Any) -> Any:
     message = SlotBatch(*fields)
     receiver = _receiver(message.owner_pid, message.owner_id)
-    return message if receiver is None else receiver.receive(message)
+    if receiver is None:
+        return message
+    try:
+        return receiver.receive(message)
+    except Exception:  # noqa: BLE001 - the consumer meets it at this batch, as a worker's error
+        return _failed(message.describe())
 
 
 def _arrive_copied(*fields: Any) -> Any:
     fallback = Fallback(*fields)
     receiver = _receiver(fallback.owner_pid, fallback.owner_id)
-    return fallback if receiver is None else receiver.copy_in(fallback)
+    if receiver is None:
+        return fallback
+    try:
+        return receiver.copy_in(fallback)
+    except Exception:  # noqa: BLE001 - as above
+        return _failed(fallback.describe())
+
+
+def _batch_of(worker: int, number: int) -> str:
+    if worker < 0:
+        return "a batch"
+    return f"{f'batch {number}' if number > 0 else 'a batch'} of DataLoader worker process {worker}"
+
+
+def _failed(batch: str) -> Any:
+    """The exception being handled, as torch's DataLoader carries a worker's: its
+    iterator raises it in the consumer at this batch (its type, message and traceback,
+    and where: which batch of which worker)."""
+    from torch._utils import ExceptionWrapper  # torch is loaded: a DataLoader unpickles this
+
+    wrap: Any = ExceptionWrapper  # untyped in some torch versions
+    return wrap(where=f"in the main process, taking over {batch}")
