@@ -78,7 +78,7 @@ def test_to_dict_has_exactly_the_documented_schema() -> None:
         {"address": "0000:18:00.0", "vendor": "0x8086", "class": "0x020000", "numa_node": 0, "node": 0, "gpu": False},
         {"address": "0000:af:00.0", "vendor": "0x10de", "class": "0x030200", "numa_node": 1, "node": 1, "gpu": True},
     ]
-    assert data["gpus"] == [{"index": 0, "address": "0000:af:00.0", "node": 1, "uuid": None}]
+    assert data["gpus"] == [{"index": 0, "address": "0000:af:00.0", "node": 1, "memory_node": None, "uuid": None}]
     assert data["allowed_cpus"] == list(range(16))
     assert data["allowed_nodes"] == [0, 1]
     assert json.loads(load("xeon-2s-smt").to_json()) == data
@@ -246,6 +246,102 @@ def test_grace_hopper_cpuless_nodes_and_nearest_cpu_node() -> None:
     assert topology.nearest_cpu_node(1) == 1
     assert [g.node for g in topology.gpus] == [2, 3]
     assert topology.allowed_nodes == (0, 1, 2, 3)
+
+
+# ---------------------------------------------------------------- Grace (aarch64): GH200, GB200
+# Modeled on public numactl dumps (the sources are named in make_fixtures.py's gh200 and gb200).
+
+GB200_MEMORY_NODES = [2, 10, 18, 26]
+
+
+def test_gh200_grace_node_hbm_node_and_empty_mig_nodes() -> None:
+    topology, messages = load_quietly("gh200")
+    assert messages == []  # an arm64 tree reads without a complaint
+    assert topology.node_ids == tuple(range(9))
+    assert [n.id for n in topology.cpu_nodes] == [0] and topology.node(0).cpus == (0, 1, 2, 3)
+    assert (topology.node(0).mem_total, topology.node(0).mem_free) == (490037 << 20, 484432 << 20)
+    assert (topology.node(1).mem_total, topology.node(1).mem_free) == (97280 << 20, 97279 << 20)
+    assert all(topology.node(n).cpus == () and topology.node(n).mem_total == 0 for n in range(2, 9))
+    assert [topology.distance(0, n) for n in range(9)] == [10] + [80] * 8
+    assert topology.distance(1, 2) == 255 and topology.distance(8, 1) == 255 and topology.distance(5, 0) == 80
+    assert [topology.nearest_cpu_node(n) for n in range(9)] == [0] * 9
+    assert [(g.index, g.address, g.node, g.memory_node) for g in topology.gpus] == [(0, "0009:01:00.0", 0, 1)]
+    assert topology.pci[0].numa_node == 0
+    assert topology.allowed_cpus == (0, 1, 2, 3) and topology.allowed_nodes == (0, 1)
+
+
+def test_gh200_arm64_cpus_one_core_each_one_l3_per_grace() -> None:
+    topology = load("gh200")
+    assert [(c.id, c.node, c.package, c.core, c.siblings, c.llc) for c in topology.cpus] == [
+        (cpu, 0, 0, cpu, (cpu,), (0, 1, 2, 3)) for cpu in range(4)
+    ]
+
+
+def test_gb200_two_graces_four_gpu_memory_nodes_and_their_mig_nodes() -> None:
+    topology, messages = load_quietly("gb200")
+    assert messages == []
+    assert topology.node_ids == tuple(range(34))
+    assert [(n.id, n.cpus) for n in topology.cpu_nodes] == [(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7))]
+    assert (topology.node(0).mem_total, topology.node(0).mem_free) == (489935 << 20, 370318 << 20)
+    assert (topology.node(1).mem_total, topology.node(1).mem_free) == (489795 << 20, 465004 << 20)
+    assert (topology.node(2).mem_total, topology.node(2).mem_free) == (188416 << 20, 188415 << 20)
+    with_memory = [n.id for n in topology.nodes if n.mem_total]
+    assert with_memory == [0, 1, *GB200_MEMORY_NODES]
+    assert all(not topology.node(n).cpus for n in range(2, 34))
+    # the dump's rows: Graces 40 apart; a Grace 80 from its own GPUs' nodes, 120 from the other's
+    assert topology.distance(0, 1) == 40
+    assert [topology.distance(0, n) for n in GB200_MEMORY_NODES] == [80, 80, 120, 120]
+    assert [topology.distance(1, n) for n in GB200_MEMORY_NODES] == [120, 120, 80, 80]
+    assert topology.distance(2, 3) == 11 and topology.distance(2, 9) == 11 and topology.distance(2, 10) == 40
+    assert topology.distance(26, 33) == 11 and topology.distance(33, 18) == 40
+    assert [topology.nearest_cpu_node(n) for n in GB200_MEMORY_NODES] == [0, 0, 1, 1]
+    assert topology.nearest_cpu_node(17) == 0 and topology.nearest_cpu_node(19) == 1
+
+
+def test_gb200_each_gpu_sits_on_its_grace_and_knows_its_memory_node() -> None:
+    topology = load("gb200")
+    assert [(g.index, g.address, g.node, g.memory_node) for g in topology.gpus] == [
+        (0, "0008:01:00.0", 0, 2), (1, "0009:01:00.0", 0, 10), (2, "0018:01:00.0", 1, 18), (3, "0019:01:00.0", 1, 26),
+    ]  # fmt: skip
+    assert [g.uuid for g in topology.gpus] == [f"GPU-0b200000-1111-2222-3333-44445555{i:04x}" for i in range(4)]
+    assert topology.to_dict()["gpus"][3] == {
+        "index": 3, "address": "0019:01:00.0", "node": 1, "memory_node": 26,
+        "uuid": "GPU-0b200000-1111-2222-3333-444455550003",
+    }  # fmt: skip
+    # CUDA_VISIBLE_DEVICES keeps each device's memory node with it
+    visible = load("gb200", cuda_visible_devices="3,GPU-0b200000-1111-2222-3333-444455550001")
+    assert [(g.address, g.node, g.memory_node) for g in visible.gpus] == [
+        ("0019:01:00.0", 1, 26), ("0009:01:00.0", 0, 10),
+    ]  # fmt: skip
+    assert topology.allowed_nodes == (0, 1, *GB200_MEMORY_NODES)
+
+
+def test_gb200_full_size_graces_read_like_the_snapshot(tmp_path: Path) -> None:
+    """The tray with all 72 Neoverse-V2 cores per Grace: CPUs 0-71 and 72-143, as the dump has
+    them; its CPU masks are 144 bits wide (five 32-bit words)."""
+    from fixtures.make_fixtures import gb200, Machine
+
+    gb200(Machine(tmp_path), cores=72)
+    cpumap = (tmp_path / "sys/devices/system/node/node1/cpumap").read_text()
+    assert cpumap == "ffff,ffffffff,ffffff00,00000000,00000000\n"
+    topology, messages = load_quietly(tmp_path)
+    assert messages == []
+    assert [(n.id, n.cpus) for n in topology.cpu_nodes] == [(0, tuple(range(72))), (1, tuple(range(72, 144)))]
+    assert topology.cpu(100).llc == tuple(range(72, 144)) and topology.cpu(100).siblings == (100,)
+    assert [(g.node, g.memory_node) for g in topology.gpus] == [(0, 2), (0, 10), (1, 18), (1, 26)]
+
+
+def test_a_gpu_memory_node_the_topology_lacks_is_unknown_with_a_warning(tmp_path: Path) -> None:
+    root = tmp_path / "gh200"
+    shutil.copytree(FIXTURES / "gh200", root)
+    status = root / "proc/driver/nvidia/gpus/0009:01:00.0/numa_status"
+    status.write_text("Node:      40\nStatus:    online\n")
+    topology, messages = load_quietly(root)
+    assert topology.gpus[0].memory_node is None and topology.gpus[0].node == 0
+    assert messages == [f"{status}: names node 40, which this topology lacks (nodes 0-8); memory node unknown"]
+    status.write_text("Status:    offline\n")  # a driver that has not onlined the GPU's memory
+    topology, messages = load_quietly(root)
+    assert topology.gpus[0].memory_node is None and messages == []
 
 
 # ---------------------------------------------------------------- containers: cgroup cpusets
@@ -535,6 +631,23 @@ def test_show_marks_cpus_in_no_node_and_cpu_less_gpu_nodes(capsys: pytest.Captur
     assert main(["show", "--sysfs", str(FIXTURES / "grace-hopper")]) == 0
     gpu1 = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("GPU1 "))
     assert "4-7" in gpu1 and "3 (cpus of 1)" in gpu1
+
+
+def test_show_renders_a_gb200_tray(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", "--sysfs", str(FIXTURES / "gb200")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "available: 34 nodes (0-33)"
+    assert "node 1 cpus: 4 5 6 7" in out and "node 1 size: 489795 MB" in out
+    assert "node 18 cpus: " in out and "node 18 size: 188416 MB" in out and "node 19 size: 0 MB" in out
+    assert out[out.index("node distances:") + 3].split()[:5] == ["1:", "40", "10", "120", "120"]
+    rows = {line.split()[0]: line for line in out if line.startswith("GPU")}
+    assert rows["GPU0"].split()[:5] == ["GPU0", "X", "NODE", "SYS", "SYS"]
+    assert rows["GPU3"].split()[:5] == ["GPU3", "SYS", "SYS", "NODE", "X"]
+    assert rows["GPU2"].split()[5:8] == ["4-7", "1", "0018:01:00.0"]
+    assert "allowed nodes: 0-2,10,18,26" in out
+    assert main(["show", "--sysfs", str(FIXTURES / "gb200"), "--json"]) == 0
+    gpus = json.loads(capsys.readouterr().out)["gpus"]
+    assert [(g["node"], g["memory_node"]) for g in gpus] == [(0, 2), (0, 10), (1, 18), (1, 26)]
 
 
 def test_a_root_without_sys_is_refused_and_an_empty_one_warns(tmp_path: Path) -> None:

@@ -12,9 +12,10 @@ the live machine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from numafast._validate import format_ids
 from numafast.topo.files import read_fields, warn
 from numafast.topo.model import AMD, AMD_COMPUTE_CLASSES, NVIDIA, Gpu, PciDevice
 
@@ -40,6 +41,30 @@ def driver_uuids(root: Path) -> dict[str, str]:
         if uuid:
             uuids[uuid] = normalize_address(fields.get("Bus Location", path.name))
     return uuids
+
+
+def driver_memory_nodes(root: Path, node_ids: Sequence[int]) -> dict[str, int]:
+    """PCI address -> the NUMA node that is the GPU's own memory, from the NVIDIA driver's
+    ``/proc/driver/nvidia/gpus/ADDR/numa_status`` ('Node: 2'), written where the kernel
+    runs GPU memory as a node (Grace Hopper, Grace Blackwell; POWER9). hwloc's Linux
+    backend reads the same line to mark such a node GPUMemory. A GPU whose memory is not
+    onlined has no Node line; a node this topology lacks is reported and left out."""
+    nodes: dict[str, int] = {}
+    directory = root / NVIDIA_GPU_INFO
+    if not directory.is_dir():
+        return nodes
+    for path in sorted(directory.iterdir()):
+        value = (read_fields(path / "numa_status") or {}).get("Node", "")
+        if not value.isdecimal():
+            continue
+        if int(value) not in node_ids:
+            warn(
+                f"{path / 'numa_status'}: names node {int(value)}, which this topology lacks "
+                f"(nodes {format_ids(node_ids)}); memory node unknown"
+            )
+            continue
+        nodes[normalize_address(path.name)] = int(value)
+    return nodes
 
 
 def nvml_uuids() -> dict[str, str]:
@@ -123,17 +148,20 @@ def visible_gpus(
     cuda_visible_devices: str | None,
     uuids: Mapping[str, str],
     uuid_sources: str,
+    memory_nodes: Mapping[str, int] | None = None,
 ) -> list[Gpu]:
     """The CUDA devices in index order, as ``cuda_visible_devices`` (None: unset) shows them.
 
     ``uuids`` maps known UUIDs to PCI addresses; ``uuid_sources`` says where they
-    were looked for, for the message when an entry cannot be matched.
+    were looked for, for the message when an entry cannot be matched. ``memory_nodes``
+    maps a PCI address to its GPU's own memory node (:func:`driver_memory_nodes`).
     """
+    memory_of = memory_nodes or {}
     physical = cuda_devices(devices)
     uuid_of = {address: uuid for uuid, address in uuids.items() if uuid.startswith("GPU-")}
     if cuda_visible_devices is None:
         return [
-            Gpu(index, device.address, device.node, uuid_of.get(device.address))
+            Gpu(index, device.address, device.node, uuid_of.get(device.address), memory_of.get(device.address))
             for index, device in enumerate(physical)
         ]
     by_address = {device.address: device for device in physical}
@@ -175,5 +203,5 @@ def visible_gpus(
         if any(gpu.address == device.address and gpu.uuid == uuid for gpu in gpus):
             warn(f"CUDA_VISIBLE_DEVICES entry {entry!r} (position {position}) repeats a device; {stop}")
             break
-        gpus.append(Gpu(len(gpus), device.address, device.node, uuid))
+        gpus.append(Gpu(len(gpus), device.address, device.node, uuid, memory_of.get(device.address)))
     return gpus

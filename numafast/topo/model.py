@@ -95,6 +95,11 @@ class Gpu:
     node: int | None
     uuid: str | None
     """'GPU-...' or, for a MIG instance, 'MIG-...'; None when unknown."""
+    memory_node: int | None = None
+    """The CPU-less node that is this GPU's own memory, where the kernel runs it as one
+    (Grace Hopper, Grace Blackwell over NVLink-C2C; POWER9 over NVLink), as the NVIDIA
+    driver's numa_status names it; None elsewhere. ``node`` is where the GPU hangs off
+    the PCI tree: on Grace the Grace's node, whose CPUs drive it."""
 
 
 @dataclass(frozen=True)
@@ -245,7 +250,13 @@ class Topology:
                 for device in self.pci
             ],
             "gpus": [
-                {"index": gpu.index, "address": gpu.address, "node": gpu.node, "uuid": gpu.uuid}
+                {
+                    "index": gpu.index,
+                    "address": gpu.address,
+                    "node": gpu.node,
+                    "memory_node": gpu.memory_node,
+                    "uuid": gpu.uuid,
+                }
                 for gpu in self.gpus
             ],
             "allowed_cpus": sorted(self.allowed_cpus),

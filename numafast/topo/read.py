@@ -8,7 +8,7 @@ from pathlib import Path
 
 from numafast.topo.allowed import live_allowed, snapshot_allowed
 from numafast.topo.cpus import online_cpus, read_cpus
-from numafast.topo.cuda import driver_uuids, nvml_uuids, torch_uuids, visible_gpus
+from numafast.topo.cuda import driver_memory_nodes, driver_uuids, nvml_uuids, torch_uuids, visible_gpus
 from numafast.topo.model import Topology, register_sysfs_reader
 from numafast.topo.nodes import read_nodes
 from numafast.topo.pci import read_pci
@@ -41,7 +41,8 @@ def read_topology(
         uuid_sources += "; NVML (nvidia-ml-py) and torch.cuda named none (missing or no driver)"
     elif cuda_visible_devices:
         uuid_sources += "; NVML and torch are not asked about a snapshot"
-    gpus = visible_gpus(pci, cuda_visible_devices, uuids, uuid_sources)
+    memory_nodes = driver_memory_nodes(base, [node.id for node in nodes])
+    gpus = visible_gpus(pci, cuda_visible_devices, uuids, uuid_sources, memory_nodes)
     allowed_cpus, allowed_nodes = live_allowed(nodes) if live else snapshot_allowed(base, nodes, online)
     return Topology(
         nodes=tuple(nodes),
