@@ -38,6 +38,12 @@ def grace() -> Topology:
     return replay("grace-hopper")
 
 
+def gb200() -> Topology:
+    """Graces: node 0 CPUs 0-3, node 1 CPUs 4-7; GPUs 0-1 on node 0 (memory nodes 2, 10),
+    GPUs 2-3 on node 1 (memory nodes 18, 26); the GPU PCI numa_node is the Grace's."""
+    return replay("gb200")
+
+
 def with_status(tmp_path: Path, name: str, cpus: str, mems: str) -> Topology:
     """A fixture machine whose process is restricted to these CPUs and nodes."""
     root = tmp_path / name
@@ -150,6 +156,28 @@ def test_grace_hopper_gpu_uses_the_nearest_cpu_node() -> None:
     assert cpus_for_gpu(1, mode="exclusive", topology=grace()) == [4, 5, 6, 7]
 
 
+def test_grace_blackwell_gpus_run_on_their_own_grace() -> None:
+    assert [cpus_for_gpu(gpu, topology=gb200()) for gpu in range(4)] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert [cpus_for_gpu(gpu, mode="exclusive", topology=gb200()) for gpu in range(4)] == [
+        [0, 1], [2, 3], [4, 5], [6, 7],
+    ]  # fmt: skip
+    assert cpus_for_gpu(2, mode="socket", topology=gb200()) == [4, 5, 6, 7]  # one Grace, one package
+    assert cpus_for_gpu(0, topology=replay("gh200")) == [0, 1, 2, 3]
+
+
+def test_grace_blackwell_full_size_exclusive_splits_each_grace_between_its_two_gpus(tmp_path: Path) -> None:
+    from fixtures.make_fixtures import Machine
+    from fixtures.make_fixtures import gb200 as make_gb200
+
+    make_gb200(Machine(tmp_path), cores=72)
+    tray = Topology.from_sysfs(tmp_path)
+    result = plan(mode="exclusive", topology=tray)
+    assert [r.cpus for r in result.ranks] == [
+        tuple(range(0, 36)), tuple(range(36, 72)), tuple(range(72, 108)), tuple(range(108, 144)),
+    ]  # fmt: skip
+    assert [r.memory_nodes for r in result.ranks] == [(0,), (0,), (1,), (1,)] and result.problems == ()
+
+
 def test_gpu_with_unknown_node(tmp_path: Path) -> None:
     root = tmp_path / "dgx"
     shutil.copytree(FIXTURES / "dgx-h100", root)
@@ -210,6 +238,35 @@ def test_plan_memory_policies_and_grace_hopper_nodes() -> None:
     socket = plan(1, mode="socket", topology=epyc(), memory="bind")
     assert socket.ranks[0].memory_nodes == (0, 1, 2, 3)
     assert plan(1, topology=epyc(), memory="none").ranks[0].memory_nodes == ()
+
+
+def test_grace_blackwell_plans_put_each_rank_and_its_memory_on_its_grace() -> None:
+    result = plan(mode="exclusive", topology=gb200())
+    assert [(r.gpu, r.gpu_address, r.gpu_node, r.cpu_node, r.memory_nodes) for r in result.ranks] == [
+        (0, "0008:01:00.0", 0, 0, (0,)), (1, "0009:01:00.0", 0, 0, (0,)),
+        (2, "0018:01:00.0", 1, 1, (1,)), (3, "0019:01:00.0", 1, 1, (1,)),
+    ]  # fmt: skip
+    assert result.problems == ()
+    for memory in ("bind", "interleave"):  # the CPUs' nodes: never a GPU's HBM node
+        assert [r.memory_nodes for r in plan(mode="node", topology=gb200(), memory=memory).ranks] == [
+            (0,), (0,), (1,), (1,),
+        ]  # fmt: skip
+    node_plan = plan(mode="node", topology=gb200())
+    assert node_plan.problems == ("ranks 0-1 share CPUs 0-3", "ranks 2-3 share CPUs 4-7")
+    gh200_plan = plan(topology=replay("gh200"))
+    assert [(r.gpu_node, r.cpu_node, r.cpus, r.memory_nodes) for r in gh200_plan.ranks] == [(0, 0, (0, 1, 2, 3), (0,))]
+
+
+def test_plan_cli_on_a_grace_blackwell_snapshot(capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(FIXTURES / "gb200")
+    assert main(["plan", "--sysfs", root, "--mode", "exclusive", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == plan(mode="exclusive", topology=gb200()).to_dict()
+    assert main(["plan", "--sysfs", root, "--mode", "exclusive", "--cuda-visible-devices", "2,3"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("   ")]
+    assert rows == [
+        ["0", "0", "0018:01:00.0", "1", "1", "4-5", "preferred", "1"],
+        ["1", "1", "0019:01:00.0", "1", "1", "6-7", "preferred", "1"],
+    ]
 
 
 def test_plan_flags_a_memory_node_the_cpuset_forbids(tmp_path: Path) -> None:
