@@ -638,7 +638,12 @@ def test_show_renders_a_gb200_tray(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "available: 34 nodes (0-33)"
     assert "node 1 cpus: 4 5 6 7" in out and "node 1 size: 489795 MB" in out
-    assert "node 18 cpus: " in out and "node 18 size: 188416 MB" in out and "node 19 size: 0 MB" in out
+    assert "node 18 cpus: (GPU2 memory)" in out and "node 18 size: 188416 MB" in out and "node 19 size: 0 MB" in out
+    assert [line for line in out if line.endswith(" memory)")] == [
+        "node 2 cpus: (GPU0 memory)", "node 10 cpus: (GPU1 memory)",
+        "node 18 cpus: (GPU2 memory)", "node 26 cpus: (GPU3 memory)",
+    ]  # fmt: skip
+    assert "node 19 cpus: " in out  # an empty MIG node is no GPU's memory
     assert out[out.index("node distances:") + 3].split()[:5] == ["1:", "40", "10", "120", "120"]
     rows = {line.split()[0]: line for line in out if line.startswith("GPU")}
     assert rows["GPU0"].split()[:5] == ["GPU0", "X", "NODE", "SYS", "SYS"]
@@ -648,6 +653,23 @@ def test_show_renders_a_gb200_tray(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["show", "--sysfs", str(FIXTURES / "gb200"), "--json"]) == 0
     gpus = json.loads(capsys.readouterr().out)["gpus"]
     assert [(g["node"], g["memory_node"]) for g in gpus] == [(0, 2), (0, 10), (1, 18), (1, 26)]
+
+
+def test_show_names_a_gpus_memory_node_as_the_process_numbers_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", "--sysfs", str(FIXTURES / "gh200")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "node 0 cpus: 0 1 2 3" in out and "node 1 cpus: (GPU0 memory)" in out and "node 2 cpus: " in out
+    # GPUs as CUDA_VISIBLE_DEVICES numbers them; a hidden GPU's memory node is a plain CPU-less node
+    assert main(["show", "--sysfs", str(FIXTURES / "gb200"), "--cuda-visible-devices", "3,1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.endswith(" memory)")] == [
+        "node 10 cpus: (GPU1 memory)", "node 26 cpus: (GPU0 memory)",
+    ]  # fmt: skip
+    assert "node 2 cpus: " in out and "node 18 cpus: " in out
+    assert main(["show", "--sysfs", str(FIXTURES / "gh200"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpus"] == [
+        {"index": 0, "address": "0009:01:00.0", "node": 0, "memory_node": 1, "uuid": load("gh200").gpus[0].uuid},
+    ]
 
 
 def test_a_root_without_sys_is_refused_and_an_empty_one_warns(tmp_path: Path) -> None:

@@ -58,11 +58,22 @@ def _megabytes(value: int | None) -> str:
 
 
 def render_nodes(machine: Topology) -> Iterator[str]:
-    """numactl -H: node count, each node's CPUs and memory, the distance matrix."""
+    """numactl -H: node count, each node's CPUs and memory, the distance matrix.
+
+    A CPU-less node that is a GPU's own memory (Grace's HBM nodes, from the NVIDIA
+    driver's numa_status: ``Gpu.memory_node``) says whose: ``node 2 cpus: (GPU0 memory)``.
+    """
     ids = machine.node_ids
     yield f"available: {len(ids)} nodes ({format_ids(ids)})"
+    memory_of: dict[int, list[str]] = {}
+    for gpu in machine.gpus:
+        if gpu.memory_node is not None:
+            memory_of.setdefault(gpu.memory_node, []).append(f"GPU{gpu.index}")
     for node in machine.nodes:
-        yield f"node {node.id} cpus: {' '.join(map(str, node.cpus))}"
+        cpus = " ".join(map(str, node.cpus))
+        if not node.cpus and node.id in memory_of:
+            cpus = f"({', '.join(memory_of[node.id])} memory)"
+        yield f"node {node.id} cpus: {cpus}"
         yield f"node {node.id} size: {_megabytes(node.mem_total)}"
         yield f"node {node.id} free: {_megabytes(node.mem_free)}"
     if machine.cpus_without_node:
