@@ -4,6 +4,7 @@ bad input, and processes that cannot be audited. The live audits are in test_che
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -19,12 +20,14 @@ import pytest
 from numafast._validate import parse_ids
 from numafast.cli import main
 from numafast.cli.check.classes import MemoryClass, classify, label
+from numafast.cli.check.gpu import GpuSites
 from numafast.cli.check.procfs import Mapping, Process, Thread, descendants, join, parse_numa_maps, parse_smaps
 from numafast.cli.check.result import CheckReport
 from numafast.cli.check.verdict import Expectation, audit_process, parse_policy, rank_memory
 
 TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures" / "proc"
+SNAPSHOTS = TESTS / "fixtures"
 ENV = {**os.environ, "PYTHONPATH": f"{TESTS.parent}:{TESTS}"}
 MIB = 1 << 20
 # The guest the fixtures come from has one CPU per node: CPU i is on node i.
@@ -172,6 +175,56 @@ def test_pages_on_a_grace_hopper_gpus_own_node_are_local() -> None:
     assert audit_process(process, gpu, 0.2, [0, 1, 2], lambda cpu: 0).remote_share == pytest.approx(0.2)
     assert audit_process(process, gpu, 0.2, [0, 1, 2], lambda cpu: 0).status == "ok"
     assert audit_process(process, gpu, 0.19, [0, 1, 2], lambda cpu: 0).status == "wrong"
+
+
+def grace_site(snapshot: str, gpu: int, visible: str | None = None) -> Expectation:
+    """What ``numafast check --gpu GPU --sysfs tests/fixtures/SNAPSHOT`` expects of a rank."""
+    args = argparse.Namespace(sysfs=str(SNAPSHOTS / snapshot), cuda_visible_devices=visible, gpu=gpu)
+    return GpuSites(args).expectation(visible)
+
+
+def grace_rank(cpus: tuple[int, ...], mems: tuple[int, ...], pages: dict[int, int]) -> Process:
+    return Process(1, 0, "rank", (Thread(1, cpus, mems),), (Mapping(0, "default", None, False, False, 0, pages),))
+
+
+def test_a_rank_with_pages_on_its_grace_gpus_memory_node_is_local() -> None:
+    # GB200 tray: GPUs 0 and 1 hang off Grace node 0 (CPUs 0-3); their HBM is nodes 2 and 10.
+    # (GPUs on node 0 only: the expected node must exist on the host that runs the check.)
+    gpu1 = grace_site("gb200", 1)
+    assert (gpu1.node, gpu1.local_nodes, gpu1.reason) == (0, (0, 10), "GPU 1 is on node 0 (its memory: node 10)")
+    rank = grace_rank((0, 1, 2, 3), (0, 10), {0: 40 * MIB, 10: 60 * MIB})
+    audit = audit_process(rank, gpu1, 0.1, list(range(34)), lambda cpu: 0)
+    assert (audit.status, audit.remote_share, audit.problems) == ("ok", 0.0, [])
+    # the other GPU's memory on the same Grace is not this GPU's: remote
+    other = audit_process(grace_rank((0, 1, 2, 3), (0, 2), {0: 40 * MIB, 2: 60 * MIB}), gpu1, 0.1, list(range(34)),
+                          lambda cpu: 0)  # fmt: skip
+    assert other.status == "wrong" and other.remote_share == pytest.approx(0.6)
+    assert other.problems == ["60.0 MiB of anonymous memory (60%) on node 2; GPU 1 is on node 0 (its memory: node 10)"]
+    # memory bound to the GPU's memory node is no misplacing policy; bound to the other GPU's it is
+    bound = Process(1, 0, "rank", (Thread(1, (0,), (0, 10)),), (Mapping(0, "bind:10", None, False, False, 0, {10: MIB}),))
+    assert audit_process(bound, gpu1, 0.1, list(range(34)), lambda cpu: 0).policies == []
+    elsewhere = Process(1, 0, "rank", (Thread(1, (0,), (0, 2)),), (Mapping(0, "bind:2", None, False, False, 0, {2: MIB}),))
+    assert [f.policy for f in audit_process(elsewhere, gpu1, 1.0, list(range(34)), lambda cpu: 0).policies] == ["bind:2"]
+
+
+def test_a_gpus_memory_node_follows_the_processs_gpu_numbering() -> None:
+    gh200 = grace_site("gh200", 0)
+    assert (gh200.node, gh200.local_nodes) == (0, (0, 1))
+    rank = grace_rank((0, 1), (0, 1), {0: MIB, 1: 9 * MIB})
+    assert audit_process(rank, gh200, 0.1, list(range(9)), lambda cpu: 0).status == "ok"
+    # CUDA_VISIBLE_DEVICES=1,0: the process's GPU 0 is the tray's GPU 1, whose memory is node 10
+    assert grace_site("gb200", 0, "1,0").local_nodes == (0, 10)
+    assert grace_site("gb200", 1, "1,0").local_nodes == (0, 2)
+
+
+def test_check_gpu_on_a_grace_snapshot_reports_the_memory_node_as_local(capsys: pytest.CaptureFixture[str]) -> None:
+    with bound_shell_with_a_child() as (shell, _sleep):
+        status = main(["check", "--json", "--process-only", "--gpu", "0", "--sysfs", str(SNAPSHOTS / "gb200"),
+                       "--cuda-visible-devices", "1", str(shell)])  # fmt: skip
+        report = CheckReport.from_json(capsys.readouterr().out)
+    rank = report.ranks[0]
+    assert (rank.node, rank.local_nodes, rank.expected) == (0, [0, 10], "GPU 0 is on node 0 (its memory: node 10)")
+    assert status == 0 and rank.status == "ok", rank.problems
 
 
 def test_shared_memory_of_several_processes_counts_once_and_locked_wins() -> None:

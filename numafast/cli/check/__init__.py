@@ -6,9 +6,9 @@ looks at the PID alone): each thread's allowed CPUs and memory nodes
 shared, anonymous: /proc/PID/numa_maps joined with /proc/PID/smaps; see
 classes.py), the memory policies that place pages elsewhere, a verdict per
 process and one for the rank (verdict.py). The node expected is ``--node``, the
-node that drives ``--gpu`` (for a GPU on a CPU-less node, as on Grace-Hopper,
-pages on the GPU's own memory node count as local too), or else the one node
-the PID's threads run on. The exit status is non-zero when a rank is wrong or
+node that drives ``--gpu`` (pages on the GPU's own memory node count as local
+too: on Grace its HBM node, ``Gpu.memory_node``, or the GPU's node where that is
+CPU-less), or else the one node the PID's threads run on. The exit status is non-zero when a rank is wrong or
 cannot be audited, so this serves as a health check; ``--json`` prints schema
 ``numafast.check/1`` (result.py).
 

@@ -61,14 +61,22 @@ class GpuSites:
         return cuda_visible_devices_of(pid)
 
     def expectation(self, visible: str | None) -> Expectation:
-        """Where the rank belongs: the CPU node that drives --gpu as ``visible`` numbers GPUs,
-        and the GPU's own memory node (local too)."""
+        """Where the rank belongs: the CPU node that drives --gpu as ``visible`` numbers GPUs.
+
+        Pages count as local on that node, on the GPU's node where it is CPU-less, and on
+        the GPU's own memory node (``Gpu.memory_node``: on Grace the GPU's HBM, a CPU-less
+        node apart from the Grace node the GPU hangs off)."""
         if visible not in self.topologies:
             live = self.args.sysfs is None
             root = "/" if live else self.args.sysfs
             self.topologies[visible] = Topology.from_sysfs(root, cuda_visible_devices=visible, ask_gpu_libraries=live)
         machine = self.topologies[visible]
-        site = site_of(machine, machine.gpu(self.args.gpu))
+        gpu = machine.gpu(self.args.gpu)
+        site = site_of(machine, gpu)
         check_node(site.cpu_node, need_allowed=False)
-        return Expectation(site.cpu_node, tuple(sorted({site.cpu_node, site.node})),
-                           f"GPU {self.args.gpu} is on node {site.cpu_node}", "numafast run --gpu auto")  # fmt: skip
+        local = {site.cpu_node, site.node}
+        reason = f"GPU {self.args.gpu} is on node {site.cpu_node}"
+        if gpu.memory_node is not None:
+            local.add(gpu.memory_node)
+            reason += f" (its memory: node {gpu.memory_node})"
+        return Expectation(site.cpu_node, tuple(sorted(local)), reason, "numafast run --gpu auto")
