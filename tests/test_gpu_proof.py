@@ -7,6 +7,7 @@ bench/gpu-proof.sh, not from here."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,9 @@ GPU_ROWS = ["H2D / D2H GB/s", "register 1 GiB, s", "end to end, samples/s", "CUD
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the proof runs whole: bash bench/gpu-proof.sh")
 def test_without_a_gpu_the_proof_runs_what_needs_none_and_skips_each_gpu_row_saying_why(tmp_path: Path) -> None:
     report = tmp_path / "proof.json"
+    environment = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's numafast, as the other tests use
     done = subprocess.run([sys.executable, str(REPO / "bench/gpu_proof.py"), "--json", str(report)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+                          capture_output=True, text=True, timeout=600, env=environment)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["name"]: row for row in json.loads(report.read_text())["rows"]}
     assert list(rows) == ["machine", "CUDA tests and README gpu blocks", *GPU_ROWS]
