@@ -265,7 +265,8 @@ class NodePools:
                 if self.closed:
                     return
                 resize = not self.pools or nbytes > self.pools[0].slot_bytes
-                if not resize and not (more and not self._slot_free_soon()):
+                grow = not resize and more and not self._slot_free_soon()
+                if not (resize or grow):
                     return
                 slot_bytes = _slot_bytes_for(nbytes) if resize else self.pools[0].slot_bytes
             pool = self._new_pool(slot_bytes)
