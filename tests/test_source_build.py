@@ -20,15 +20,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pytest depends on tomli under Python 3.10
-    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 WITHOUT_LIBNUMA = REPO / ".ci" / "without-libnuma"
