@@ -324,9 +324,12 @@ class NumaLoader(DataLoader[T_co]):
             batches = super().__iter__()  # the same workers, another epoch: nothing forks
         else:
             # The workers fork here, inside the node's scope: they start on its CPUs with
-            # its memory policy (the calling thread gets its own back on leaving).
+            # its memory policy (the calling thread gets its own back on leaving). One
+            # that never starts (stuck in the fork) is forked again there.
+            from numafast.torch.workers import watch_starts
+
             with numa_local(self.node, strict=self.strict):
-                batches = super().__iter__()
+                batches = watch_starts(super().__iter__, lambda: numa_local(self.node, strict=self.strict))
         return batches if self.device is None else _OnDeviceIterator(self, batches)
 
     def stats(self) -> LoaderStats:

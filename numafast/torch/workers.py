@@ -1,0 +1,496 @@
+"""The start of a DataLoader's workers, watched: a worker that never starts is
+replaced (or named in a clear error), not waited for forever.
+
+Why a forked worker can be stuck before it runs a line of its own: ``os.fork()``
+copies the interpreter's locks as they are at that instant, held ones included,
+and only the forking thread lives on in the child. CPython 3.8 to 3.11.7 (and
+3.12.0) walk the child's list of thread states under the interpreter's *head lock*
+before they re-create that lock (gh-112275). Another thread takes the head lock
+without holding the GIL whenever it gets a thread state: a native thread that calls
+into Python (torch and NCCL callbacks, tokenizers, telemetry, a ctypes callback)
+does so on every call. If it held the lock at the fork, the child waits for a thread
+that does not exist in it, forever, inside ``os.fork()``; the DataLoader then waits
+forever for that worker's batches. (A C library's ``pthread_atfork`` handler waiting
+on a lock held at the fork ends the same way, on any Python.)
+
+So every worker forked by :func:`watch_starts` claims a start token first: an
+after-fork hook of this module, run in the child before multiprocessing's bootstrap
+and torch's worker loop, so before the worker reads any index. A worker that has not
+claimed it ``START_DEADLINE_S`` after it was forked (and after the last of its
+siblings started) is condemned: the parent takes the token itself, so that a worker
+that was only slow and gets there later exits at once instead of racing its
+replacement. It is then forked again with the same target and arguments (the same
+worker id and seeds, the same index queue, whose indices it never read) in its place
+among torch's workers, and killed; the epoch's batches are exactly those it would
+have had. Where torch's iterator is not as this module expects (a torch version that
+changed it), or the workers forked in its place do not start either, the user gets
+a :class:`WorkerStartError` at that worker's first batch instead, naming the worker,
+its pid, what it is stuck in, and the fix. Either way a warning says so, once.
+
+The watch costs nothing per batch: a token per fork (a pipe holding one byte), and a
+thread that polls the tokens until every worker has started (milliseconds) and ends.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+__all__ = ["MAX_RESTARTS", "START_DEADLINE_S", "WorkerStartError", "replaced_workers", "watch_starts"]
+
+START_DEADLINE_S = 5.0
+"""How long after its fork (and after its last sibling started) a worker has to run
+its first line: a worker starts in milliseconds; one stuck in the fork never does."""
+MAX_RESTARTS = 3
+"""Workers forked in the place of one stuck before the loader gives up with an error."""
+POLL_S = 0.02
+"""How often the watch looks at the tokens (the first looks come sooner)."""
+
+_STARTED = b"s"  # a token's one byte: whoever reads it decides whether the worker started
+
+Iterated = TypeVar("Iterated")
+
+
+class WorkerStartError(RuntimeError):
+    """A DataLoader worker never started (stuck in ``os.fork()``) and could not be replaced."""
+
+
+@dataclass
+class _Token:
+    """A pipe holding one byte; the child reads it to start, the parent to condemn."""
+
+    read: int
+    write: int
+    forked_at: float
+    process: tuple[Any, tuple[Any, ...], dict[str, Any], str, bool] | None
+    """The process forked: its target, arguments, name and daemon flag (multiprocessing
+    drops them from the Process once started)."""
+
+
+@dataclass
+class _Worker:
+    """One of torch's workers: its index in ``_workers``, its pid, its token."""
+
+    index: int
+    pid: int
+    token: _Token | None
+    process: tuple[Any, tuple[Any, ...], dict[str, Any], str, bool] | None
+    started_at: float | None = None
+    restarts: int = 0
+
+
+@dataclass
+class _Doomed:
+    """A stuck worker whose error was queued for batch ``task``: killed once the consumer met it."""
+
+    worker: _Worker
+    process: Any
+    task: int
+
+
+_local = threading.local()  # .watch: the watch arming this thread's forks; .pending: the token of its fork
+_open_tokens: set[int] = set()  # every token fd of this process (a child closes its copies)
+_warned = False
+_replaced = 0
+
+
+def replaced_workers() -> int:
+    """Workers of this process's loaders replaced because they never started."""
+    return _replaced
+
+
+def watch_starts(
+    make: Callable[[], Iterated], fork_scope: Callable[[], AbstractContextManager[Any]] = nullcontext
+) -> Iterated:
+    """``make()`` (a DataLoader's ``__iter__``), with a start watch on every worker it
+    forks; ``fork_scope()`` is entered around the fork of a worker in another's place
+    (NumaLoader forks its workers on its node)."""
+    watch = _StartWatch(fork_scope)
+    outer, _local.watch = getattr(_local, "watch", None), watch
+    try:
+        iterator = make()
+    except BaseException:
+        watch.close()
+        raise
+    finally:
+        _local.watch = outer
+    watch.begin(iterator)
+    return iterator
+
+
+class _StartWatch:
+    """The start tokens of the workers one ``iter()`` forked, and the thread that waits
+    for them to be claimed."""
+
+    def __init__(self, fork_scope: Callable[[], AbstractContextManager[Any]]) -> None:
+        self.fork_scope = fork_scope
+        self.tokens: list[_Token] = []
+        self.workers: list[_Worker] = []
+        self.doomed: list[_Doomed] = []
+        self._iterator: weakref.ref[Any] | None = None
+
+    # ------------------------------------------------------------ forking (parent side)
+
+    def token(self) -> _Token:
+        """A new token, for the fork about to happen (the before-fork hook)."""
+        read, write = os.pipe()
+        _open_tokens.update((read, write))
+        os.set_blocking(read, False)  # shared with the child: a claim never waits
+        os.write(write, _STARTED)
+        token = _Token(read, write, time.monotonic(), _process_forking())
+        self.tokens.append(token)
+        return token
+
+    def begin(self, iterator: Any) -> None:
+        """Watch ``iterator``'s workers: torch's ``_workers``, one fork each, in order."""
+        processes = getattr(iterator, "_workers", None)
+        if not self.tokens:
+            return  # no worker forked (none asked for, or spawned, or served by a forkserver)
+        if not isinstance(processes, list) or len(processes) != len(self.tokens):
+            self.close()  # not torch's iterator as known: its workers cannot be told apart
+            return
+        for index, (process, token) in enumerate(zip(processes, self.tokens)):
+            self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token, token.process))
+        self._iterator = weakref.ref(iterator)
+        threading.Thread(target=self._run, name="numafast worker start", daemon=True).start()
+
+    def close(self) -> None:
+        for token in self.tokens:
+            _close(token)
+        self.tokens.clear()
+
+    # ------------------------------------------------------------ watching
+
+    def _run(self) -> None:
+        try:
+            looks = 0
+            while self._look():
+                looks += 1
+                time.sleep(min(POLL_S, 0.001 * 2 ** min(looks, 8)))
+        finally:
+            self.close()
+
+    def _look(self) -> bool:
+        """One look at the workers; False when there is nothing left to watch."""
+        iterator = self._iterator() if self._iterator is not None else None
+        if iterator is None or getattr(iterator, "_shutdown", False):
+            for worker in self.workers:  # torch ended them; one that wakes up yet exits at once
+                if worker.started_at is None and worker.token is not None:
+                    _claim(worker.token.read)
+            for doomed in self.doomed:
+                _kill(doomed.process)
+            return False
+        now = time.monotonic()
+        pending = [worker for worker in self.workers if worker.started_at is None]
+        unclaimed = _unclaimed([worker.token for worker in pending if worker.token is not None])
+        for worker in pending:
+            if worker.token is None or worker.token.read not in unclaimed:
+                worker.started_at = now
+                if worker.token is not None:
+                    self._release(worker.token)
+        starts = [worker.started_at for worker in self.workers if worker.started_at is not None]
+        last_start = max(starts, default=0.0)
+        for worker in self.workers:
+            token = worker.token
+            late = token is not None and now >= max(token.forked_at, last_start) + START_DEADLINE_S
+            if worker.started_at is None and late:
+                self._late(iterator, worker, len(starts))
+        self._settle_doomed(iterator)
+        return any(worker.started_at is None for worker in self.workers) or bool(self.doomed)
+
+    def _release(self, token: _Token) -> None:
+        _close(token)
+        if token in self.tokens:
+            self.tokens.remove(token)
+
+    def _late(self, iterator: Any, worker: _Worker, started: int) -> None:
+        """``worker`` missed its deadline: condemned, then replaced, or its error queued."""
+        assert worker.token is not None
+        waited = time.monotonic() - worker.token.forked_at
+        if not _claim(worker.token.read):  # it started after all, just now
+            worker.started_at = time.monotonic()
+            self._release(worker.token)
+            return
+        self._release(worker.token)
+        worker.token = None
+        stuck = stuck_in(worker.pid)
+        old_pid = worker.pid
+        why_not = self._replace(iterator, worker)
+        what = (
+            f"DataLoader worker {worker.index} (pid {old_pid}) had not started {waited:.1f} s after it was forked "
+            f"({started} of its {len(self.workers)} workers had): {stuck}"
+        )
+        if why_not is None:
+            _warn_once(f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
+                       f"any index, so the epoch's batches are unchanged. {_cause()}; {_FIX}")
+            return
+        self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}. {_cause()}; {_FIX}")
+
+    def _replace(self, iterator: Any, worker: _Worker) -> str | None:
+        """Fork ``worker`` again in its place among the iterator's workers and kill the
+        stuck one; None when done, else why it cannot be."""
+        processes: Any = getattr(iterator, "_workers", None)
+        old = processes[worker.index] if isinstance(processes, list) and worker.index < len(processes) else None
+        if old is None or getattr(old, "pid", None) != worker.pid:
+            return f"its DataLoader iterator's _workers are not the processes it forked ({_UNKNOWN_TORCH})"
+        if worker.process is None:
+            return "its fork did not come from a multiprocessing Process's start() (a Python numafast does not know)"
+        target, args, kwargs, name, daemon = worker.process
+        pids = _worker_pids(iterator)
+        if pids is None:
+            return f"torch's signal handling has no _set_worker_pids and _remove_worker_pids ({_UNKNOWN_TORCH})"
+        if worker.restarts >= MAX_RESTARTS:
+            return f"the {MAX_RESTARTS} workers forked in its place did not start either"
+        replacement = type(old)(target=target, args=args, kwargs=kwargs, name=name)
+        replacement.daemon = daemon
+        forks = len(self.tokens)
+        outer, _local.watch = getattr(_local, "watch", None), self
+        try:
+            with self.fork_scope():
+                replacement.start()
+        except Exception as error:  # noqa: BLE001 - said in the error the consumer gets
+            return f"forking a worker in its place failed ({error!r})"
+        finally:
+            _local.watch = outer
+        processes[worker.index] = replacement
+        pids(tuple(process.pid for process in processes))  # before the kill: torch's SIGCHLD check ignores the old one
+        _kill(old)
+        global _replaced
+        _replaced += 1
+        worker.pid, worker.restarts = replacement.pid, worker.restarts + 1
+        worker.token = self.tokens[-1] if len(self.tokens) == forks + 1 else None
+        worker.started_at = None if worker.token is not None else time.monotonic()
+        if worker.token is not None:
+            worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
+        if getattr(iterator, "_shutdown", False):
+            _kill(replacement)  # the iteration ended meanwhile
+        return None
+
+    def _fail(self, iterator: Any, worker: _Worker, message: str) -> None:
+        """The consumer meets ``message`` as a :class:`WorkerStartError` at the stuck
+        worker's first batch (put on the result queue as a worker's own error is); the
+        worker is killed once it has. Where no batch can carry it, the worker is killed
+        now and torch's own check of its workers ends the iteration."""
+        warnings.warn(message, RuntimeWarning, stacklevel=1)  # whatever happens to the exception
+        processes = getattr(iterator, "_workers", None)
+        process = processes[worker.index] if isinstance(processes, list) and worker.index < len(processes) else None
+        task = _first_task(iterator, worker.index)
+        worker.started_at = time.monotonic()  # nothing more to wait for
+        if process is None:
+            return
+        if task is not None and _queue_error(iterator, task, worker.index, message):
+            self.doomed.append(_Doomed(worker, process, task))
+        else:
+            _kill(process)
+
+    def _settle_doomed(self, iterator: Any) -> None:
+        """Kill the stuck workers whose error the consumer has met: torch's own checks
+        then see them gone, and the iteration ends as it does when a worker dies."""
+        received = getattr(iterator, "_rcvd_idx", None)
+        for doomed in list(self.doomed):
+            if not isinstance(received, int) or received > doomed.task:
+                pids = _worker_pids(iterator)
+                if pids is not None:
+                    processes = getattr(iterator, "_workers", [])
+                    pids(tuple(process.pid for process in processes if process is not doomed.process))
+                _kill(doomed.process)
+                self.doomed.remove(doomed)
+
+
+# ------------------------------------------------------------ the child's side
+
+
+def _before_fork() -> None:
+    watch = getattr(_local, "watch", None)
+    _local.pending = watch.token() if watch is not None else None
+
+
+def _after_fork_in_parent() -> None:
+    _local.pending = None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child's first step: claim its start token (a watched worker), drop the
+    parent's tokens, and exit at once when the parent has condemned it meanwhile."""
+    token: _Token | None = getattr(_local, "pending", None)
+    _local.pending = _local.watch = None  # this child's own forks are not watched
+    started = token is None or _claim(token.read)
+    for fd in _open_tokens:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _open_tokens.clear()
+    if not started:
+        os._exit(0)  # another worker runs in this one's place
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
+def _process_forking() -> tuple[Any, tuple[Any, ...], dict[str, Any], str, bool] | None:
+    """What the multiprocessing Process being started in this thread runs (read from the
+    frames of its ``start()``, the only place that still has them), or None."""
+    from multiprocessing.process import BaseProcess
+
+    frame: FrameType | None = sys._getframe(2)  # above this function and the before-fork hook: the caller of os.fork()
+    for _ in range(8):
+        if frame is None:
+            break
+        for name in ("process_obj", "self"):
+            process = frame.f_locals.get(name)
+            if isinstance(process, BaseProcess):
+                target, args, kwargs = (getattr(process, part, None) for part in ("_target", "_args", "_kwargs"))
+                if callable(target) and isinstance(args, tuple) and isinstance(kwargs, dict):
+                    return target, args, dict(kwargs), process.name, bool(process.daemon)
+                return None
+        frame = frame.f_back
+    return None
+
+
+def _claim(read: int) -> bool:
+    """Take a token's byte: True for the first to read it (in the child: it starts; in
+    the parent: it condemns the child)."""
+    try:
+        return os.read(read, 1) == _STARTED
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # never a reason to stop a worker
+
+
+def _unclaimed(tokens: list[_Token]) -> set[int]:
+    """The read ends of ``tokens`` whose byte is still there (their worker has not started)."""
+    if not tokens:
+        return set()
+    poller = select.poll()
+    for token in tokens:
+        poller.register(token.read, select.POLLIN)
+    return {fd for fd, events in poller.poll(0) if events & select.POLLIN}
+
+
+def _close(token: _Token) -> None:
+    for fd in (token.read, token.write):
+        if fd in _open_tokens:
+            _open_tokens.discard(fd)
+            os.close(fd)
+
+
+# ------------------------------------------------------------ torch's iterator
+
+
+def _worker_pids(iterator: Any) -> Callable[[tuple[int, ...]], None] | None:
+    """A function that makes ``pids`` the iterator's workers for torch's SIGCHLD check
+    (so that a killed worker is not taken for one that died), or None where torch's
+    signal handling is not as known."""
+    try:
+        from torch.utils.data._utils import signal_handling
+    except ImportError:
+        return None
+    remove = getattr(signal_handling, "_remove_worker_pids", None)
+    put = getattr(signal_handling, "_set_worker_pids", None)
+    if not callable(remove) or not callable(put) or not isinstance(getattr(iterator, "_worker_pids_set", None), bool):
+        return None
+
+    def set_pids(pids: tuple[int, ...]) -> None:
+        if iterator._worker_pids_set:  # False once the iterator shut its workers down
+            remove(id(iterator))
+            put(id(iterator), pids)
+
+    return set_pids
+
+
+def _first_task(iterator: Any, index: int) -> int | None:
+    """The first batch the iterator waits for from worker ``index`` (torch's ``_task_info``)."""
+    tasks = getattr(iterator, "_task_info", None)
+    if not isinstance(tasks, dict):
+        return None
+    waiting = [task for task, info in list(tasks.items()) if isinstance(info, tuple) and info == (index,)]
+    return min(waiting, default=None)
+
+
+def _queue_error(iterator: Any, task: int, index: int, message: str) -> bool:
+    """Put ``message`` on the iterator's result queue as worker ``index``'s error for batch ``task``."""
+    results: Any = getattr(iterator, "_worker_result_queue", None)
+    try:
+        from torch._utils import ExceptionWrapper
+
+        error = WorkerStartError(message)
+        wrap: Any = ExceptionWrapper  # untyped in some torch versions
+        results.put((task, wrap((WorkerStartError, error, None), where=f"in DataLoader worker process {index}")))
+    except Exception:  # noqa: BLE001 - then the worker is killed: torch's own check ends the iteration
+        return False
+    return True
+
+
+def _kill(process: Any) -> None:
+    """SIGKILL: a process stuck in fork may have inherited a handler that only sets a flag for SIGTERM."""
+    try:
+        process.kill()
+        process.join(1.0)
+    except (OSError, ValueError, AssertionError, AttributeError):
+        pass
+
+
+# ------------------------------------------------------------ what to tell the user
+
+
+def stuck_in(pid: int) -> str:
+    """What process ``pid`` is blocked in, as /proc tells (its state, kernel wait channel,
+    system call, and kernel stack where readable)."""
+    proc = Path(f"/proc/{pid}")
+    said: list[str] = []
+    try:
+        said.append("state " + (proc / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        wchan = (proc / "wchan").read_text().strip()
+        if wchan and wchan != "0":
+            said.append(f"waiting in {wchan}")
+        call = (proc / "syscall").read_text().split()[0]
+        if call.isdigit():
+            said.append(f"system call {_SYSCALLS.get((os.uname().machine, int(call)), call)}")
+    except (OSError, IndexError):
+        pass
+    try:
+        frames = [line.split()[-1] for line in (proc / "stack").read_text().splitlines() if line.strip()]
+        if frames:
+            said.append("kernel stack " + " <- ".join(frames[:3]))
+    except (OSError, IndexError):
+        pass
+    where = ", ".join(said) if said else "/proc does not say what"
+    return (f"it is stuck inside os.fork() itself ({where}): it never reached numafast's first step after the fork, "
+            "which runs before any code of the worker")
+
+
+# The system calls a process stuck in a fork waits in, by machine.
+_SYSCALLS = {("x86_64", 202): "futex", ("aarch64", 98): "futex", ("x86_64", 7): "poll", ("x86_64", 34): "pause"}
+
+_UNKNOWN_TORCH = "a torch version numafast does not know"
+_FIX = ('fix: Python >= 3.11.8 or >= 3.12.1, or multiprocessing_context="forkserver" '
+        "(workers forked from a server process that runs no other threads)")
+
+
+def _cause() -> str:
+    version = sys.version_info
+    if version < (3, 11, 8) or version[:3] == (3, 12, 0):
+        return (f"This is the fork deadlock of CPython {version.major}.{version.minor}.{version.micro} (gh-112275): a "
+                "thread that calls into Python from native code held the interpreter's head lock at the fork")
+    return ("This Python has CPython's fork deadlock fixed: a lock held by another thread at the fork (a C library's "
+            "pthread_atfork handler?) stopped it")
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(message, RuntimeWarning, stacklevel=1)

@@ -1,0 +1,303 @@
+"""A DataLoader worker stuck inside ``os.fork()`` (CPython gh-112275) does not hang a
+NumaLoader: it is replaced, or named in an error; a worker that is only slow is not.
+
+The deadlock, made deterministic: a thread holds the interpreter's head lock, without
+the GIL, across a chosen fork, as a native thread calling into Python holds it for an
+instant on every call (taking a thread state). In Python 3.8 to 3.11.7 the child then
+waits for that lock forever inside ``os.fork()``. Where the Python is not affected
+(the child starts anyway) those tests skip. Every wait here is bounded: a DataLoader
+``timeout``, a deadline of a second, a stuck child killed by the test.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import numafast.torch  # noqa: E402
+from numafast.torch import workers  # noqa: E402
+
+pytestmark = pytest.mark.host_only("forks workers in one process: nothing the kernel's nodes change")
+
+DEADLINE_S = 1.0  # START_DEADLINE_S in these tests
+BATCHES = 8  # of two samples each
+
+
+class HeadLockAtFork:
+    """Holds CPython's head lock (``_PyRuntime.interpreters.mutex``) in a thread of its
+    own, without the GIL, across the forks whose numbers (counted from :meth:`wedge`)
+    are given."""
+
+    def __init__(self) -> None:
+        api = ctypes.pythonapi
+        api.PyInterpreterState_Main.restype = ctypes.c_void_p
+        main = api.PyInterpreterState_Main()
+        runtime = ctypes.addressof(ctypes.c_char.in_dll(api, "_PyRuntime"))
+        words = (ctypes.c_void_p * 64).from_address(runtime)
+        # struct pyinterpreters {mutex; head; main; ...}: with one interpreter, head == main.
+        found = [words[i - 1] for i in range(1, 63) if words[i] == main and words[i + 1] == main and words[i - 1]]
+        if not found:
+            pytest.skip("the interpreter's head lock is not where CPython 3.8-3.11 keep it")
+        self.mutex = found[0]
+        libpython = ctypes.CDLL(None)  # a CDLL call releases the GIL
+        self.acquire, self.release = libpython.PyThread_acquire_lock, libpython.PyThread_release_lock
+        self.acquire.argtypes, self.release.argtypes = [ctypes.c_void_p, ctypes.c_int], [ctypes.c_void_p]
+        self.grab, self.held, self.let_go, self.released = (threading.Event() for _ in range(4))
+        self.wedged: set[int] = set()
+        self.forks = 0
+        self.holding = False
+        threading.Thread(target=self._hold, name="head lock holder", daemon=True).start()
+        os.register_at_fork(before=self._before, after_in_parent=self._after)
+
+    def wedge(self, *forks: int) -> None:
+        """Hold the lock across these forks, counted from 0 at this call.
+
+        First the threads of iterators gone end: a thread that ends (or starts) takes
+        the head lock holding the GIL, which the holder needs to let go (a native
+        thread's hold is an instant; this one lasts the fork)."""
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(thread.name in _TRANSIENT for thread in threading.enumerate()):
+            time.sleep(0.01)
+        self.forks, self.wedged = 0, set(forks)
+
+    def _hold(self) -> None:
+        while True:
+            self.grab.wait()
+            self.grab.clear()
+            self.acquire(self.mutex, 1)
+            self.held.set()
+            self.let_go.wait()
+            self.let_go.clear()
+            self.release(self.mutex)
+            self.released.set()
+
+    def _before(self) -> None:
+        self.holding, self.forks = self.forks in self.wedged, self.forks + 1
+        if self.holding:
+            self.grab.set()
+            self.held.wait()
+            self.held.clear()
+
+    def _after(self) -> None:
+        if self.holding:
+            # Released before this thread goes on: it may take the lock itself (with the
+            # GIL) to start a thread, and the holder needs the GIL to let go.
+            self.holding = False
+            self.let_go.set()
+            self.released.wait()
+            self.released.clear()
+
+
+# Threads that end soon after their iterator: multiprocessing's queue feeders, numafast's watch.
+_TRANSIENT = ("QueueFeederThread", "numafast worker start")
+_holder: list[HeadLockAtFork] = []
+
+
+@pytest.fixture(scope="module")
+def head_lock_at_fork() -> HeadLockAtFork:
+    """The holder, once this Python is seen to deadlock: a probe child forked with the
+    lock held must not get past ``os.fork()`` within a second."""
+    if not (3, 8) <= sys.version_info < (3, 11, 8):
+        pytest.skip(f"Python {sys.version.split()[0]} re-creates the head lock before a child needs it (gh-112275 fixed)")
+    if not _holder:
+        _holder.append(HeadLockAtFork())
+    holder = _holder[0]
+    holder.wedge(0)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            pytest.skip("this Python's child got past os.fork() with the head lock held: not affected")
+        time.sleep(0.02)
+    assert "futex" in wchan(pid) or not wchan(pid)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return holder
+
+
+@pytest.fixture(autouse=True)
+def no_garbage_loaders() -> None:
+    """Loaders of the tests before (held in cycles, by a traceback) collected here, in
+    this thread: collected in a thread the next loader starts, a loader's finalizer
+    waits for the lock that loader holds while it starts that thread (NodePools.attach
+    and _detach in numafast/torch/pools.py)."""
+    gc.collect()
+
+
+@pytest.fixture
+def short_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workers, "START_DEADLINE_S", DEADLINE_S)
+    monkeypatch.setattr(workers, "_warned", False)
+
+
+def wchan(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return ""
+
+
+def dataset() -> list[Any]:
+    return [torch.full((64,), float(i)) for i in range(2 * BATCHES)]
+
+
+def expected() -> list[list[float]]:
+    return [[float(2 * i), float(2 * i + 1)] for i in range(BATCHES)]
+
+
+def firsts(batches: Iterator[Any]) -> list[Any]:
+    return [batch[:, 0].tolist() for batch in batches]
+
+
+def test_the_stock_dataloader_waits_for_a_worker_stuck_in_fork(head_lock_at_fork: HeadLockAtFork) -> None:
+    """What numafast guards against: worker 1 never starts, and torch waits for its
+    first batch (here until its ``timeout``; with the default, forever)."""
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=2, num_workers=2, timeout=3)
+    head_lock_at_fork.wedge(1)
+    iterator = iter(loader)
+    stuck = iterator._workers[1]
+    seen: list[Any] = []
+    try:
+        with pytest.raises(RuntimeError, match="DataLoader timed out after 3 seconds"):
+            for batch in iterator:
+                seen.append(batch[:, 0].tolist())
+        assert seen == expected()[:1]  # worker 0's first batch; batch 1 is worker 1's
+        assert stuck.is_alive() and "futex" in wchan(stuck.pid), wchan(stuck.pid)
+        assert Path(f"/proc/{stuck.pid}/comm").read_text().strip() != "pt_data_worker"  # torch's loop never ran
+    finally:
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(iterator))  # not an error: killed here
+        iterator._worker_pids_set = False
+        stuck.kill()
+        stuck.join(5)
+        iterator._shutdown_workers()
+    assert not stuck.is_alive()
+
+
+def test_numaloader_replaces_a_worker_stuck_in_fork_and_every_epoch_is_whole(
+    head_lock_at_fork: HeadLockAtFork, short_deadline: None
+) -> None:
+    loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=20)
+    replaced = workers.replaced_workers()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(3):
+            head_lock_at_fork.wedge(epoch % 2)  # worker 0, then 1, then 0 again
+            began = time.monotonic()
+            iterator = iter(loader)
+            stuck = iterator._workers[epoch % 2].pid
+            assert firsts(iterator) == expected(), epoch
+            assert time.monotonic() - began < DEADLINE_S + 5
+            assert not Path(f"/proc/{stuck}").exists()  # killed and reaped
+            del iterator
+    assert workers.replaced_workers() == replaced + 3
+    said = [str(warning.message) for warning in caught if "had not started" in str(warning.message)]
+    assert len(said) == 1, said  # once
+    assert "DataLoader worker 0 (pid" in said[0] and "replaced by pid" in said[0] and "futex" in said[0], said[0]
+    assert "gh-112275" in said[0] and "3.11.8" in said[0] and "forkserver" in said[0], said[0]
+
+
+def test_persistent_workers_keep_the_worker_forked_in_place_of_a_stuck_one(
+    head_lock_at_fork: HeadLockAtFork, short_deadline: None
+) -> None:
+    loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=20, persistent_workers=True)
+    head_lock_at_fork.wedge(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = iter(loader)
+        assert firsts(first) == expected()
+    pids = [worker.pid for worker in first._workers]
+    again = iter(loader)  # the same workers, the replacement among them
+    assert again is first and firsts(again) == expected()
+    assert [worker.pid for worker in again._workers] == pids and all(worker.is_alive() for worker in again._workers)
+
+
+def test_where_a_worker_cannot_be_replaced_the_error_names_it_and_the_fix(
+    head_lock_at_fork: HeadLockAtFork, short_deadline: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As with a torch or Python whose internals numafast does not know: the consumer
+    gets the error at the stuck worker's first batch, within the deadline, and the
+    iteration then ends as it does when a worker dies."""
+    monkeypatch.setattr(workers, "_process_forking", lambda: None)  # what a Process runs: unknown
+    loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=5)
+    head_lock_at_fork.wedge(1)
+    began = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        iterator = iter(loader)
+        stuck = iterator._workers[1].pid
+        assert firsts([next(iterator)]) == expected()[:1]
+        with pytest.raises(workers.WorkerStartError) as raised:
+            next(iterator)
+        assert time.monotonic() - began < DEADLINE_S + 3
+        text = str(raised.value)
+        assert f"DataLoader worker 1 (pid {stuck}) had not started" in text and "futex" in text, text
+        assert "could not replace it" in text and "3.11.8" in text and 'multiprocessing_context="forkserver"' in text
+        with pytest.raises(RuntimeError, match=f"DataLoader worker \\(pid\\(s\\) {stuck}\\) exited unexpectedly"):
+            for _batch in iterator:  # worker 0's batches, then batch 3, worker 1's: never coming
+                pass
+    del iterator
+    assert not Path(f"/proc/{stuck}").exists() or "Z" in Path(f"/proc/{stuck}/stat").read_text().split(")")[-1][:3]
+
+
+class SlowToStart(torch.utils.data.Dataset[Any]):
+    """Each worker's first sample takes ``first_s`` seconds."""
+
+    def __init__(self, first_s: float) -> None:
+        self.first_s = first_s
+        self.started_in = 0
+
+    def __len__(self) -> int:
+        return 2 * BATCHES
+
+    def __getitem__(self, index: int) -> Any:
+        if self.started_in != os.getpid():
+            self.started_in = os.getpid()
+            time.sleep(self.first_s)
+        return torch.full((64,), float(index))
+
+
+def slow_init(worker_id: int) -> None:
+    time.sleep(3 * DEADLINE_S / 2 if worker_id == 1 else 0)
+
+
+def test_a_worker_whose_first_batch_is_only_slow_is_not_replaced(short_deadline: None) -> None:
+    """A worker started at its fork: a slow worker_init_fn or first batch is no alarm."""
+    loader = numafast.torch.NumaLoader(SlowToStart(3 * DEADLINE_S), batch_size=2, num_workers=2, timeout=20,
+                                       worker_init_fn=slow_init)  # fmt: skip
+    replaced = workers.replaced_workers()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        iterator = iter(loader)
+        pids = [worker.pid for worker in iterator._workers]
+        assert firsts(iterator) == expected()
+    assert workers.replaced_workers() == replaced
+    assert not [warning for warning in caught if "had not started" in str(warning.message)]
+    assert [worker.pid for worker in iterator._workers] == pids
+
+
+def test_the_watch_ends_once_every_worker_started() -> None:
+    """Nothing of the watch is left once the workers run: no thread, no token."""
+    loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=20)
+    iterator = iter(loader)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(t.name == "numafast worker start" for t in threading.enumerate()):
+        time.sleep(0.01)
+    assert not any(thread.name == "numafast worker start" for thread in threading.enumerate())
+    assert not workers._open_tokens
+    assert firsts(iterator) == expected()
