@@ -7,8 +7,10 @@ pin thread (``pt_data_pin``) takes it off the result queue. That thread binds
 itself to the GPU's node at its first batch; its ``pin_memory()`` then finds every
 tensor already pinned (the pools are registered with CUDA) and returns it as it
 is: no byte is copied. A batch that could not land in a slot is copied in by that
-thread, as before. No private torch function is patched, so no torch version is
-special.
+thread, as before; one that cannot be taken over at all (its pool gone, its lease
+over) reaches the consumer as its worker's error would, and the thread goes on with
+the next (:mod:`numafast.torch.message`). No private torch function is patched, so
+no torch version is special.
 
 When to use which: the hook is one line and changes nothing else (the workers stay
 where they are); NumaLoader also places the workers on the node and, with a CUDA
