@@ -138,6 +138,7 @@ class NodePools:
         self._by_inode: dict[int, PinnedPool] = {}
         self._server: threading.Thread | None = None
         """Makes the pools the workers ask for (started with the first user)."""
+        self._server_mutex = threading.Lock()
         self._mutex = threading.RLock()
         """Guards the pool lists and counters: taken by the receive of every batch, so
         held only for bookkeeping, never while a pool is faulted in or registered."""
@@ -151,6 +152,9 @@ class NodePools:
         while it lives, and go idle (for the next loader on the node) once none is left."""
         with _idle_mutex:
             self.users += 1
+        # Not under _idle_mutex: Thread.start() waits for the new thread, in which the
+        # garbage collector may run a gone loader's _detach, which takes that mutex.
+        with self._server_mutex:
             if self._server is None:
                 self._server = self.board.serve_requests(_make_room_in(weakref.ref(self)), f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
