@@ -49,6 +49,7 @@ from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
 from numafast.torch.pools import LoaderStats, NodePools, node_pools
+from numafast.torch.workers import watch_starts
 
 # What the loader's dataset yields: NumaLoader[T] reads like DataLoader[T].
 T_co = TypeVar("T_co", covariant=True)
@@ -326,8 +327,6 @@ class NumaLoader(DataLoader[T_co]):
             # The workers fork here, inside the node's scope: they start on its CPUs with
             # its memory policy (the calling thread gets its own back on leaving). One
             # that never starts (stuck in the fork) is forked again there.
-            from numafast.torch.workers import watch_starts
-
             with numa_local(self.node, strict=self.strict):
                 batches = watch_starts(super().__iter__, lambda: numa_local(self.node, strict=self.strict))
         return batches if self.device is None else _OnDeviceIterator(self, batches)
