@@ -304,7 +304,7 @@ class PinnedPool:
         register_mode: RegisterMode = parse_mode(register, RegisterMode, "register")
         self._timeout = _check_timeout(timeout)
         if device is not None:
-            check_device_index(device)
+            device = check_device_index(device)
         if _libnuma.node_size64(self._node)[0] == 0:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
         registers = _registers(register_mode)
@@ -686,29 +686,35 @@ def _warn_unlocked_once(message: str) -> None:
         warnings.warn(f"{message}. Pools go on with unlocked memory (this is said once)", MemlockWarning, stacklevel=4)
 
 
+def _locking_state() -> tuple[dict[str, str], bool]:
+    """/proc/self/status's fields, and whether this process has CAP_IPC_LOCK (which
+    lifts RLIMIT_MEMLOCK)."""
+    status = read_fields(Path("/proc/self/status")) or {}
+    return status, bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
+
+
 def memlock_room() -> int | None:
     """Bytes this process may still page-lock: None when unlimited (RLIMIT_MEMLOCK is, or
     the process has CAP_IPC_LOCK)."""
     import resource
 
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    status = read_fields(Path("/proc/self/status")) or {}
-    if soft == resource.RLIM_INFINITY or int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1:
+    status, capable = _locking_state()
+    if soft == resource.RLIM_INFINITY or capable:
         return None
     locked_kib = int(status.get("VmLck", "0 kB").split()[0])
     return max(soft - locked_kib * 1024, 0)
 
 
-def _memlock_message(nbytes: int, node: int, error: LibnumaError | None, otherwise: str) -> str:
-    """Why locking ``nbytes`` failed (or would), the limit, how to raise it, and ``otherwise``."""
+def _memlock_message(nbytes: int, node: int, error: LibnumaError, otherwise: str) -> str:
+    """Why locking ``nbytes`` failed, the limit, how to raise it, and ``otherwise``."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    status = read_fields(Path("/proc/self/status")) or {}
+    status, capable = _locking_state()
     locked = status.get("VmLck", "unknown")
-    capable = bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
     need_kib = -(-nbytes // 1024)
-    why = f"mlock: {os.strerror(error.errno or 0)}" if error is not None else "over the limit"
+    why = f"mlock: {os.strerror(error.errno or 0)}"
 
     def limit(value: int) -> str:
         return "unlimited" if value == resource.RLIM_INFINITY else f"{value // 1024} KiB"

@@ -12,6 +12,8 @@ its copies and fences run on, never a helper thread's default, device 0.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from numafast import cuda
@@ -33,10 +35,10 @@ def resolve_device(device: object) -> torch.device | None:
     """
     if device is None:
         return None
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+    if isinstance(device, bool) or not isinstance(device, (str, numbers.Integral, torch.device)):
         raise TypeError(f"device {device!r}: give a CUDA device ('cuda:0', 0, torch.device) or None")
     try:
-        resolved = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+        resolved = torch.device(f"cuda:{int(device)}" if isinstance(device, numbers.Integral) else device)
     except RuntimeError:
         raise ValueError(
             f"device {device!r} is not a device: give a CUDA device ('cuda', 'cuda:1', 1, torch.device) "
