@@ -186,3 +186,13 @@ def test_a_batch_is_received_while_a_pool_is_being_made() -> None:
     finally:
         proceed.set()
         pools.close()
+
+
+@SEMANTICS
+def test_a_numpy_integer_is_a_device_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    standing_in(monkeypatch, CudaState(2))
+    assert loader_device.resolve_device(np.int64(1)) == torch.device("cuda", 1)
+    with pytest.raises(numafast.InvalidGpuError, match="sees 2 CUDA devices"):
+        loader_device.resolve_device(np.int32(2))
