@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,19 @@ def expected() -> list[list[float]]:
     return [[float(2 * i), float(2 * i + 1)] for i in range(BATCHES)]
 
 
+def collected(*refs: weakref.ref[Any], within_s: float) -> bool:
+    """Every referent collected within ``within_s``: a gc.collect() does nothing while
+    another thread's collection runs (one whose finalizer released the GIL)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        gc.collect()
+        if all(ref() is None for ref in refs):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+
+
 def firsts(batches: Iterator[Any]) -> list[Any]:
     return [batch[:, 0].tolist() for batch in batches]
 
@@ -253,6 +267,29 @@ def test_where_a_worker_cannot_be_replaced_the_error_names_it_and_the_fix(
                 pass
     del iterator
     assert not Path(f"/proc/{stuck}").exists() or "Z" in Path(f"/proc/{stuck}/stat").read_text().split(")")[-1][:3]
+
+
+def test_a_dropped_iterator_lets_its_dataset_go_while_a_worker_is_yet_to_start(
+    head_lock_at_fork: HeadLockAtFork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a pending worker runs (kept to fork it again) goes with its iterator, not when
+    the watch thread next looks: the loader's pools go idle for the next loader at once."""
+    monkeypatch.setattr(workers, "POLL_S", 10.0)  # the watch looks every 0.256 s: it sleeps at the del
+    samples = SlowToStart(0)
+    loader = numafast.torch.NumaLoader(samples, batch_size=2, num_workers=2, timeout=20)
+    gone = weakref.ref(samples), weakref.ref(loader)
+    head_lock_at_fork.wedge(1)  # worker 1 stays in os.fork(), pending for the whole test (the deadline is 5 s)
+    iterator = iter(loader)
+    stuck = iterator._workers[1]
+    assert firsts([next(iterator)]) == expected()[:1]  # worker 0's
+    time.sleep(1)
+    assert "futex" in wchan(stuck.pid) and any(t.name == "numafast worker start" for t in threading.enumerate())
+    torch.utils.data._utils.signal_handling._remove_worker_pids(id(iterator))  # not an error: killed here
+    iterator._worker_pids_set = False
+    stuck.kill()
+    stuck.join(5)
+    del iterator, loader, samples
+    assert collected(*gone, within_s=0.05)  # the watch thread sleeps on: it holds nothing of them
 
 
 class SlowToStart(torch.utils.data.Dataset[Any]):

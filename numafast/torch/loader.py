@@ -29,6 +29,7 @@ workers, so its sharding, device placement and bookkeeping stay its own.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import weakref
@@ -326,9 +327,11 @@ class NumaLoader(DataLoader[T_co]):
         else:
             # The workers fork here, inside the node's scope: they start on its CPUs with
             # its memory policy (the calling thread gets its own back on leaving). One
-            # that never starts (stuck in the fork) is forked again there.
-            with numa_local(self.node, strict=self.strict):
-                batches = watch_starts(super().__iter__, lambda: numa_local(self.node, strict=self.strict))
+            # that never starts (stuck in the fork) is forked again there. The watch keeps
+            # that scope while a worker is pending: the node and strictness, not the loader.
+            fork_scope = functools.partial(numa_local, self.node, strict=self.strict)
+            with fork_scope():
+                batches = watch_starts(super().__iter__, fork_scope)
         return batches if self.device is None else _OnDeviceIterator(self, batches)
 
     def stats(self) -> LoaderStats:

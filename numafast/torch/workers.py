@@ -66,6 +66,10 @@ class WorkerStartError(RuntimeError):
     """A DataLoader worker never started (stuck in ``os.fork()``) and could not be replaced."""
 
 
+_Run = tuple[Any, tuple[Any, ...], dict[str, Any], str, bool]
+"""What a forked Process runs: its target, arguments, name and daemon flag."""
+
+
 @dataclass
 class _Token:
     """A pipe holding one byte; the child reads it to start, the parent to condemn."""
@@ -73,9 +77,9 @@ class _Token:
     read: int
     write: int
     forked_at: float
-    process: tuple[Any, tuple[Any, ...], dict[str, Any], str, bool] | None
-    """The process forked: its target, arguments, name and daemon flag (multiprocessing
-    drops them from the Process once started)."""
+    run: _Run | None
+    """What the process forked runs (multiprocessing drops it from the Process once
+    started); handed to the iterator's entry in ``_runs`` by :meth:`_StartWatch.begin`."""
 
 
 @dataclass
@@ -85,7 +89,6 @@ class _Worker:
     index: int
     pid: int
     token: _Token | None
-    process: tuple[Any, tuple[Any, ...], dict[str, Any], str, bool] | None
     started_at: float | None = None
     restarts: int = 0
 
@@ -101,6 +104,11 @@ class _Doomed:
 
 _local = threading.local()  # .watch: the watch arming this thread's forks; .pending: the token of its fork
 _open_tokens: set[int] = set()  # every token fd of this process (a child closes its copies)
+_runs: weakref.WeakKeyDictionary[Any, list[_Run | None]] = weakref.WeakKeyDictionary()
+"""Per iterator, what each of its workers runs, to fork it again in its place. Kept with
+the iterator, not the watch: the arguments hold the dataset and the collate function (a
+NumaLoader's pools), which must go the moment the iterator does, not when the watch
+thread next looks."""
 _warned = False
 _replaced = 0
 
@@ -115,7 +123,8 @@ def watch_starts(
 ) -> Iterated:
     """``make()`` (a DataLoader's ``__iter__``), with a start watch on every worker it
     forks; ``fork_scope()`` is entered around the fork of a worker in another's place
-    (NumaLoader forks its workers on its node)."""
+    (NumaLoader forks its workers on its node). The watch keeps ``fork_scope`` while a
+    worker is yet to start: it must not hold the loader, whose pools go idle with it."""
     watch = _StartWatch(fork_scope)
     outer, _local.watch = getattr(_local, "watch", None), watch
     try:
@@ -160,8 +169,10 @@ class _StartWatch:
         if not isinstance(processes, list) or len(processes) != len(self.tokens):
             self.close()  # not torch's iterator as known: its workers cannot be told apart
             return
+        _runs[iterator] = [token.run for token in self.tokens]
         for index, (process, token) in enumerate(zip(processes, self.tokens)):
-            self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token, token.process))
+            token.run = None
+            self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token))
         self._iterator = weakref.ref(iterator)
         threading.Thread(target=self._run, name="numafast worker start", daemon=True).start()
 
@@ -244,9 +255,11 @@ class _StartWatch:
         old = processes[worker.index] if isinstance(processes, list) and worker.index < len(processes) else None
         if old is None or getattr(old, "pid", None) != worker.pid:
             return f"its DataLoader iterator's _workers are not the processes it forked ({_UNKNOWN_TORCH})"
-        if worker.process is None:
+        runs = _runs.get(iterator, [])
+        run = runs[worker.index] if worker.index < len(runs) else None
+        if run is None:
             return "its fork did not come from a multiprocessing Process's start() (a Python numafast does not know)"
-        target, args, kwargs, name, daemon = worker.process
+        target, args, kwargs, name, daemon = run
         pids = _worker_pids(iterator)
         if pids is None:
             return f"torch's signal handling has no _set_worker_pids and _remove_worker_pids ({_UNKNOWN_TORCH})"
@@ -270,6 +283,8 @@ class _StartWatch:
         _replaced += 1
         worker.pid, worker.restarts = replacement.pid, worker.restarts + 1
         worker.token = self.tokens[-1] if len(self.tokens) == forks + 1 else None
+        if worker.token is not None:
+            worker.token.run = None  # the same run, kept in _runs
         worker.started_at = None if worker.token is not None else time.monotonic()
         if worker.token is not None:
             worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
@@ -339,7 +354,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
-def _process_forking() -> tuple[Any, tuple[Any, ...], dict[str, Any], str, bool] | None:
+def _process_forking() -> _Run | None:
     """What the multiprocessing Process being started in this thread runs (read from the
     frames of its ``start()``, the only place that still has them), or None."""
     from multiprocessing.process import BaseProcess
