@@ -381,7 +381,8 @@ def test_a_consumer_keeping_more_batches_than_slots_never_hangs() -> None:
     assert all(map(same, stock, ours))
     stats = loader.stats()  # a worker that found every slot held asked for more: a pool was added
     assert stats.copied == 0 and loader.pools.grown > 0 and all(loader.pools.holds(b["values"].data_ptr()) for b in ours)
-    assert not [warning for warning in caught if "numafast" in str(warning.message)]
+    ours_said = [str(warning.message) for warning in caught if "numafast" in str(warning.message)]
+    assert len(ours_said) == 1 and "keeps tensors of" in ours_said[0] and ".clone()" in ours_said[0], ours_said
 
 
 @SEMANTICS

@@ -47,17 +47,18 @@ def flatten(batch: Batch, *, arrays: bool = False) -> tuple[list[Any], Callable[
     its replacement appears twice)."""
     leaves: list[Any] = []
     positions: dict[int, int] = {}
-
-    def collect(item: Any) -> None:
+    # A walk with a stack, not a recursive closure: a closure that calls itself is a
+    # reference cycle, which would keep the leaves (tensors over a slot) and so their
+    # slot alive until the garbage collector runs.
+    pending = [batch]
+    while pending:
+        item = pending.pop()
         if isinstance(item, torch.Tensor) or (arrays and plain_array(item)):
             if id(item) not in positions:
                 positions[id(item)] = len(leaves)
                 leaves.append(item)
-            return
-        for child in _children(item):
-            collect(child)
-
-    collect(batch)
+            continue
+        pending.extend(reversed(list(_children(item))))
 
     def rebuild(replacements: Sequence[Any]) -> Batch:
         if len(replacements) != len(leaves):
@@ -71,18 +72,16 @@ def opaque_leaves(batch: object) -> set[str]:
     """The type names of the leaves of ``batch`` that pin cannot see into: not a
     tensor, array, container pin walks, or plain value."""
     found: set[str] = set()
-
-    def walk(item: Any) -> None:
+    pending = [batch]  # a stack, not a recursive closure (a reference cycle: see flatten)
+    while pending:
+        item = pending.pop()
         if isinstance(item, (torch.Tensor, np.ndarray, *PLAIN_LEAVES)):
-            return
+            continue
         children = list(_children(item))
         if children or isinstance(item, (Mapping, Sequence)) or dataclasses.is_dataclass(item):
-            for child in children:
-                walk(child)
+            pending.extend(children)
         else:
             found.add(f"{type(item).__module__}.{type(item).__qualname__}")
-
-    walk(batch)
     return found
 
 

@@ -10,10 +10,13 @@ map that stacks every tensor into the slot (the loader's ``collate_fn`` is
 tensors into the slot; the result is a :class:`SlotBatch`. Where no pool fits the
 batch (the loader's first batches, a batch that grew) or every slot stays held,
 the worker measures the batch and asks the owner for room through the board, and
-collates once the owner has published it. When a batch still cannot land in a
-slot (no answer within a second), the worker sends it as torch would, in a
-:class:`Fallback` that names the reason, and the main process copies it into a
-slot: never a stall, never a deadlock. Called in the main process
+collates once the owner has published it. A worker that finds no free slot asks at
+once for more (it does not wait for one: a full pool means the consumer keeps its
+batches); the owner adds a pool, or refuses (past ``max_pinned_bytes``) by publishing
+the board again unchanged, and the worker then sends its batch as torch would, in a
+:class:`Fallback` that names the reason, at once: the batch reaches the consumer
+unpinned. When the owner does not answer within a second, the batch goes the same
+way and the main process copies it into a slot: never a stall, never a deadlock. Called in the main process
 (``num_workers=0``) it collates into a slot there.
 
 The collate function is an ordinary, picklable attribute of the loader: a framework
@@ -42,16 +45,16 @@ if TYPE_CHECKING:
 
 __all__ = ["SlotCollate"]
 
-# How long a worker waits for a free slot before it sends its batch the copying way:
-# short, since a full pool means the consumer holds its batches (waiting longer
-# would only slow the loader down).
-SLOT_WAIT_S = 0.05
 # How often a waiting worker looks at the pools again.
 SLOT_POLL_S = 0.0002
-# How long a worker waits for the pool it asked for (the owner makes it in a thread of
-# its own: ~1 ms, more where CUDA registration faults it in) before it sends its
-# batch the copying way.
+# How long a worker waits for the owner's answer to a request for room (the owner makes
+# a pool in a thread of its own: ~1 ms, more where CUDA registration faults it in; a
+# refusal is answered at once) before it sends its batch the copying way.
 POOL_WAIT_S = 1.0
+# A worker whose request for more slots was refused (past max_pinned_bytes) sends the
+# batches that find no free slot the copying way at once, without asking again, for
+# this long or until the owner's pools change.
+REFUSAL_KEPT_S = 1.0
 # A batch not made yet: the collate function is torch's default, which collates into the slot.
 _UNMADE: Any = object()
 
@@ -78,10 +81,14 @@ class SlotCollate:
         self._batch = (0, -1, 0)
         """In a worker: its pid, its worker id, the number of the batch it collates now
         (1 for its first): what its messages say, for an error met on their arrival."""
+        self._refused = (0, -1, 0.0)
+        """In a worker: its pid, the board's version when the owner refused more slots,
+        and until when that refusal stands (see REFUSAL_KEPT_S)."""
         pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "pools": None, "_packer": None, "_reader": None, "_batch": (0, -1, 0)}
+        return {**vars(self), "pools": None, "_packer": None, "_reader": None, "_batch": (0, -1, 0),
+                "_refused": (0, -1, 0.0)}  # fmt: skip
 
     def __call__(self, samples: Any) -> Any:
         info = get_worker_info()
@@ -118,16 +125,16 @@ class SlotCollate:
     def _land(self, reader: BoardReader, needed: int, samples: Any, made: Any,
               reason: FallbackReason | None) -> SlotBatch | Fallback | None:  # fmt: skip
         """The batch collated (or packed, when ``made``) into a free slot of a listed pool
-        whose slots hold ``needed`` bytes; when every slot stays held, more slots are
-        asked for. A Fallback (``reason``, else no free slot) when none came, None when
-        the batch does not fit the slot."""
-        lease = _lease(reader, needed, SLOT_WAIT_S)
-        if lease is None and reader.ask(needed, more=True):  # the consumer keeps more batches than there are slots
-            lease = _lease(reader, needed, POOL_WAIT_S)
-            if lease is None:
-                reader.unanswered()
+        whose slots hold ``needed`` bytes; when every slot is held, more slots are asked
+        for at once. A Fallback (``reason``, else why no slot came) when none came,
+        None when the batch does not fit the slot."""
+        lease = _lease(reader, needed, 0.0)
+        refused = False
+        if lease is None:  # the consumer keeps more batches than there are slots
+            lease, refused = self._more_slots(reader, needed)
         if lease is None:
-            return self._copying(samples, made, reason or FallbackReason.NO_FREE_SLOT)
+            why = FallbackReason.NO_ROOM if refused else FallbackReason.NO_FREE_SLOT
+            return self._copying(samples, made, reason or why)
         view, index, generation = lease
         try:
             memory, kept = view.slot(index), view.made[index]
@@ -144,6 +151,42 @@ class SlotCollate:
         unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
                          unpinned, self._batch[1], self._batch[2])  # fmt: skip
+
+    def _more_slots(self, reader: BoardReader, needed: int) -> tuple[tuple[PoolView, int, int] | None, bool]:
+        """Ask the owner for more slots and take one as soon as it publishes them:
+        ``(lease, False)``. ``(None, True)`` when the owner refused (it published the
+        board again with the same pools), now or lately, with the board unchanged since;
+        ``(None, False)`` when no answer came within POOL_WAIT_S."""
+        pid, version, until = self._refused
+        if pid == _pid.pid and version == reader.version and time.monotonic() < until:
+            return None, True
+        version, before = reader.version, [view.handle for view in reader.views]
+        if not reader.ask(needed, more=True):
+            return None, False
+        deadline = time.monotonic() + POOL_WAIT_S
+        try:
+            while True:
+                views = reader.pools()
+                for view in views:
+                    if view.handle.slot_bytes >= needed:
+                        lease = view.lease(0.0)
+                        if lease is not None:
+                            return (view, lease[0], lease[1]), False
+                if reader.version != version:
+                    now = [view.handle for view in views]
+                    if now == before:  # the owner's answer: no more room
+                        self._refused = (_pid.pid, reader.version, time.monotonic() + REFUSAL_KEPT_S)
+                        return None, True
+                    # New pools, whose free slots other workers took first: ask again.
+                    version, before = reader.version, now
+                    if not reader.ask(needed, more=True):
+                        return None, False
+                if time.monotonic() >= deadline:
+                    reader.unanswered()
+                    return None, False
+                time.sleep(SLOT_POLL_S)
+        except OSError:  # a pool listed cannot be mapped here: the next batch's look says why
+            return None, False
 
     def _board_reader(self) -> BoardReader:
         """The board, as this process maps it (one mapping per board and process)."""

@@ -49,7 +49,7 @@ from numafast.pool import LockMode, memlock_room, parse_mode
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
-from numafast.torch.pools import LoaderStats, NodePools, node_pools
+from numafast.torch.pools import LoaderStats, NodePools, check_max_pinned_bytes, node_pools
 from numafast.torch.workers import watch_starts
 
 # What the loader's dataset yields: NumaLoader[T] reads like DataLoader[T].
@@ -177,6 +177,13 @@ class NumaLoader(DataLoader[T_co]):
     than stalling. ``strict`` binds the workers' memory to the node instead of
     preferring it; ``lock`` is the pools' :class:`~numafast.LockMode`. The pools of
     a loader that is gone are taken over by the next one on the same node.
+
+    ``max_pinned_bytes`` bounds the bytes of this process's loader pools together
+    (default: a quarter of the node's memory). Within it, pools grow at once when the
+    consumer keeps batches; past it, batches that find no free slot reach the
+    consumer unpinned, as the DataLoader made them, counted in ``stats().unpinned``
+    and warned about once. Pools grown for kept batches are released once the
+    consumer lets those batches go.
     """
 
     def __init__(
@@ -205,6 +212,7 @@ class NumaLoader(DataLoader[T_co]):
         prefetch: int = 2,
         strict: bool = False,
         lock: str | bool = "auto",
+        max_pinned_bytes: int | None = None,
     ) -> None:
         options = {
             "batch_size": batch_size, "shuffle": shuffle, "sampler": sampler, "batch_sampler": batch_sampler,
@@ -236,6 +244,7 @@ class NumaLoader(DataLoader[T_co]):
             raise InvalidSizeError(f"prefetch must be a positive integer, not {prefetch!r}")
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise InvalidSizeError(f"slots must be a positive integer or None, not {slots!r}")
+        cap = check_max_pinned_bytes(max_pinned_bytes)
         resolved = resolve_device(device)
         node_guessed = False
         if node is None:
@@ -251,11 +260,13 @@ class NumaLoader(DataLoader[T_co]):
         self.prefetch: int = prefetch
         self.strict: bool = strict
         self.lock: str | bool = lock
-        self.pools: NodePools = (
-            _pools_of(settings["collate_fn"], checked, lock)
-            or _pools_of_loader_over(settings["dataset"], checked, lock, wanted)
-            or node_pools(checked, wanted, lock=lock)
+        self.max_pinned_bytes: int | None = cap
+        shared = _pools_of(settings["collate_fn"], checked, lock) or _pools_of_loader_over(
+            settings["dataset"], checked, lock, wanted
         )
+        self.pools: NodePools = shared or node_pools(checked, wanted, lock=lock, max_pinned_bytes=cap)
+        self._in_flight = in_flight + (prefetch if resolved is not None else 0)
+        self._fit_pools(shared=shared is not None)
         self._wanted_slots = wanted
         self._node_guessed = node_guessed
         self._first_iteration_done = False
@@ -306,6 +317,14 @@ class NumaLoader(DataLoader[T_co]):
             self.pools.use_device(index)
         self._first_iteration_done = True
 
+    def _fit_pools(self, *, shared: bool = False) -> None:
+        """This loader's settings on its pools: the batches its DataLoader may hold unread
+        (for pools ``shared`` with the loader it was made from, the most of either), and
+        its max_pinned_bytes if given."""
+        self.pools.in_flight = max(self.pools.in_flight, self._in_flight) if shared else self._in_flight
+        if self.max_pinned_bytes is not None:
+            self.pools.max_pinned_bytes = self.max_pinned_bytes
+
     def _land_on(self, node: int) -> None:
         """Land on ``node`` instead of the node guessed at construction (before any worker
         started): its pools, and numafast's collate function over them."""
@@ -313,13 +332,15 @@ class NumaLoader(DataLoader[T_co]):
         if node == self.node:
             return
         self.node = check_node(node)
-        self.pools = node_pools(self.node, self._wanted_slots, lock=self.lock)
+        self.pools = node_pools(self.node, self._wanted_slots, lock=self.lock, max_pinned_bytes=self.max_pinned_bytes)
+        self._fit_pools()
         self.collate_fn = _own_collate(self.collate_fn)  # wrapped again, over the new pools
         if self._through is not None:
             settings_loader(self._through).collate_fn = self.collate_fn
 
     def __iter__(self) -> Any:
         self._before_first_iteration()
+        self.pools.shrink()  # pools grown for the batches a consumer kept, free again since
         if self._through is not None:
             batches: Iterator[Any] = _through_batches(self, iter(self._through))
         elif self.persistent_workers and self._iterator is not None:

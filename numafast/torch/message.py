@@ -48,6 +48,10 @@ class FallbackReason(str, Enum):
     the pool to the batch."""
     CANNOT_MAP = "worker cannot map the pool"
     """The worker could not open the pool's file (another user's process, a sandbox)."""
+    NO_ROOM = "no room for more pinned slots"
+    """Every slot was held and the owner refused more: past ``max_pinned_bytes``, or the
+    board lists as many pools as it can. The batch reaches the consumer as the
+    DataLoader made it, unpinned (counted in ``unpinned``, not copied)."""
     BYPASSED = "collate bypassed"
     """The batch came from a loader whose workers do not run numafast's collate (its
     settings live where numafast cannot reach them)."""

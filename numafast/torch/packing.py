@@ -96,6 +96,19 @@ class SlotPacker:
         self.unpinned.clear()
         return self
 
+    def close(self) -> None:
+        """Let go of the slot and of every tensor made over it (a packer used for one
+        batch, in the process that owns the pool). Its collate map's functions refer
+        back to the packer: a reference cycle that, left as it is, would keep the
+        batch's slot until the garbage collector runs."""
+        self.memory = b""
+        self.capacity = 0
+        self._made = None
+        self.placed.clear()
+        self.copies.clear()
+        self._collate_map = None
+        self._payloads.clear()
+
     def _reserve(self, nbytes: int) -> int:
         start = -(-self.end // ALIGNMENT) * ALIGNMENT
         if start + nbytes > self.capacity:

@@ -10,9 +10,20 @@ batch before collating, and the pool is made with slots that size (with headroom
 for the batches that vary); a batch that outgrows them gets a pool with bigger
 slots (the old pools close and are released as their slots come back); and when
 every slot is held by batches the consumer still keeps, another pool of the same
-size is added rather than waiting for a slot that would never come back. A slot
-that is only in flight (a GPU copy still reading it) is waited for instead: it is
-free soon. The main process makes the same choices for a batch it copies in.
+size is added at once, as large as all the pools before it together (so that a
+consumer keeping every batch of an epoch needs few pools), rather than waiting for
+a slot that would never come back. A slot that is only in flight (a GPU copy still
+reading it) is waited for instead: it is free soon. The main process makes the same
+choices for a batch it copies in.
+
+Pinned memory is bounded: the pools of every loader of this process together never
+map more than ``max_pinned_bytes`` (default: a quarter of the node's memory). A
+request past it is refused at once, and so is one past the board's
+:data:`~numafast.pool_share.BOARD_ENTRIES` pools; the worker then sends its batch as
+torch would, and it reaches the consumer unpinned, counted (``unpinned``) and warned
+about once, naming the limit. Pools grown for a burst of kept batches are released
+once all their slots are free again (checked as batches arrive, at ``stats()`` and
+at each ``iter()``).
 
 Every change is published on a :class:`~numafast.pool_share.PoolBoard` that the
 workers read before each batch, so running workers start filling new pools at once.
@@ -39,21 +50,28 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from numafast.errors import PoolClosedError, PoolExhaustedError
+from numafast import _libnuma
+from numafast._buffers import PAGE_SIZE
+from numafast.errors import InvalidSizeError, PoolClosedError, PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
-from numafast.pool_share import PoolBoard
+from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch.batch import fill, flatten, layout, opaque_leaves
 from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch, receivers
 from numafast.torch.packing import SlotFull, SlotMeasure, SlotPacker, placeable, tensor_kind, unpack
 
-__all__ = ["LoaderStats", "NodePools", "close_idle_pools", "node_pools"]
+__all__ = ["LoaderStats", "NodePools", "close_idle_pools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
 
 Batch = TypeVar("Batch")
 
 # Slots are this much larger than the batch that sized them, rounded up to SLOT_GRAIN.
 HEADROOM = 1.25
 SLOT_GRAIN = 1 << 16
+# The default max_pinned_bytes: this share of the node's memory.
+PINNED_SHARE_OF_NODE = 4
+# A grown pool found wholly free is released when the batches received reach a
+# multiple of this (and at stats() and iter()): a look at each pool's counters.
+SHRINK_EVERY = 8
 
 _owner_ids = itertools.count(1)
 # NodePools no loader uses any more, by (node, lock, register): the next loader's.
@@ -61,8 +79,9 @@ _idle: dict[tuple[int, LockMode, RegisterMode], NodePools] = {}
 _idle_mutex = threading.Lock()
 
 _FIXES = {
-    FallbackReason.NO_FREE_SLOT: "every slot was held (batches the consumer keeps, batches queued in the "
-    "DataLoader, copies to the GPU); pass a larger slots= (now {slots} per pool)",
+    FallbackReason.NO_FREE_SLOT: "every slot was held and the loader's pool thread did not answer a worker's "
+    "request for more within a second (the main process held the interpreter lock that long, or making the pool "
+    "failed: the copy here meets that error)",
     FallbackReason.TOO_LARGE: "the batch was larger than a slot ({slot_bytes} bytes); the pool was resized to "
     "fit it. If batch sizes vary, the first batches should be the largest",
     FallbackReason.CANNOT_MAP: "{detail}. Its batches are copied by the main process instead; use the fork "
@@ -83,7 +102,7 @@ class Collating(Protocol):
 
 @dataclass(frozen=True)
 class LoaderStats:
-    """How a loader's batches reached the consumer. ``landed + copied == batches``."""
+    """How a loader's batches reached the consumer. ``landed + copied + unpinned == batches``."""
 
     node: int
     batches: int
@@ -96,10 +115,25 @@ class LoaderStats:
     """Copied batches by :class:`~numafast.torch.collate.FallbackReason` (its value)."""
     pools: list[PoolStats] = field(default_factory=list)
     """The counters of the pools in use now (retiring ones not included)."""
+    unpinned: int = 0
+    """Batches handed to the consumer as the DataLoader made them, not pinned: no room
+    for more pinned slots (``max_pinned_bytes``, or the board's limit on pools).
+    ``landed + copied + unpinned == batches``."""
+    held: int = 0
+    """Slots whose batches the consumer holds now: the one it works on and every earlier
+    one it keeps (``targets.append(y)`` keeps ``y``'s whole slot), counted as the slots
+    in use beyond those of the batches the DataLoader itself may hold unread
+    (``prefetch_factor`` x ``num_workers``): never more than the consumer holds."""
+    pinned_bytes: int = 0
+    """Bytes mapped by the pools of every loader of this process (see :func:`pinned_bytes`)."""
+    max_pinned_bytes: int = 0
+    """The bound on ``pinned_bytes`` that these pools grow within."""
 
 
 class NodePools:
-    """Pinned pools on ``node`` with ``slots`` slots each, created as batches need them."""
+    """Pinned pools on ``node``, the first with ``slots`` slots, created as batches need
+    them, all the process's loader pools together within ``max_pinned_bytes`` (None:
+    :func:`default_max_pinned_bytes`)."""
 
     def __init__(
         self,
@@ -108,9 +142,21 @@ class NodePools:
         *,
         lock: LockMode | str | bool = "auto",
         register: RegisterMode | str | bool = "auto",
+        max_pinned_bytes: int | None = None,
     ) -> None:
         self.node = node
         self.slots = slots
+        self.max_pinned_bytes = check_max_pinned_bytes(max_pinned_bytes) or default_max_pinned_bytes(node)
+        self.in_flight = max(slots - 2, 0)
+        """Batches the DataLoader may hold unread (received, not yet yielded): what
+        ``held`` leaves out. The loader sets it (``prefetch_factor`` x ``num_workers``)."""
+        self.unpinned = 0
+        self.refused = ""
+        """Why the last request for more room was refused (empty: none was)."""
+        self._kept_grew = False
+        """Pools were added because every slot was held: the consumer keeps batches."""
+        self._new_slots = slots
+        """The slots of the pool being made (under ``_making``)."""
         # Checked now, not at the first batch that makes a pool.
         self.lock: LockMode = parse_mode(lock, LockMode, "lock")
         self.register: RegisterMode = parse_mode(register, RegisterMode, "register")
@@ -146,6 +192,7 @@ class NodePools:
         """One pool is made at a time (by the serving thread or a copy in this one)."""
         self._pid = os.getpid()
         receivers[self.owner_id] = self
+        _all_pools.add(self)
 
     def attach(self, user: object) -> None:
         """``user`` (a loader's collate function) lands its batches here: these pools stay
@@ -182,7 +229,9 @@ class NodePools:
     def reset_counters(self) -> None:
         """Start the batch counters afresh (a new loader taking idle pools)."""
         with self._mutex:
-            self.landed = self.copied = self.bytes_copied = 0
+            self.landed = self.copied = self.bytes_copied = self.unpinned = 0
+            self.refused = ""
+            self._kept_grew = False
             self.fallbacks.clear()
             self.warned.clear()
             self.before_receive = None
@@ -206,9 +255,19 @@ class NodePools:
         if message.unpinned:
             for kind in message.unpinned:
                 self._warn_unpinned(kind)
-        if self.retired:
-            self._settle_retired()
+        self._after_batch()
         return unpack(message.payload, slot)
+
+    def _after_batch(self) -> None:
+        """In the thread that receives: the warning about kept batches (decided by the
+        serving thread, said here, where the user's warning filters apply), the
+        retired pools settled, and now and then grown pools that are free released."""
+        if self._kept_grew and "kept" not in self.warned:
+            self._warn_kept()
+        if len(self.pools) > 1 and not (self.landed + self.copied + self.unpinned) % SHRINK_EVERY:
+            self.shrink()
+        elif self.retired:
+            self._settle_retired()
 
     def copy_in(self, fallback: Fallback) -> Any:
         """A batch that came the copying way, copied into a slot here."""
@@ -217,8 +276,21 @@ class NodePools:
         # A shortage that has passed was an iterator that is gone (iter() called again with
         # batches unread: its workers' leases, its queued batches), not the consumer
         # holding batches: counted, but no warning.
+        if fallback.reason is FallbackReason.NO_ROOM:  # refused by make_room: no slot to copy into either
+            return self._unpinned(fallback.batch)
         warn = fallback.reason is not FallbackReason.NO_FREE_SLOT or not self._shortage_passed()
         return self._copy(fallback.batch, fallback.reason, fallback.detail, warn=warn)
+
+    def _unpinned(self, batch: Batch) -> Batch:
+        """``batch`` handed over as it is: no room for more pinned slots (counted, and
+        warned about once, naming the limit)."""
+        with self._mutex:
+            self.unpinned += 1
+            why = self.refused or "no room for more pinned slots"
+        self._warn_once(FallbackReason.NO_ROOM.value, f"a batch reached the consumer unpinned, as the DataLoader made "
+                        f"it: {why}")  # fmt: skip
+        self._after_batch()
+        return batch
 
     def _shortage_passed(self) -> bool:
         """Whether a slot is free now, once the leases of workers that are gone are ended."""
@@ -230,8 +302,8 @@ class NodePools:
         return any(pool.contains(address) for pool in [*self.pools, *self.retired])
 
     def received(self) -> int:
-        """Batches received so far: landed and copied."""
-        return self.landed + self.copied
+        """Batches received so far: landed, copied and unpinned."""
+        return self.landed + self.copied + self.unpinned
 
     def copy_bypassed(self, batch: Any, why: str) -> Any:
         """A batch that came past numafast's collate, copied into a slot here (warned
@@ -246,38 +318,65 @@ class NodePools:
         needed = SlotMeasure().collated(samples) if first and collate.direct else 0
         if not collate.direct or (first and not needed):  # another collate function, or no bytes to lay out
             return self._copy(collate.collate_fn(samples), first)
-        slot, _pool = self._acquire(needed or self.pools[0].slot_bytes)
+        acquired = self._acquire(needed or self.pools[0].slot_bytes)
+        if acquired is None:  # no room for another pool
+            return self._unpinned(collate.collate_fn(samples))
+        packer = SlotPacker(memoryview(acquired[0]))
+        del acquired  # the batch's tensors hold the slot now: it comes back when the last of them goes
         try:
-            batch = collate.fill(SlotPacker(memoryview(slot)), samples)
+            batch = collate.fill(packer, samples)
         except SlotFull:
-            del slot
             return self._copy(collate.collate_fn(samples), FallbackReason.TOO_LARGE)
+        finally:
+            packer.close()
         self.landed += 1
+        self._after_batch()
         return batch
 
-    def make_room(self, nbytes: int, more: bool) -> None:
+    def make_room(self, nbytes: int, more: bool) -> bool:
         """Pools whose slots hold ``nbytes``, and ``more`` slots when every one is held by
         batches: the workers' requests (a batch fits no pool listed, or none is yet; no
-        slot came free), answered from the serving thread.
+        slot came free), answered from the serving thread. True when there is room
+        (made now, or a slot is free or free soon); False when it is refused: past
+        ``max_pinned_bytes``, or the board lists as many pools as it can. A refusal is
+        answered at once: the board is published again, unchanged, and the worker that
+        sees that sends its batch the copying way without waiting.
 
-        The new pool is made outside the mutex that every batch's receive takes (a
-        registered pool is faulted in whole and pinned: seconds per GiB), then
-        swapped in; the decision is made again once the pool making is this
-        thread's, since another thread may have made room meanwhile."""
+        A pool added for more slots has as many as all the pools before it (at least
+        ``slots``), as far as ``max_pinned_bytes`` allows. The new pool is made outside
+        the mutex that every batch's receive takes (a registered pool is faulted in
+        whole and pinned: seconds per GiB), then swapped in; the decision is made
+        again once the pool making is this thread's, since another thread may have
+        made room meanwhile."""
         with self._making:
             with self._mutex:
                 if self.closed:
-                    return
+                    return False
                 resize = not self.pools or nbytes > self.pools[0].slot_bytes
-                grow = not resize and more and not self._slot_free_soon()
-                if not (resize or grow):
-                    return
+                if not resize and (not more or self._slot_free_soon()):
+                    return True
                 slot_bytes = _slot_bytes_for(nbytes) if resize else self.pools[0].slot_bytes
+                wanted = self.slots if resize else max(self.slots, sum(pool.slots for pool in self.pools))
+                room = self.max_pinned_bytes - pinned_bytes()
+                count = min(wanted, _slots_within(slot_bytes, room))
+                if not resize and len(self.pools) >= BOARD_ENTRIES:
+                    return self._refuse(
+                        f"these pools are {len(self.pools)}, as many as a loader's pool board lists (BOARD_ENTRIES), "
+                        f"holding {sum(pool.slots for pool in self.pools)} slots, every one held"
+                    )
+                if count < 1:
+                    return self._refuse(
+                        f"max_pinned_bytes is {self.max_pinned_bytes} bytes and this process's loader pools map "
+                        f"{self.max_pinned_bytes - room} already; another pool of {slot_bytes}-byte slots would go past it"
+                    )
+                if not resize:
+                    self._kept_grew = True
+            self._new_slots = count
             pool = self._new_pool(slot_bytes)
             with self._mutex:
                 if self.closed:
                     pool.close()
-                    return
+                    return False
                 self._by_inode[pool.share().inode] = pool
                 if resize:
                     self._swap_in(pool)
@@ -285,6 +384,65 @@ class NodePools:
                     self.grown += 1
                     self.pools.append(pool)
                     self._publish()
+        return True
+
+    def _refuse(self, why: str) -> bool:
+        """Refuse a request for room: say why (warned once, as batches arrive unpinned)
+        and publish the board again, unchanged: the worker waiting for an answer goes on
+        the copying way at once. Called under the mutex."""
+        self.refused = (
+            f"{why}. Pinned memory stays within max_pinned_bytes (NumaLoader(..., max_pinned_bytes=...), default a "
+            f"quarter of the node's memory); if the consumer keeps batches, .clone() what it keeps "
+            f"(targets.append(y.clone())) so that their slots come back"
+        )
+        self._publish()
+        return False
+
+    def held(self) -> int:
+        """Slots the consumer holds now (see :attr:`LoaderStats.held`)."""
+        in_use = sum(pool.stats().in_use for pool in list(self.pools))
+        return max(in_use - self.in_flight, 0)
+
+    def _warn_kept(self) -> None:
+        held = self.held()
+        if held < 2:  # only the batch being worked on: a framework reading ahead, not kept batches
+            self._kept_grew = False  # looked at again after the next pool added
+            return
+        slot_bytes = self.pools[0].slot_bytes if self.pools else 0
+        self._warn_once("kept", (
+            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, list(loader), "
+            f"a cache): a tensor over a slot keeps the whole page-locked slot ({slot_bytes} bytes), so pools were "
+            f"added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which batches arrive "
+            f"unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, and so "
+            f"does the memory of the pools added for them"
+        ))  # fmt: skip
+
+    def shrink(self) -> int:
+        """Release the pools added for more slots that are wholly free again, as long as
+        the pools that stay keep ``slots`` free slots (the consumer dropped the batches
+        it kept; a pool just added while the others are full stays): taken off the
+        board first, then closed and released. The first pool stays. Returns how many
+        were released."""
+        gone: list[PinnedPool] = []
+        with self._mutex:
+            if not self.closed and len(self.pools) > 1:
+                self.reclaim_orphans()
+                free = {id(pool): pool.stats().free for pool in self.pools}
+                spare = sum(free.values())
+                for pool in reversed(self.pools[1:]):  # the newest, largest first
+                    if free[id(pool)] == pool.slots and spare - pool.slots >= self.slots:
+                        gone.append(pool)
+                        spare -= pool.slots
+            if gone:
+                self.pools = [pool for pool in self.pools if pool not in gone]
+                self._publish()  # first: no worker leases a slot of a pool the board no longer lists (see settle)
+                for pool in gone:
+                    pool.close()
+                self.retired.extend(gone)
+                self.refused = ""
+        if self.retired:
+            self._settle_retired()
+        return len(gone)
 
     def _slot_free_soon(self) -> bool:
         """A slot is free, or only in flight (a GPU copy still reads it: free soon), once
@@ -295,6 +453,10 @@ class NodePools:
     def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
+        try:
+            pinned = self.pin(batch)
+        except _NoRoom:
+            return self._unpinned(batch)
         if reason is not None:
             self.fallbacks[reason.value] += 1
             if warn and reason is not FallbackReason.FIRST_BATCHES:
@@ -302,7 +464,8 @@ class NodePools:
                 fix = _FIXES[reason].format(slots=self.slots, slot_bytes=slot_bytes, detail=detail)
                 self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
         self.copied += 1
-        return self.pin(batch)
+        self._after_batch()
+        return pinned
 
     def _warn_unpinned(self, kind: str) -> None:
         self._warn_once(kind, f"batch leaves of kind {kind} are not pinned (numafast places dense CPU tensors and NumPy "
@@ -316,7 +479,8 @@ class NodePools:
     # ------------------------------------------------------------ copying
 
     def pin(self, batch: Batch) -> Batch:
-        """``batch`` copied into a slot on this node (see :func:`numafast.torch.pin`)."""
+        """``batch`` copied into a slot on this node (see :func:`numafast.torch.pin`);
+        PoolExhaustedError, saying why, when no slot is free and no room may be made."""
         for kind in opaque_leaves(batch):
             self._warn_once(kind, f"batch leaves of type {kind} are not pinned: numafast places tensors and "
                             "NumPy arrays inside dicts, lists, tuples, namedtuples and dataclasses")
@@ -332,17 +496,22 @@ class NodePools:
         if not plan.nbytes:
             copies = fill(None, tensors, plan, ())
         else:
-            slot, pool = self._acquire(plan.nbytes)
+            acquired = self._acquire(plan.nbytes)
+            if acquired is None:
+                raise _NoRoom(f"no slot for a {plan.nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
+            slot, pool = acquired
+            del acquired
             self.bytes_copied += plan.nbytes
             copies = fill(slot, tensors, plan, pool.cpus)
+            del slot
         placed = iter(copies)
         return rebuild([leaf if id(leaf) in kept else next(placed) for leaf in leaves])
 
-    def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
+    def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool] | None:
         """A slot of ``nbytes`` for a copy in this process: a free one, else one in flight
         to the GPU (free soon), else a new pool's (a leased slot becomes a batch that
-        the consumer may keep)."""
-        while True:
+        the consumer may keep); None when no room may be made (see :meth:`make_room`)."""
+        for _attempt in range(_ACQUIRE_ATTEMPTS):
             with self._mutex:
                 if self.closed:
                     raise PoolClosedError(f"the node-{self.node} pools of this loader are closed")
@@ -356,7 +525,9 @@ class NodePools:
                 busy = [pool for pool in self.pools if pool.stats().in_flight] if fits else []
             if busy:
                 return busy[0].acquire(nbytes, None), busy[0]
-            self.make_room(nbytes, more=True)
+            if not self.make_room(nbytes, more=True):
+                return None
+        return None  # each new slot was taken by a worker before this thread: the batch goes unpinned
 
     def _swap_in(self, pool: PinnedPool) -> None:
         """``pool`` (with larger slots) in place of the pools in use, which close and are
@@ -370,13 +541,15 @@ class NodePools:
         self.retired.extend(old)
 
     def _new_pool(self, slot_bytes: int) -> PinnedPool:
+        """A pool of ``_new_slots`` slots of ``slot_bytes`` (the count decided by make_room,
+        which makes one pool at a time)."""
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
         # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
         device = self.device if self.device is not None else settled_gpu(None)
         return PinnedPool(
-            self.node, slot_bytes, self.slots, lock=self.lock, register=self.register, timeout=None,
+            self.node, slot_bytes, self._new_slots, lock=self.lock, register=self.register, timeout=None,
             prefault=False, device=device,
         )
 
@@ -398,15 +571,20 @@ class NodePools:
 
     def stats(self) -> LoaderStats:
         self.reclaim_orphans()
-        self._settle_retired()
+        self.shrink()
+        pools = [pool.stats() for pool in list(self.pools)]
         return LoaderStats(
             node=self.node,
-            batches=self.landed + self.copied,
+            batches=self.landed + self.copied + self.unpinned,
             landed=self.landed,
             copied=self.copied,
             bytes_copied=self.bytes_copied,
             fallbacks=dict(self.fallbacks),
-            pools=[pool.stats() for pool in self.pools],
+            pools=pools,
+            unpinned=self.unpinned,
+            held=max(sum(pool.in_use for pool in pools) - self.in_flight, 0),
+            pinned_bytes=pinned_bytes(),
+            max_pinned_bytes=self.max_pinned_bytes,
         )
 
     def close(self) -> None:
@@ -416,6 +594,63 @@ class NodePools:
             for pool in [*self.pools, *self.retired]:
                 pool.close()
         self.board.close()
+
+
+class _NoRoom(PoolExhaustedError):
+    """No slot for a copy, and no room for another pool (past ``max_pinned_bytes``, or
+    the board's limit on pools): a loader's batch then goes unpinned."""
+
+
+# How often a copy in this process tries for a slot when the new ones it made room for
+# are taken by workers first.
+_ACQUIRE_ATTEMPTS = 4
+
+# Every NodePools of this process: what max_pinned_bytes bounds together.
+_all_pools: weakref.WeakSet[NodePools] = weakref.WeakSet()
+
+
+def pinned_bytes() -> int:
+    """Bytes mapped now by the pools of every loader (and pin_memory hook) of this
+    process, page-locked or not: those in use, those retiring until their last slot is
+    back, and idle ones kept for the next loader."""
+    total = 0
+    for pools in list(_all_pools):
+        if pools._pid == os.getpid():
+            total += sum(pool.stats().bytes_mapped for pool in [*pools.pools, *pools.retired])
+    return total
+
+
+def default_max_pinned_bytes(node: int) -> int:
+    """The default bound on the loader pools' bytes: a quarter of ``node``'s memory.
+    (RLIMIT_MEMLOCK bounds the locked part already, where it is finite and the process
+    lacks CAP_IPC_LOCK: past it the kernel refuses to lock, and ``lock='auto'`` goes on
+    unlocked, with a MemlockWarning.)"""
+    return max(_libnuma.node_size64(node)[0] // PINNED_SHARE_OF_NODE, SLOT_GRAIN)
+
+
+def check_max_pinned_bytes(value: object) -> int | None:
+    """``max_pinned_bytes`` checked: a positive int, or None for the default."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidSizeError(f"max_pinned_bytes must be a positive number of bytes or None, not {value!r}")
+    return value
+
+
+def _pool_bytes(slot_bytes: int, slots: int) -> int:
+    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then the
+    slots, each in whole pages."""
+    stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
+    return int(_libnuma.slot_table_bytes(slots)) + stride * slots
+
+
+def _slots_within(slot_bytes: int, room: int) -> int:
+    """How many slots of ``slot_bytes`` a pool mapping at most ``room`` bytes holds."""
+    stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
+    count = max(room, 0) // stride
+    while count and _pool_bytes(slot_bytes, count) > room:
+        count -= 1
+    return count
 
 
 def _slot_bytes_for(nbytes: int) -> int:
@@ -441,11 +676,13 @@ def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
 
 
 def node_pools(
-    node: int, slots: int, *, lock: LockMode | str | bool = "auto", register: RegisterMode | str | bool = "auto"
+    node: int, slots: int, *, lock: LockMode | str | bool = "auto", register: RegisterMode | str | bool = "auto",
+    max_pinned_bytes: int | None = None,
 ) -> NodePools:
     """Pools for a new loader on ``node``: the idle ones a gone loader left there (warm:
     placed, locked, registered, and sized by its batches) when they have at least
     ``slots`` slots each, else new ones."""
+    cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
     with _idle_mutex:
         idle = _idle.pop(key, None)
@@ -453,8 +690,10 @@ def node_pools(
         idle.close()
         idle = None
     if idle is None:
-        return NodePools(node, slots, lock=key[1], register=key[2])
+        return NodePools(node, slots, lock=key[1], register=key[2], max_pinned_bytes=cap)
     idle.reset_counters()
+    idle.max_pinned_bytes = cap or default_max_pinned_bytes(node)
+    idle.in_flight = max(slots - 2, 0)
     return idle
 
 
