@@ -30,11 +30,17 @@ from numafast import _libnuma
 __all__ = ["BoardHandle", "PoolBoard", "PoolHandle", "PoolView", "open_shared_file"]
 
 # A board lists at most this many pools (a loader's pools of one slot size, and the
-# ones it is retiring); each entry is a PoolHandle's six fields.
+# ones it is retiring); each entry is a PoolHandle's six fields. The file is a seqlock
+# (src/pool.pxi): its version (odd while the owner writes), then the payload: the
+# number of entries, then the entries.
 BOARD_ENTRIES = 16
 _ENTRY = struct.Struct("6q")
-_HEADER = struct.Struct("2q")  # version (odd while the owner writes), entries
-BOARD_BYTES = _HEADER.size + BOARD_ENTRIES * _ENTRY.size
+_COUNT = struct.Struct("q")
+_PAYLOAD_BYTES = _COUNT.size + BOARD_ENTRIES * _ENTRY.size
+BOARD_BYTES = 8 + _PAYLOAD_BYTES
+# How long a reader waits for a board that the owner is writing at each look: only an
+# owner stopped in the middle of a write (SIGSTOP, a debugger) takes more than microseconds.
+_BOARD_WAIT_S = 5.0
 # After a request went unanswered, a worker asks again only after this many seconds.
 ASK_AGAIN_S = 30.0
 # A worker's request for room: the bytes of slot its batch needs, and 1 where it asks for
@@ -92,8 +98,11 @@ class PoolBoard:
     """The pools a loader's workers may fill now, in a small shared file the owner
     rewrites whenever its pools change (a first pool, a bigger one, one more) and
     every worker reads before each batch: pools reach workers that were started
-    before them, without restarting them. A version number, odd while the owner
-    writes, lets a reader retry a torn read.
+    before them, without restarting them. The board is a seqlock (see src/pool.pxi):
+    its version, odd while the owner writes, is stored and loaded with release and
+    acquire order around the entries, so that a reader on any CPU, Arm's included,
+    takes a whole list of one version or reads again, never the new version with
+    entries from before it.
 
     A worker whose batch fits no pool listed (there is none yet, or the batch grew)
     asks for room through the board's pipe, :meth:`BoardReader.ask`; the owner
@@ -120,14 +129,14 @@ class PoolBoard:
         )
 
     def publish(self, pools: Sequence[PoolHandle]) -> None:
-        """Make ``pools`` (the first BOARD_ENTRIES of them) what workers see."""
+        """Make ``pools`` (the first BOARD_ENTRIES of them) what workers see. Only the
+        process that made the board publishes (a forked child's copy maps the same file)."""
+        if os.getpid() != self.owner_pid:
+            raise RuntimeError(f"this pool board belongs to process {self.owner_pid}: a forked child "
+                               "cannot publish on it")  # fmt: skip
         pools = list(pools)[:BOARD_ENTRIES]
-        self.version += 1  # odd: being written
-        _HEADER.pack_into(self.memory, 0, self.version, len(pools))
-        for position, pool in enumerate(pools):
-            _ENTRY.pack_into(self.memory, _HEADER.size + position * _ENTRY.size, *astuple(pool))
-        self.version += 1
-        _HEADER.pack_into(self.memory, 0, self.version, len(pools))
+        payload = _COUNT.pack(len(pools)) + b"".join(_ENTRY.pack(*astuple(pool)) for pool in pools)
+        self.version = _libnuma.seqlock_write(self.memory, payload)
 
     def serve_requests(self, make_room: Callable[[int, bool], object], name: str) -> threading.Thread:
         """A daemon thread, started, that calls ``make_room(nbytes, more)`` for the
@@ -216,23 +225,25 @@ class BoardReader:
         return True
 
     def _read(self) -> tuple[int, list[PoolHandle]]:
+        """The board's version and, when it is not this reader's, the entries it lists
+        (one whole write of the owner's: see :class:`PoolBoard`); OSError when the owner
+        stays in the middle of a write for _BOARD_WAIT_S."""
+        deadline = None
         while True:
-            header = _HEADER.unpack_from(self.memory, 0)
-            version, count = header
-            if version % 2:
+            try:
+                version, payload = _libnuma.seqlock_read(self.memory, _PAYLOAD_BYTES, self.version)
+            except BlockingIOError:
+                now = time.monotonic()
+                deadline = deadline or now + _BOARD_WAIT_S
+                if now >= deadline:
+                    raise OSError(f"the pool board of process {self.handle.owner_pid} was being written at every "
+                                  f"look for {_BOARD_WAIT_S:g} s: is its owner stopped?") from None  # fmt: skip
+                time.sleep(0.0001)
                 continue
-            if version == self.version:
+            if payload is None:
                 return version, []
-            entries = [
-                PoolHandle(*_ENTRY.unpack_from(self.memory, _HEADER.size + position * _ENTRY.size))
-                for position in range(min(count, BOARD_ENTRIES))
-            ]
-            # The whole header again, not only the version: its two words are not read at
-            # once, and a read that took the new version with the count from before the
-            # owner's write (seen in a QEMU guest, ~2 in 100 first reads) would list no pool
-            # under the new version, and the reader would never look again.
-            if _HEADER.unpack_from(self.memory, 0) == header:
-                return version, entries
+            count = min(_COUNT.unpack_from(payload)[0], BOARD_ENTRIES)
+            return version, [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
 
     def pools(self) -> list[PoolView]:
         """The pools listed now; OSError when one of them cannot be mapped here. (One the
@@ -245,8 +256,12 @@ class BoardReader:
             try:
                 views = [known.get(entry) or PoolView(entry) for entry in entries]
             except OSError:
-                if _HEADER.unpack_from(self.memory, 0)[0] != version:
-                    continue
+                try:
+                    published = _libnuma.seqlock_read(self.memory, 0, version)[1] is not None
+                except BlockingIOError:
+                    published = True  # being published
+                if published:
+                    continue  # maybe listed no more: the owner let it go and published since
                 raise
             self.views = views
             for handle, view in known.items():

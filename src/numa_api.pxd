@@ -248,10 +248,20 @@ cdef extern from *:
     }
     static inline uint64_t nf_load64(uint64_t *word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
     static inline void nf_store64(uint64_t *word, uint64_t value) { __atomic_store_n(word, value, __ATOMIC_RELEASE); }
+    /* A seqlock's data words (the pool board): atomic but unordered by themselves; the
+       fences around them order them against the sequence word. */
+    static inline uint64_t nf_load64_relaxed(const uint64_t *word) { return __atomic_load_n(word, __ATOMIC_RELAXED); }
+    static inline void nf_store64_relaxed(uint64_t *word, uint64_t value) { __atomic_store_n(word, value, __ATOMIC_RELAXED); }
+    static inline void nf_fence_acquire(void) { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
+    static inline void nf_fence_release(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
     """
     bint nf_cas64(uint64_t *word, uint64_t expected, uint64_t desired) nogil
     uint64_t nf_load64(uint64_t *word) nogil
     void nf_store64(uint64_t *word, uint64_t value) nogil
+    uint64_t nf_load64_relaxed(const uint64_t *word) nogil
+    void nf_store64_relaxed(uint64_t *word, uint64_t value) nogil
+    void nf_fence_acquire() nogil
+    void nf_fence_release() nogil
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:

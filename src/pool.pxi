@@ -13,6 +13,8 @@
 # repr and for the tests.
 
 cimport cython
+from libc.stdint cimport int64_t
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 
 
@@ -97,6 +99,16 @@ cdef long _CLAIM_POLL_NS = 200000
 # slot, ``generation << 40 | state << 32 | pid``. The generation grows each time a
 # slot becomes free, so a stale message about a slot (from a worker that died, or a
 # batch dropped unread) can never be mistaken for its next use.
+#
+# Memory order, which x86 gives for free and Arm does not: every change of a slot's
+# word is a compare-and-swap with acquire and release order, and every read of it an
+# acquire load. So a process that leases a slot (acquire) sees every write to the
+# slot's memory that the process which freed it made before freeing it (release):
+# the owner's reads of the last batch, a GPU fence's completion. The batch a worker
+# writes reaches the owner through the pipe that carries its message (write(2) and
+# read(2) order memory like a lock), not through the slot's word. The header is
+# written before the magic word is stored with release order; attach() loads the
+# magic with acquire order before it reads the rest.
 cdef uint64_t _TABLE_MAGIC = 0x314c4f4f50464e4e  # "NNFPOOL1"
 cdef Py_ssize_t _TABLE_HEADER_WORDS = 8
 cdef uint64_t _PID_BITS = 0xffffffff
@@ -632,6 +644,100 @@ cdef class SlotPool:
 
     def __reduce__(self):
         raise TypeError(_NOT_PICKLED)
+
+
+# ---------------------------------------------------------------- a seqlock in shared memory
+#
+# The pool board (numafast.pool_share) is a small shared file that one process, its
+# owner, rewrites and that workers read at every batch: word 0 is a sequence number,
+# the words after it the payload. A reader must never take a half-written payload,
+# nor the new sequence with old words: a weakly ordered CPU (Arm) may make plain
+# stores visible to another CPU in any order, and let loads run ahead of each other.
+# So, as in Boehm's "Can seqlocks get along with programming language memory
+# models?" (2012): the writer stores an odd sequence, then a release fence keeps
+# every payload store after it; the payload; then the even sequence, stored with
+# release order (every payload store before it). The reader loads the sequence
+# with acquire order (every payload load after it), copies the payload, and an
+# acquire fence keeps those loads before its second load of the sequence; the copy
+# is whole only when both loads saw the same even number. The payload words are
+# atomic (relaxed) loads and stores, so no load is torn within a word either.
+
+# A reader gives up (BlockingIOError) after this many tries that each found the writer
+# at work: the writer holds its GIL through a write of a few hundred bytes, so only a
+# writer stopped mid-write (SIGSTOP, a debugger) makes a reader wait longer.
+cdef int _SEQLOCK_TRIES = 1000
+
+
+cdef uint64_t *_seqlock_words(Py_buffer *view, Py_ssize_t payload) except NULL:
+    if (<uintptr_t>view.buf) % 8 or view.len < 8 or payload % 8 or payload > view.len - 8:
+        raise ValueError(f"a seqlock is 8-byte aligned words, the sequence then the payload: "
+                         f"{payload} bytes of payload do not fit in {view.len} bytes at {<uintptr_t>view.buf:#x}")
+    return <uint64_t *>view.buf
+
+
+def seqlock_write(buf, payload) -> int:
+    """Write the bytes ``payload`` (whole 64-bit words) after the sequence word at the
+    start of the writable buffer ``buf`` (see the comment above): readers in any
+    process see all of it or none. Returns the new sequence number, even. One
+    writer at a time: the GIL, held throughout, keeps this process's threads apart;
+    no other process may write."""
+    cdef Py_buffer view, data
+    cdef uint64_t *words
+    cdef const uint64_t *source
+    cdef uint64_t sequence
+    cdef Py_ssize_t i
+    _hold(buf, &view, True)
+    try:
+        _hold(payload, &data, False)
+        try:
+            words = _seqlock_words(&view, data.len)
+            source = <const uint64_t *>data.buf
+            sequence = nf_load64_relaxed(&words[0]) | 1  # odd: being written (only this process writes it)
+            nf_store64_relaxed(&words[0], sequence)
+            nf_fence_release()  # no payload store becomes visible before the odd sequence
+            for i in range(data.len // 8):
+                nf_store64_relaxed(&words[1 + i], source[i])
+            nf_store64(&words[0], sequence + 1)  # release: the whole payload before the even sequence
+            return <int64_t>(sequence + 1)
+        finally:
+            PyBuffer_Release(&data)
+    finally:
+        PyBuffer_Release(&view)
+
+
+def seqlock_read(buf, Py_ssize_t payload, int64_t known) -> tuple:
+    """``(sequence, payload)`` of the seqlock at the start of ``buf``: its first ``payload``
+    bytes after the sequence word, as one writer's whole write left them (see the
+    comment above); the payload is None when the sequence still is ``known`` (nothing
+    copied). BlockingIOError when every try found the writer at work."""
+    cdef Py_buffer view
+    cdef uint64_t *words
+    cdef uint64_t *target = NULL
+    cdef uint64_t first, second
+    cdef Py_ssize_t i
+    cdef int tries
+    cdef bytes copy = None
+    _hold(buf, &view, False)
+    try:
+        words = _seqlock_words(&view, payload)
+        for tries in range(_SEQLOCK_TRIES):
+            first = nf_load64(&words[0])  # acquire: the payload loads below stay after it
+            if <int64_t>first == known:
+                return <int64_t>first, None
+            if first & 1:
+                continue  # being written
+            if copy is None:  # made only when there is something new to copy (a bytes object's data is 8-byte aligned)
+                copy = PyBytes_FromStringAndSize(NULL, payload)
+                target = <uint64_t *>PyBytes_AS_STRING(copy)
+            for i in range(payload // 8):
+                target[i] = nf_load64_relaxed(&words[1 + i])
+            nf_fence_acquire()  # the payload loads above stay before the second look
+            second = nf_load64_relaxed(&words[0])
+            if first == second:
+                return <int64_t>first, copy
+        raise BlockingIOError(f"the seqlock was being written at each of {_SEQLOCK_TRIES} reads")
+    finally:
+        PyBuffer_Release(&view)
 
 
 _NOT_PICKLED = (
