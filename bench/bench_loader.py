@@ -31,9 +31,13 @@ after the first epoch within 10% of the ceiling). Then, per kind, rounds of the
 ceiling and of NumaLoader alternated (8x longer, each pair in the other order from
 the one before), each NumaLoader round against the ceiling round of its pair: the
 median and the slowest of those ratios are the fairest reading on a machine whose
-speed drifts. A last group times a new loader's first batch and a short epoch (8
+speed drifts. A group times a new loader's first batch and a short epoch (8
 batches): stock, a first NumaLoader (its pools made then), and a NumaLoader
-re-created on the same node (the pools of the one it replaces taken over).
+re-created on the same node (the pools of the one it replaces taken over). A last
+group has consumers that keep batches (issue 33: an eval loop keeping each batch's
+labels, ``list(loader)``; 512 batches of 8 3x32x32 float32 images per epoch, 2
+persistent workers, forked and spawned): rounds of stock and of NumaLoader
+alternated, each NumaLoader round against the stock round of its pair (goal >= 0.95x).
 ``python3 -m pytest bench/bench_loader.py``
 """
 
@@ -42,6 +46,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -329,3 +334,93 @@ def test_new_loader(benchmark, table, case: str) -> None:  # type: ignore[no-unt
         table.setdefault(f"a new loader, {FIRST_KIND}: time to its first batch", {})[case] = (
             firsts[len(firsts) // 2] * 1e6, "us/op"
         )
+
+
+# ---------------------------------------------------------------- consumers that keep batches
+
+KEPT_BATCHES = 512  # per epoch, of KEPT_BATCH images 3x32x32 float32 (96 KiB a batch)
+KEPT_BATCH = 8
+
+
+class SmallImages(Dataset):  # type: ignore[type-arg]
+    """Sample i: a 3x32x32 float32 image filled with i, and i."""
+
+    def __init__(self) -> None:
+        self.ready = torch.zeros((3, 32, 32))
+
+    def __len__(self) -> int:
+        return KEPT_BATCHES * KEPT_BATCH
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.ready.clone().fill_(index % 251), index
+
+
+def keep_labels(batches: Iterator[Any]) -> int:
+    """An eval loop: reads each batch, keeps its labels for metrics at the end (a view of
+    the batch: with NumaLoader, of its slot)."""
+    targets = []
+    for images, labels in batches:
+        images.view(-1)[-1].item()
+        targets.append(labels)
+    return sum(len(labels) for labels in targets)
+
+
+def keep_all(batches: Iterator[Any]) -> int:
+    """A small dataset cached with list(loader)."""
+    kept = list(batches)
+    return sum(len(labels) for _images, labels in kept)
+
+
+KEEPERS: dict[str, Callable[[Iterator[Any]], int]] = {"labels kept": keep_labels, "list(loader)": keep_all}
+
+
+def kept_loader(start: str) -> DataLoader:  # type: ignore[type-arg]
+    return DataLoader(SmallImages(), batch_size=KEPT_BATCH, num_workers=WORKERS, persistent_workers=True,
+                      multiprocessing_context=start)  # fmt: skip
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("consumer", list(KEEPERS))
+def test_consumers_keeping_batches_against_stock_alternated(benchmark, table, consumer: str, start: str) -> None:  # type: ignore[no-untyped-def]
+    """Pairs of a stock round and a NumaLoader round (each pair in the other order from
+    the one before), the consumer keeping every batch (or its labels) of the epoch:
+    NumaLoader's pools grow at once, within max_pinned_bytes, and are released when
+    the consumer drops what it kept (before the next round's)."""
+    keep = KEEPERS[consumer]
+    stock_loader = kept_loader(start)
+    loader = numafast.torch.NumaLoader(kept_loader(start), node=NODE)
+    ratios: list[float] = []
+    rounds_seconds: dict[str, list[float]] = {"stock": [], "NumaLoader": []}
+
+    def seconds(name: str, epoch: Iterator[Any]) -> float:
+        start_time = time.perf_counter()
+        assert keep(epoch) == KEPT_BATCHES * KEPT_BATCH
+        rounds_seconds[name].append(time.perf_counter() - start_time)
+        return rounds_seconds[name][-1]
+
+    def pair() -> None:
+        if len(ratios) % 2:
+            numa_seconds = seconds("NumaLoader", iter(loader))
+            ratios.append(seconds("stock", iter(stock_loader)) / numa_seconds)
+        else:
+            stock_seconds = seconds("stock", iter(stock_loader))
+            ratios.append(stock_seconds / seconds("NumaLoader", iter(loader)))
+
+    group = f"{consumer}, {start} workers: NumaLoader / stock, rounds alternated (after one warm-up pair)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning about kept batches: said once, tested elsewhere
+        record(benchmark, table, group, "stock + NumaLoader, a round each", pair, unit="us/op",
+               scale=lambda seconds: seconds * 1e6, warmup=1)  # fmt: skip
+    if benchmark.stats is not None:
+        rounds = sorted(ratios[1:])  # the first pair was the warm-up
+        table[group] = {
+            "stock DataLoader (each round)": (1.0, "x"),
+            "NumaLoader, median round": (rounds[len(rounds) // 2], "x"),
+            "NumaLoader, slowest round": (rounds[0], "x"),
+        }
+        table[f"{consumer}, {start} workers: the same rounds, median samples/s"] = {
+            name: (KEPT_BATCHES * KEPT_BATCH / sorted(taken[1:])[len(taken[1:]) // 2], "samples/s")
+            for name, taken in rounds_seconds.items()
+        }
+    stats = loader.stats()
+    assert stats.unpinned == 0 and set(stats.fallbacks) <= {"first batches"}, stats
