@@ -144,15 +144,61 @@ class _Registration(Protocol):
     def unregister(self) -> None: ...
 
 
+class _PoolFile:
+    """A pool's memfd and, once mapped, its mapping, as the at-fork handler sees them:
+    known from before the pool's file exists until its memory is released, so that
+    a child forked by another thread at any step of a pool's making (each of which
+    lets go of the GIL) turns that pool's mapping private too."""
+
+    __slots__ = ("__weakref__", "fd", "node", "region")
+
+    def __init__(self, node: int) -> None:
+        self.node = node
+        self.fd = -1
+        self.region: _libnuma.MappedBuffer | None = None
+        _pool_files.add(self)
+
+    def view_privately(self) -> None:
+        """In a forked child: every shared mapping of this file becomes a private one of the
+        same file at the same address (see the module doc). The mapping of a pool being
+        made when the child was forked has no object here yet (the thread making it is
+        not in the child): the kernel's list of this process's mappings says where it is.
+        OSError when a mapping cannot be made private."""
+        fd, region = self.fd, self.region
+        if fd < 0:
+            return  # no file yet, or released: nothing of it is mapped
+        if region is not None:
+            if not region.freed:
+                _libnuma.remap_private(region, fd)
+            return
+        inode = os.fstat(fd).st_ino
+        for address, length, offset in _shared_mappings_of(inode):
+            _libnuma.remap_private_at(address, length, fd, offset)
+
+
+def _shared_mappings_of(inode: int) -> list[tuple[int, int, int]]:
+    """``(address, length, file offset)`` of each shared mapping of the memfd ``inode``
+    in this process, as /proc/self/maps lists them."""
+    found = []
+    with open("/proc/self/maps", "rb") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 6 and fields[4] == b"%d" % inode and fields[1][3:4] == b"s" and b"/memfd:" in fields[5]:
+                low, high = (int(part, 16) for part in fields[0].split(b"-"))
+                found.append((low, high - low, int(fields[2], 16)))
+    return found
+
+
 class _Resources:
     """What a pool must give back, in this order, each step exactly once: the CUDA
     registration, the page lock, the mapping and its file. Kept apart from the pool
     object so that the slots, which outlive a closed pool, hold no reference to it."""
 
-    def __init__(self, region: _libnuma.MappedBuffer, fd: int) -> None:
+    def __init__(self, file: _PoolFile, region: _libnuma.MappedBuffer) -> None:
         self.owner_pid = os.getpid()
+        self.file = file
         self.region = region
-        self.fd = fd
+        self.fd = file.fd
         self.locked = False
         self.registration: _Registration | None = None
         self.lock = threading.Lock()
@@ -178,15 +224,10 @@ class _Resources:
             return
         self.unpin()
         self.region.free()
-        fd, self.fd = self.fd, -1
+        _pool_files.discard(self.file)
+        fd, self.fd, self.file.fd = self.fd, -1, -1  # forgotten before closed: its number may be reused
         if fd >= 0:
             os.close(fd)
-
-    def view_privately(self) -> None:
-        """In a forked child: the inherited shared mapping becomes a private one of the
-        same file (see the module doc)."""
-        if not self.region.freed and self.fd >= 0:
-            _libnuma.remap_private(self.region, self.fd)
 
 
 class _StreamFences:
@@ -204,18 +245,38 @@ class _StreamFences:
 
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
+_pool_files: weakref.WeakSet[_PoolFile] = weakref.WeakSet()
+"""The memory of every pool of this process, from before its file exists until it is
+released: also a pool being made, and one whose PinnedPool is gone while its slots
+are still viewed."""
 _exit_hook_installed = False
+
+# The exit status of a forked child that cannot make its view of a pool private.
+FORK_REMAP_FAILED_STATUS = 70
 
 
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker, a subprocess before exec) reads its parent's
     pools through private views: writing there must never reach a slot the parent may
-    hand out to another batch. Workers that fill slots map the file again, shared."""
-    for pool in list(_live_pools):
+    hand out to another batch. Workers that fill slots map the file again, shared.
+
+    A child that cannot make a view private ends here, saying why on its standard
+    error, before any code of its own runs: it would otherwise write into its
+    parent's slots unseen (an exception raised in an at-fork hook is only printed,
+    and the child would go on). A DataLoader then reports its worker's exit."""
+    for file in list(_pool_files):
         try:
-            pool._resources.view_privately()
-        except OSError:
-            pass  # leave the shared view: better than none, the child may still read
+            file.view_privately()
+        except OSError as error:
+            message = (
+                f"numafast: process {os.getpid()}, forked from {os.getppid()}, cannot make its view of the "
+                f"node-{file.node} pool private ({error}); it would write into the slots its parent hands "
+                f"out, so it exits now with status {FORK_REMAP_FAILED_STATUS}\n"
+            )
+            try:
+                os.write(2, message.encode())
+            finally:
+                os._exit(FORK_REMAP_FAILED_STATUS)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -312,19 +373,26 @@ class PinnedPool:
         prefault = prefault or registers
         stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
-        fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
+        # Known to the at-fork handler before the first step that lets go of the GIL
+        # (memfd_create): another thread may fork at any of them.
+        file = _PoolFile(self._node)
         try:
-            region = allocate(
+            file.fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
+            # A child forked before the next line finds the mapping in /proc/self/maps.
+            file.region = region = allocate(
                 _libnuma.slot_table_bytes(slots) + stride * slots,
                 node=self._node,
                 hugepages=hugepages,
-                shared_file=fd,
+                shared_file=file.fd,
                 pretouch=prefault,
             )
         except BaseException:
-            os.close(fd)
+            _pool_files.discard(file)
+            fd, file.fd = file.fd, -1
+            if fd >= 0:
+                os.close(fd)
             raise
-        self._resources = _Resources(region, fd)
+        self._resources = _Resources(file, region)
         try:
             self._lock_note = self._lock(lock_mode, on_fault=not prefault)
             self._lock_possible = not self._lock_note
@@ -455,8 +523,8 @@ class PinnedPool:
         if os.getpid() != self._slots.owner_pid or self._slots.drained:
             return 0
         freed = 0
-        for index, generation, pid in self._slots.table.leases():
-            if not _process_alive(pid) and self._slots.reclaim(index, generation, pid):
+        for index, generation, pid, started in self._slots.table.leases():
+            if not _leaser_alive(pid, started) and self._slots.reclaim(index, generation, pid):
                 freed += 1
         return freed
 
@@ -610,19 +678,21 @@ def pool_of(address: int) -> PinnedPool | None:
     return None
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def _leaser_alive(pid: int, started: int) -> bool:
+    """Whether the process that leased a slot still runs: process ``pid`` runs (a zombie,
+    dead but not yet reaped, does not) and started at ``started`` (clock ticks after
+    boot, modulo 2**40, as the lease recorded it), so it is not a later process that
+    the kernel gave the same pid. ``started`` is -1 for a lease made a few
+    instructions ago, whose process has not recorded it yet: taken for the pid's.
+    Ending a live process's lease would let two batches share a slot; keeping a dead
+    one's only costs that slot."""
+    now = _pid.start_time(pid)
+    if now is None:
         return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+    return started < 0 or now & _LEASE_STARTED_BITS == started
+
+
+_LEASE_STARTED_BITS = (1 << 40) - 1  # the bits of a start time that a lease keeps (see src/pool.pxi)
 
 
 def _check_timeout(timeout: object) -> float | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any
 
-from numafast import _libnuma
+from numafast import _libnuma, _pid
 
 __all__ = ["BoardHandle", "PoolBoard", "PoolHandle", "PoolView", "open_shared_file"]
 
@@ -296,7 +296,7 @@ class PoolView:
     def lease(self, timeout: float) -> tuple[int, int] | None:
         """A free slot leased to this process, ``(index, generation)``; None when none came
         free within ``timeout`` seconds."""
-        lease: tuple[int, int] | None = self.table.claim(timeout)
+        lease: tuple[int, int] | None = self.table.claim(timeout, _pid.started())
         return lease
 
     def slot(self, index: int) -> memoryview:

@@ -18,6 +18,30 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 
 
+cdef extern from *:
+    """
+    #include <pthread.h>
+    /* This process's id without a system call per check (glibc stopped caching
+       getpid() in 2.25): read at load, and again in every child that fork() makes,
+       by fork() itself before the child runs any code of its own. A pool compares
+       it with its owner's before touching anything of the owner's alone (the
+       slot bookkeeping, the mutex and the condition variable). */
+    static pid_t nf_self_pid;
+    static void nf_after_fork_in_child(void) { nf_self_pid = getpid(); }
+    static int nf_track_pid(void) {
+        nf_self_pid = getpid();
+        return pthread_atfork(NULL, NULL, nf_after_fork_in_child);
+    }
+    static inline pid_t nf_pid(void) { return nf_self_pid; }
+    """
+    int nf_track_pid() nogil
+    pid_t nf_pid() nogil
+
+
+if nf_track_pid() != 0:
+    raise MemoryError("pthread_atfork: no room for numafast's handler")
+
+
 def mlock(buf, bint on_fault=False) -> None:
     """mlock(2): keep every page ``buf`` touches resident (never swapped out), faulting
     in any that is not yet there. With ``on_fault``, mlock2(2) with MLOCK_ONFAULT: the
@@ -73,6 +97,25 @@ def munlock(buf) -> None:
         PyBuffer_Release(&view)
 
 
+def remap_private_at(uintptr_t address, size_t length, int fd, size_t offset) -> None:
+    """mmap(2) ``length`` bytes of file ``fd`` from ``offset``, private and read-write,
+    at ``address`` (MAP_FIXED: whatever was mapped there is replaced). What a forked
+    child does with a shared mapping of a pool that it found in /proc/self/maps but
+    holds no object for (a pool its parent was making when it forked). The range must
+    be one the caller read there: any other is replaced all the same."""
+    cdef void *start
+    cdef int err = 0
+    if address % _PAGE or length % _PAGE or offset % _PAGE or length == 0:
+        raise ValueError(f"{length} bytes at {address:#x} (file offset {offset}): not whole pages")
+    with nogil:
+        libc_errno.errno = 0
+        start = numa_api.mmap(<void *>address, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd,
+                              <long>offset)
+        err = libc_errno.errno
+    if start == MAP_FAILED:
+        _fail("mmap (MAP_PRIVATE | MAP_FIXED)", err, f"{length} bytes at {address:#x}")
+
+
 cdef double _monotonic() noexcept nogil:
     cdef timespec now
     clock_gettime(CLOCK_MONOTONIC, &now)
@@ -96,9 +139,11 @@ cdef double _FENCE_POLL_S = 0.0005
 cdef long _CLAIM_POLL_NS = 200000
 
 # The slot table at the start of a pool's mapping: a header, then one 64-bit word per
-# slot, ``generation << 40 | state << 32 | pid``. The generation grows each time a
-# slot becomes free, so a stale message about a slot (from a worker that died, or a
-# batch dropped unread) can never be mistaken for its next use.
+# slot, ``generation << 40 | state << 32 | pid``, then one more word per slot that says
+# which process leased it, ``generation << 40 | start time`` (see below). The
+# generation grows each time a slot becomes free, so a stale message about a slot
+# (from a worker that died, or a batch dropped unread) can never be mistaken for its
+# next use.
 #
 # Memory order, which x86 gives for free and Arm does not: every change of a slot's
 # word is a compare-and-swap with acquire and release order, and every read of it an
@@ -113,6 +158,7 @@ cdef uint64_t _TABLE_MAGIC = 0x314c4f4f50464e4e  # "NNFPOOL1"
 cdef Py_ssize_t _TABLE_HEADER_WORDS = 8
 cdef uint64_t _PID_BITS = 0xffffffff
 cdef uint64_t _STATE_BITS = 0xff
+cdef uint64_t _STARTED_BITS = (<uint64_t>1 << 40) - 1
 
 cdef enum _SlotState:
     _FREE = 0
@@ -138,7 +184,7 @@ cdef inline uint64_t _state(uint64_t word) noexcept nogil:
 
 def slot_table_bytes(Py_ssize_t count) -> int:
     """Bytes before slot 0 in a pool of ``count`` slots: the table, in whole pages."""
-    return <Py_ssize_t>(((_TABLE_HEADER_WORDS + count) * 8 + _PAGE - 1) & ~(_PAGE - 1))
+    return <Py_ssize_t>(((_TABLE_HEADER_WORDS + 2 * count) * 8 + _PAGE - 1) & ~(_PAGE - 1))
 
 
 @cython.auto_pickle(False)
@@ -175,6 +221,7 @@ cdef class SlotTable:
         table.words = <uint64_t *>region.address
         for i in range(count):
             table.words[_TABLE_HEADER_WORDS + i] = _word(0, _FREE, 0)
+            table.words[_TABLE_HEADER_WORDS + count + i] = 0
         table.words[1] = <uint64_t>count
         table.words[2] = slot_bytes
         table.words[3] = stride
@@ -208,12 +255,25 @@ cdef class SlotTable:
     cdef inline uint64_t *_slot_word(self, Py_ssize_t index) noexcept nogil:
         return &self.words[_TABLE_HEADER_WORDS + index]
 
+    cdef inline uint64_t *_leaser_word(self, Py_ssize_t index) noexcept nogil:
+        """Who leased slot ``index``: ``generation << 40 | start time`` of the process.
+
+        A pid alone cannot tell a live worker from a later process given the same pid
+        (the kernel reuses them), so a lease also records its process's start time
+        (clock ticks after boot, /proc/PID/stat), which two processes with one pid
+        never share. The leaser stores it right after the compare-and-swap that
+        leased the slot, both in one C call: until then (a few instructions) the
+        word still holds an older generation, and the lease is taken for its pid's."""
+        return &self.words[_TABLE_HEADER_WORDS + self.count + index]
+
     cdef inline bint _unmapped(self) noexcept:
         """The mapping is gone (a released pool): nothing to read, nothing to claim."""
         return self.region.address == NULL
 
-    cdef Py_ssize_t _claim(self, uint64_t state, uint64_t pid, uint64_t *generation) noexcept nogil:
-        """Take a free slot for ``state``/``pid``; its index (and generation), or -1.
+    cdef Py_ssize_t _claim(self, uint64_t state, uint64_t pid, uint64_t started,
+                           uint64_t *generation) noexcept nogil:
+        """Take a free slot for ``state``/``pid`` (a lease records ``started``, the
+        process's start time); its index (and generation), or -1.
 
         The lowest free index first: the slots in use stay as few as the consumer
         allows, and a slot that just came back, whose lines are likely still in the
@@ -226,6 +286,8 @@ cdef class SlotTable:
             if _state(word) == _FREE and nf_cas64(self._slot_word(index), word,
                                                   _word(_generation(word), state, pid)):
                 generation[0] = _generation(word)
+                if state == _LEASED:
+                    nf_store64(self._leaser_word(index), _generation(word) << 40 | (started & _STARTED_BITS))
                 return index
         return -1
 
@@ -241,9 +303,10 @@ cdef class SlotTable:
             return False
         return nf_cas64(word, seen, _word(generation + (1 if next_generation else 0), new_state, new_pid))
 
-    def claim(self, double timeout=0.0):
-        """Lease a free slot to this process (a worker): ``(index, generation)``, or None
-        when none came free within ``timeout`` seconds (polling, GIL released)."""
+    def claim(self, double timeout, uint64_t started):
+        """Lease a free slot to this process (a worker), whose start time is ``started``
+        (clock ticks after boot, as /proc/self/stat gives it): ``(index, generation)``,
+        or None when none came free within ``timeout`` seconds (polling, GIL released)."""
         cdef uint64_t generation = 0
         cdef uint64_t pid = <uint64_t>getpid()
         cdef Py_ssize_t index
@@ -255,13 +318,13 @@ cdef class SlotTable:
             return None
         # A look that does not wait is a few atomic reads, made with the GIL held; only
         # a claim that waits releases it.
-        index = self._claim(_LEASED, pid, &generation)
+        index = self._claim(_LEASED, pid, started, &generation)
         if index >= 0 or timeout <= 0:
             return None if index < 0 else (index, generation)
         start = _monotonic()
         with nogil:
             while True:
-                index = self._claim(_LEASED, pid, &generation)
+                index = self._claim(_LEASED, pid, started, &generation)
                 if index >= 0 or _monotonic() - start >= timeout:
                     break
                 nanosleep(&pause, NULL)
@@ -277,16 +340,22 @@ cdef class SlotTable:
         return self._change(index, generation, _LEASED, owner, _FREE, 0, True)
 
     def leases(self) -> list:
-        """``(index, generation, pid)`` of every slot leased to another process now."""
+        """``(index, generation, pid, started)`` of every slot leased to another process
+        now: ``started`` is the leaser's start time (clock ticks after boot, modulo
+        2**40), -1 while the leaser has not recorded it yet (it does a few
+        instructions after leasing)."""
         cdef Py_ssize_t index
-        cdef uint64_t word
+        cdef uint64_t word, leaser
+        cdef long long started
         found = []
         if self._unmapped():
             return found
         for index in range(self.count):
             word = nf_load64(self._slot_word(index))
             if _state(word) == _LEASED:
-                found.append((index, _generation(word), <long>(word & _PID_BITS)))
+                leaser = nf_load64(self._leaser_word(index))
+                started = <long long>(leaser & _STARTED_BITS) if leaser >> 40 == _generation(word) else -1
+                found.append((index, _generation(word), <long>(word & _PID_BITS), started))
         return found
 
     def states(self) -> list:
@@ -322,7 +391,11 @@ cdef class SlotPool:
 
     The mutex only guards the condition that in-process waiters sleep on (with the
     GIL released); the slots themselves change by compare-and-swap. After fork(),
-    the child's copy of a pool refuses to hand out slots.
+    the child's copy of a pool refuses to hand out slots, and never touches the
+    mutex or the condition variable: they are the owner's threads', copied in
+    whatever state fork() found them (a mutex another thread held then stays held
+    for good in the child, and glibc's pthread_cond_destroy waits for the waiters
+    that were inside pthread_cond_wait then, which never leave).
     """
 
     cdef readonly SlotTable table
@@ -372,7 +445,9 @@ cdef class SlotPool:
 
     def __dealloc__(self):
         # No Slot is out (each holds a reference); fenced slots may still be in flight.
-        if self.owner_pid == getpid() and not self.is_drained and self.table is not None:
+        if self.owner_pid != nf_pid():
+            return  # a forked child's copy: the mutex and condition are left as they are (see the class)
+        if not self.is_drained and self.table is not None:
             try:
                 self._settle_fences()
             finally:
@@ -397,7 +472,7 @@ cdef class SlotPool:
         return self.table.states().count(_LEASED)
 
     cdef int _check_owner(self) except -1:
-        if self.owner_pid != getpid():
+        if self.owner_pid != nf_pid():
             raise RuntimeError(
                 f"this pool belongs to process {self.owner_pid}; a forked child only reads the slots "
                 "it inherited: make a new pool in the child")
@@ -415,7 +490,7 @@ cdef class SlotPool:
         if nbytes > self.slot_bytes:
             raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
         if not self.closed:
-            index = self.table._claim(_HELD, <uint64_t>self.owner_pid, &generation)
+            index = self.table._claim(_HELD, <uint64_t>self.owner_pid, 0, &generation)
         if index < 0:
             index = self._wait_for_slot(timeout)
         else:
@@ -467,7 +542,7 @@ cdef class SlotPool:
                     self._reap_fences(timeout < 0)
                 if self.closed:
                     raise RuntimeError("the pool was closed while waiting for a slot")
-                index = self.table._claim(_HELD, <uint64_t>self.owner_pid, &generation)
+                index = self.table._claim(_HELD, <uint64_t>self.owner_pid, 0, &generation)
                 if index >= 0:
                     self._count_out()
                     return index
@@ -524,6 +599,8 @@ cdef class SlotPool:
         self._signal()
 
     cdef void _signal(self) noexcept:
+        if self.owner_pid != nf_pid():
+            return  # never the owner's mutex in a forked child (see the class)
         pthread_mutex_lock(&self.mutex)
         pthread_cond_signal(&self.returned)
         pthread_mutex_unlock(&self.mutex)
@@ -532,7 +609,7 @@ cdef class SlotPool:
         """A Slot object died (GIL held): its slot is free, or fenced until its GPU work ends."""
         cdef object fence = None
         cdef uint64_t word
-        if self.owner_pid != getpid():
+        if self.owner_pid != nf_pid():
             return 0  # a forked child's copy: nothing of the parent's to give back
         word = nf_load64(self.table._slot_word(index))
         self.in_use -= 1
@@ -598,7 +675,7 @@ cdef class SlotPool:
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef bint retired = True
-        if self.closed and not self.is_drained and self.owner_pid == getpid():
+        if self.closed and not self.is_drained and self.owner_pid == nf_pid():
             for index in range(self.table.count):
                 while True:
                     word = nf_load64(self.table._slot_word(index))
@@ -617,12 +694,13 @@ cdef class SlotPool:
         forked child, only marks this copy closed."""
         if self.closed:
             return
+        if self.owner_pid != nf_pid():
+            self.closed = True  # no waiter of this copy exists to wake, and the mutex is not the child's
+            return
         pthread_mutex_lock(&self.mutex)
         self.closed = True
         pthread_cond_broadcast(&self.returned)
         pthread_mutex_unlock(&self.mutex)
-        if self.owner_pid != getpid():
-            return
         self._settle_fences()
         self.settle()
 

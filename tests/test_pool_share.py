@@ -164,7 +164,7 @@ def test_a_process_that_dies_holding_a_slot_gives_it_back_through_the_owner() ->
             return 1
 
         assert in_child(dies_holding_one) == -9
-        (index, generation, pid), = pool._slots.table.leases()
+        (index, generation, pid, _started), = pool._slots.table.leases()
         assert pool.stats().leased == 1
         assert pool.reclaim_orphans() == 1
         stats = pool.stats()
@@ -316,7 +316,7 @@ def test_a_worker_on_another_node_writes_into_the_pools_node() -> None:
                 return 0 if set(pagemap_nodes(address, 4 * MIB)) == {pool_node} else 4
 
         assert in_child(worker) == 0
-        (index, generation, _pid), = pool._slots.table.leases()
+        (index, generation, _pid, _started), = pool._slots.table.leases()
         slot = pool.adopt(index, generation, 4 * MIB)
         assert set(np.asarray(slot)[:: 4096].tolist()) == {5}
         assert set(pagemap_nodes(slot.address, 4 * MIB)) == {pool_node}
