@@ -29,7 +29,11 @@ def start_time(process: int | str = "self") -> int | None:
     """When ``process`` started, in clock ticks after boot (/proc/PID/stat's 22nd field,
     ``starttime``); None when it is gone, or dead and not yet reaped (a zombie, whose
     pid is still taken but which runs no more). Two processes that had the same pid
-    one after the other never have the same start time."""
+    one after the other do not have the same start time: it counts clock ticks (10 ms
+    at USER_HZ 100), and the kernel hands out pids in a cycle, so a pid comes back
+    only after every other free one up to pid_max (32768 or 4194304) was handed out,
+    far more forks than one tick holds; unless a tool asks for that pid
+    (/proc/sys/kernel/ns_last_pid, clone3's set_tid: checkpoint/restore)."""
     try:
         with open(f"/proc/{process}/stat", "rb") as stat:
             line = stat.read()

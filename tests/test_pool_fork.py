@@ -265,6 +265,10 @@ def test_a_lease_whose_pid_the_kernel_gave_to_a_new_process_is_ended() -> None:
         pytest.skip(f"{NS_LAST_PID} is not writable here: a pid cannot be asked for")
     with numafast.PinnedPool(NODES[0], 4096, 2) as pool:
         dead = lease_and_die(pool.share())
+        # A start time counts clock ticks (10 ms at USER_HZ 100): a pid that the kernel
+        # gives again by itself comes round only after every other pid (pid_max), never
+        # in the tick its first process started; asked for at once, it could.
+        time.sleep(0.05)
         go_read, go_write = os.pipe()
         for _ in range(50):  # another process on the machine may take the pid first
             try:
