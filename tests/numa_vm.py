@@ -182,17 +182,22 @@ class _Host:
     busybox: str
     kernel: str
     kver: str
+    # The guest's root: "/" (this machine's, x86-64), or a foreign root made of
+    # another architecture's Debian packages (tests/aarch64_vm.py), which then
+    # supplies the kernel, its modules, busybox and every program the guest runs.
+    root: str = "/"
+    arch: str = "x86_64"
 
 
 def _vkey(s: str) -> list[Any]:
     return [(0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", s)]
 
 
-def _find_kernel() -> str | None:
-    """Newest /boot/vmlinuz-* whose modules (with 9p) are installed."""
+def _find_kernel(root: str = "/") -> str | None:
+    """Newest ROOT/boot/vmlinuz-* whose modules (with 9p) are installed."""
     best = None
-    for k in sorted(Path("/boot").glob("vmlinuz-*"), key=lambda p: _vkey(p.name)):
-        mods = Path("/lib/modules", k.name.removeprefix("vmlinuz-"), "kernel/fs/9p")
+    for k in sorted(Path(root, "boot").glob("vmlinuz-*"), key=lambda p: _vkey(p.name)):
+        mods = Path(root, "lib/modules", k.name.removeprefix("vmlinuz-"), "kernel/fs/9p")
         if os.access(k, os.R_OK) and any(mods.glob("9p.ko*")):
             best = str(k)
     return best
@@ -214,7 +219,9 @@ def _is_static_elf(path: str) -> bool:
         return False
 
 
-def _host(kernel: str | None = None) -> _Host:
+def _host(kernel: str | None = None, root: str = "/") -> _Host:
+    if root != "/":
+        return _foreign_host(kernel, root)
     qemu = shutil.which(os.environ.get("NUMA_VM_QEMU", "qemu-system-x86_64"))
     busybox = os.environ.get("NUMA_VM_BUSYBOX", "/bin/busybox")
     missing = [] if qemu else ["qemu-system-x86"]
@@ -233,6 +240,25 @@ def _host(kernel: str | None = None) -> _Host:
     assert qemu and kernel
     kver = os.environ.get("NUMA_VM_KVER") or re.sub(r"^vmlinu[zx]-", "", Path(kernel).name)
     return _Host(qemu, busybox, kernel, kver)
+
+
+def _foreign_host(kernel: str | None, root: str) -> _Host:
+    """An aarch64 guest on a root of Debian arm64 packages (tests/aarch64_vm.py makes it)."""
+    qemu = shutil.which(os.environ.get("NUMA_VM_QEMU", "qemu-system-aarch64"))
+    missing = [] if qemu else ["qemu-system-arm"]
+    if not shutil.which("modprobe", path=os.environ.get("PATH", "") + ":/sbin:/usr/sbin"):
+        missing.append("kmod")
+    if not shutil.which("setpriv"):
+        missing.append("util-linux")
+    if missing:
+        raise MissingPrerequisites(f"{APT_HINT} {' '.join(missing)}")
+    busybox = os.path.join(root, "bin/busybox")
+    kernel = kernel or _find_kernel(root)
+    if not kernel or not _is_static_elf(busybox):
+        raise MissingPrerequisites(f"{root}: no guest root (kernel, busybox); make it with python3 tests/aarch64_vm.py --prepare")
+    assert qemu
+    kver = re.sub(r"^vmlinu[zx]-", "", Path(kernel).name)
+    return _Host(qemu, busybox, kernel, kver, root=root, arch="aarch64")
 
 
 def missing_prerequisites() -> str | None:
@@ -277,13 +303,15 @@ def _module_data(path: str) -> tuple[str, bytes]:
     return base, Path(path).read_bytes()
 
 
-def _modules(kver: str) -> list[tuple[str, bytes]]:
-    """Guest modules in load order, decompressed, via modprobe --show-depends."""
+def _modules(kver: str, root: str = "/") -> list[tuple[str, bytes]]:
+    """Guest modules in load order, decompressed, via modprobe --show-depends
+    (in ROOT's /lib/modules: a foreign root's modules.dep is made by depmod -b)."""
     out: list[tuple[str, bytes]] = []
     names: set[str] = set()
     modprobe = shutil.which("modprobe", path=os.environ.get("PATH", "") + ":/sbin:/usr/sbin") or "modprobe"
     for mod in GUEST_MODULES:
-        r = subprocess.run([modprobe, "-S", kver, "--show-depends", mod], capture_output=True, text=True)
+        where = [] if root == "/" else ["-d", root]
+        r = subprocess.run([modprobe, *where, "-S", kver, "--show-depends", mod], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"modprobe -S {kver} --show-depends {mod}: {r.stderr.strip()}")
         for line in r.stdout.splitlines():
@@ -373,10 +401,15 @@ finish "$rc"
 """
 
 
-def _guest_env(cwd: str, extra: Mapping[str, str], topo: GuestTopology) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if _IDENT.fullmatch(k) and not _ENV_DROP.fullmatch(k)}
+def _guest_env(cwd: str, extra: Mapping[str, str], topo: GuestTopology, foreign: bool = False) -> dict[str, str]:
+    if foreign:  # another architecture's root: nothing of this machine's environment applies
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
+    else:
+        env = {k: v for k, v in os.environ.items() if _IDENT.fullmatch(k) and not _ENV_DROP.fullmatch(k)}
     env.update(TERM="dumb", NUMA_VM="1", NUMA_VM_NODES=str(topo.nodes), NUMA_VM_CPUS=str(topo.cpus))
     env.update(extra)
+    if foreign:
+        return env
     # A pyenv shim is a bash script forking a dozen times: ~4.5 s per python3
     # under TCG.  Put the interpreter dirs the shim would pick for cwd first.
     path = env.get("PATH", "")
@@ -396,7 +429,7 @@ def _initramfs(host: _Host, cmd: Sequence[str], cwd: str, env: Mapping[str, str]
     entries: list[tuple[str, int, bytes]] = [(n, d, b"") for n in dirs]
     entries.append(("dev/console", 0o020600, b"5:1"))
     entries.append(("bin/busybox", x, Path(host.busybox).read_bytes()))
-    mods = _modules(host.kver)
+    mods = _modules(host.kver, host.root)
     entries += [(f"mods/{n}", 0o100644, data) for n, data in mods]
     entries.append(("mods/order", 0o100644, "".join(f"{n}\n" for n, _ in mods).encode()))
     entries.append(("init", x, _INIT.encode()))
@@ -434,6 +467,8 @@ def _boot_kernel(host: _Host, verbose: bool) -> str:
     CONFIG_PVH=y, extract its ELF vmlinux once into a cache (atomic rename, so
     concurrent runs are safe) and let qemu boot that through the PVH entry."""
     kernel = host.kernel
+    if host.arch != "x86_64":  # arm64's vmlinuz is an uncompressed Image already
+        return kernel
     with open(kernel, "rb") as f:
         if f.read(4) == b"\x7fELF":
             return kernel
@@ -519,11 +554,17 @@ class _Relay(threading.Thread):
 
 def _qemu_argv(host: _Host, topo: GuestTopology, boot_kernel: str, tmp: str, shares: Sequence[str],
                accel: str, cpu_model: str | None, append: Sequence[str]) -> list[str]:
-    q = [host.qemu, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-name", "numa-vm",
-         "-machine", "q35"]  # q35: i440fx's ACPI PCI-link IRQ setup costs ~0.5 s under TCG
-    if accel == "kvm":
+    q = [host.qemu, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-name", "numa-vm"]
+    if host.arch == "aarch64":
+        # virt boots the Image directly with a device tree, whose numa-node-id and
+        # distance-map give Linux the nodes (memory-only ones too, numbered as given).
+        # pauth-impdef: TCG's architected pointer-auth cipher (QARMA) is slow.
+        q += ["-machine", "virt,gic-version=3", "-accel", "tcg,thread=multi", "-cpu", cpu_model or "max,pauth-impdef=on"]
+    elif accel == "kvm":
+        q += ["-machine", "q35"]
         q += ["-accel", "kvm", "-cpu", cpu_model or "host"]
     else:
+        q += ["-machine", "q35"]  # q35: i440fx's ACPI PCI-link IRQ setup costs ~0.5 s under TCG
         q += ["-accel", "tcg,thread=multi", "-cpu", cpu_model or "max"]
     s = topo.sockets
     q += ["-smp", f"{topo.cpus},sockets={s},cores={topo.cpus // s},threads=1", "-m", f"{sum(topo.mem_mib)}M"]
@@ -532,7 +573,7 @@ def _qemu_argv(host: _Host, topo: GuestTopology, boot_kernel: str, tmp: str, sha
         q += ["-numa", f"node,nodeid={i},memdev=numavm-m{i}" + "".join(f",cpus={p}" for p in cpus.split(",") if p)]
     for i, row in enumerate(topo.distance_matrix):
         q += [a for j, d in enumerate(row) if i != j for a in ("-numa", f"dist,src={i},dst={j},val={d}")]
-    q += ["-fsdev", "local,id=numavm_root,path=/,security_model=none,readonly=on,multidevs=remap",
+    q += ["-fsdev", f"local,id=numavm_root,path={_qesc(host.root)},security_model=none,readonly=on,multidevs=remap",
           "-device", "virtio-9p-pci,fsdev=numavm_root,mount_tag=numavm_root"]
     for i, p in enumerate(shares):
         q += ["-fsdev", f"local,id=numavm_rw{i},path={_qesc(p)},security_model=none,multidevs=remap",
@@ -542,7 +583,8 @@ def _qemu_argv(host: _Host, topo: GuestTopology, boot_kernel: str, tmp: str, sha
         q += ["-chardev", f"file,id=numavm-{f},path={_qesc(tmp)}/{f}",
               "-device", f"virtserialport,bus=numavm-vser.0,chardev=numavm-{f},name=numavm.{port}"]
     q += ["-chardev", f"file,id=numavm-con,path={_qesc(tmp)}/console.log", "-serial", "chardev:numavm-con"]
-    kargs = ["console=ttyS0", "quiet", "loglevel=4", "panic=-1", "rdinit=/init", "edd=off", "mitigations=off",
+    console = ["console=ttyAMA0"] if host.arch == "aarch64" else ["console=ttyS0", "edd=off"]
+    kargs = [*console, "quiet", "loglevel=4", "panic=-1", "rdinit=/init", "mitigations=off",
              "numa_balancing=disable", *append]  # balancing would migrate pages behind the tests' back
     return q + ["-kernel", boot_kernel, "-initrd", f"{tmp}/initramfs.cpio.gz", "-append", " ".join(kargs)]
 
@@ -560,11 +602,15 @@ def run_in_guest(
     cpu_model: str | None = None,
     append: Sequence[str] = (),
     verbose: bool = False,
+    root: str | Path = "/",
 ) -> int:
     """Run ``cmd`` in a fresh NUMA guest; return its exit status.
 
     The host environment is passed through (minus TERM, DISPLAY, SSH_* and
-    the like) with ``env`` on top.  ``cwd`` and ``rw`` are shared read-write;
+    the like) with ``env`` on top.  With ``root`` another architecture's root
+    (tests/aarch64_vm.py: Debian arm64 packages), the guest is an aarch64
+    ``virt`` machine booting that root's kernel, with only ``env`` and a plain
+    PATH, HOME and LANG.  ``cwd`` and ``rw`` are shared read-write;
     the rest of / is copy-on-write.  Guest stdout/stderr are streamed to
     sys.stdout/sys.stderr as they arrive.  Returns 124 after ``timeout``
     seconds (0/None: no limit), 125 if the VM failed or prerequisites are
@@ -579,7 +625,7 @@ def run_in_guest(
         # kvm_pvm runs only PVM-enabled guest kernels; a stock one never boots
         raise ValueError("accel=kvm: /dev/kvm here is kvm_pvm, which cannot run a stock kernel; use tcg")
     try:
-        host = _host(kernel)
+        host = _host(kernel, os.path.realpath(root))
     except MissingPrerequisites as e:
         _warn(f"missing prerequisites. Install them once with:\n  {e}")
         return EXIT_VM_FAILED
@@ -593,7 +639,7 @@ def run_in_guest(
         if d not in shares:
             shares.append(d)
     shares.sort(key=lambda p: p.count("/"))  # parents are mounted before children
-    guest_env = _guest_env(cwd_abs, env or {}, topology)
+    guest_env = _guest_env(cwd_abs, env or {}, topology, foreign=host.root != "/")
     boot_kernel = _boot_kernel(host, verbose)
 
     tmpdir = tempfile.gettempdir()

@@ -7,12 +7,24 @@ kernels have real multi-node NUMA topologies (see tests/numa_vm.py):
   tests marked ``numa`` (the ones that need its topology: every other test has
   run on a multi-node kernel in the 4-node guest already).
 
+Two aarch64 guests run only when named (``--guest aarch64``; CI's .ci/aarch64),
+on Debian's arm64 kernel and a root of Debian arm64 packages, with numafast's
+extension cross-compiled into the tree first (tests/aarch64_vm.py), under the
+guest's own python3 (3.11) and no torch (importing it under TCG takes minutes):
+
+* ``aarch64``: 4 nodes of one CPU each, distances 10/16/32: the topology,
+  placement, memory, pool and board test files (AARCH64_TESTS), less a few
+  slow ones that test nothing of the architecture (AARCH64_SLOW);
+* ``aarch64-grace``: Grace-like, 2 nodes of 2 CPUs and 2 CPU-less nodes with
+  memory (a GPU's HBM on Grace); the tests of those files marked
+  ``numa(memory_only=True)``.
+
 Tests marked ``@pytest.mark.numa`` skip on a one-node host and must run in a
 guest that meets their needs (tests/conftest.py fails them otherwise). Each run
 prints its counts; the last line is the total. Exit status 0 only if every run
 passed and every guest ran numa-marked tests.
 
-Usage: python3 tests/run_suite.py [--host-only] [--guest NAME]... [-- PYTEST_ARGS...]
+Usage: python3 tests/run_suite.py [--host-only | --no-host] [--guest NAME]... [-- PYTEST_ARGS...]
 """
 
 from __future__ import annotations
@@ -27,15 +39,40 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 
+import aarch64_vm
 from numa_vm import FOUR_NODES, MEMORY_ONLY, GuestTopology, run_in_guest
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / ".test-results"
-GUESTS: dict[str, GuestTopology] = {"4-nodes": FOUR_NODES, "memory-only": MEMORY_ONLY}
+GUESTS: dict[str, GuestTopology] = {
+    "4-nodes": FOUR_NODES,
+    "memory-only": MEMORY_ONLY,
+    "aarch64": aarch64_vm.AARCH64_FOUR_NODES,
+    "aarch64-grace": aarch64_vm.AARCH64_GRACE,
+}
+# The guests run when none is named: the x86-64 ones (the aarch64 lane is .ci/aarch64).
+DEFAULT_GUESTS = ["4-nodes", "memory-only"]
+AARCH64_GUESTS = {"aarch64", "aarch64-grace"}
+# What the aarch64 guests test: topology, placement, memory, pools and the board.
+AARCH64_TESTS = sorted(
+    {f"tests/{name}" for name in ("test_topology_live.py", "test_binding_live.py", "test_memory_live.py",
+                                  "test_pages_live.py", "test_libnuma.py", "test_pool_share.py")}
+    | {str(path.relative_to(REPO)) for pattern in ("test_pool*.py", "test_board*.py")
+       for path in (REPO / "tests").glob(pattern) if "cuda" not in path.name}  # CUDA: none there
+)  # fmt: skip
+# Left out there, each ~20-70 s under aarch64 TCG and nothing of the architecture in
+# it: cgroup cpusets (three tests), a spawned (not forked) process, 64 claimers at once.
+AARCH64_SLOW = "not (cpuset or spawned_process_maps or many_processes_claiming)"
 # Each guest's own pytest arguments: the memory-only guest runs the marked tests alone,
 # which keeps CI within its 40 minutes (its unmarked tests took ~310 s and repeated
 # the 4-node guest's run).
-GUEST_ARGS: dict[str, list[str]] = {"4-nodes": [], "memory-only": ["-mnuma"]}
+GUEST_ARGS: dict[str, list[str]] = {
+    "4-nodes": [],
+    "memory-only": ["-mnuma"],
+    "aarch64": [*AARCH64_TESTS, "-k", AARCH64_SLOW],
+    "aarch64-grace": [*(t for t in AARCH64_TESTS if "memory_only=True" in (REPO / t).read_text()),
+                      "-k", AARCH64_SLOW, "-m", "numa(memory_only=True)"],
+}
 GUEST_TIMEOUT_S = 1500
 
 
@@ -58,11 +95,11 @@ class RunResult:
         )
 
 
-def _pytest_command(name: str, extra: list[str]) -> list[str]:
+def _pytest_command(name: str, extra: list[str], python: str = sys.executable) -> list[str]:
     """pytest on all of tests/, or on the paths given among the extra arguments."""
     paths = [] if any(not a.startswith("-") for a in extra) else ["tests"]
     return [
-        sys.executable, "-m", "pytest", "-q", *paths,
+        python, "-m", "pytest", "-q", *paths,
         f"--junitxml={RESULTS / f'{name}.xml'}", *extra,
     ]  # fmt: skip
 
@@ -107,9 +144,13 @@ def run_guest(name: str, extra: list[str]) -> RunResult:
         "PYTHONDONTWRITEBYTECODE": "1",
     }
     start = time.monotonic()
-    code = run_in_guest(
-        _pytest_command(name, [*GUEST_ARGS[name], *extra]), topology, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_S
-    )
+    if name in AARCH64_GUESTS:
+        # The guest's own python3, on the root made (and the extension cross-built) by main().
+        command = _pytest_command(name, [*GUEST_ARGS[name], *extra], python="python3")
+        code = run_in_guest(command, topology, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_S, root=aarch64_vm.root_dir())
+    else:
+        command = _pytest_command(name, [*GUEST_ARGS[name], *extra])
+        code = run_in_guest(command, topology, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_S)
     result = _collect(RunResult(name, code, time.monotonic() - start))
     if code == 0 and result.marked_ran == 0:
         print(f"run_suite: guest {name} ran no numa-marked test", file=sys.stderr)
@@ -120,16 +161,33 @@ def run_guest(name: str, extra: list[str]) -> RunResult:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host-only", action="store_true", help="skip the guest runs")
-    parser.add_argument("--guest", action="append", choices=sorted(GUESTS), help="only these guests")
+    parser.add_argument("--no-host", action="store_true", help="skip the host run")
+    parser.add_argument("--guest", action="append", choices=sorted(GUESTS),
+                        help=f"only these guests (default: {', '.join(DEFAULT_GUESTS)})")
     parser.add_argument("pytest_args", nargs="*", help="passed on to every pytest run")
     args = parser.parse_args()
+    guests = [] if args.host_only else args.guest or DEFAULT_GUESTS
+    runs = guests if args.no_host else ["host", *guests]
     RESULTS.mkdir(exist_ok=True)
-    for stale in RESULTS.iterdir():
-        stale.unlink()
+    for stale in RESULTS.iterdir():  # only this run's: CI's aarch64 phase runs apart from the others
+        if stale.name.split(".")[0] in runs:
+            stale.unlink()
 
-    results = [run_host(args.pytest_args)]
-    if not args.host_only:
-        for name in args.guest or list(GUESTS):
+    results = [] if args.no_host else [run_host(args.pytest_args)]
+    if guests:
+        if AARCH64_GUESTS & set(guests):
+            print("==== aarch64: the arm64 root, the extension cross-built", flush=True)
+            try:
+                aarch64_vm.build_extension(aarch64_vm.prepare())
+                # Compiled here (numafast's modules, the test modules as pytest rewrites
+                # them), each .pyc is the guest's too: same Python 3.11, same pytest.
+                subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                                *AARCH64_TESTS], cwd=REPO, stdout=subprocess.DEVNULL, check=False)
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+                print(f"run_suite: no aarch64 guest: {error}", file=sys.stderr)
+                results += [RunResult(name, 1, 0.0) for name in guests if name in AARCH64_GUESTS]
+                guests = [name for name in guests if name not in AARCH64_GUESTS]
+        for name in guests:
             results.append(run_guest(name, args.pytest_args))
 
     print("==== summary")
