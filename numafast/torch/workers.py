@@ -450,10 +450,12 @@ def _queue_error(iterator: Any, task: int, index: int, message: str) -> bool:
 
 
 def _kill(process: Any) -> None:
-    """SIGKILL: a process stuck in fork may have inherited a handler that only sets a flag for SIGTERM."""
+    """SIGKILL: a process stuck in fork may have inherited a handler that only sets a flag
+    for SIGTERM. Then reaped (waited for up to 5 s, in the watch thread: one left a
+    zombie is reaped by multiprocessing at its next start of a process)."""
     try:
         process.kill()
-        process.join(1.0)
+        process.join(5.0)
     except (OSError, ValueError, AssertionError, AttributeError):
         pass
 
