@@ -490,7 +490,9 @@ def stuck_in(pid: int) -> str:
 
 
 # The system calls a process stuck in a fork waits in, by machine.
-_SYSCALLS = {("x86_64", 202): "futex", ("aarch64", 98): "futex", ("x86_64", 7): "poll", ("x86_64", 34): "pause"}
+# The waits a stuck child may be in, by machine (aarch64 has no poll or pause: ppoll serves both).
+_SYSCALLS = {("x86_64", 202): "futex", ("x86_64", 7): "poll", ("x86_64", 271): "ppoll", ("x86_64", 34): "pause",
+             ("aarch64", 98): "futex", ("aarch64", 73): "ppoll"}
 
 _UNKNOWN_TORCH = "a torch version numafast does not know"
 _FIX = ('fix: Python >= 3.11.8 or >= 3.12.1, or multiprocessing_context="forkserver" '
