@@ -38,6 +38,24 @@ def pool_mappings() -> list[str]:
     return [line.split()[1] for line in lines if "/memfd:numafast-pool-node" in line]
 
 
+def pool_mappings_of_a_child() -> list[str]:
+    """:func:`pool_mappings` as a child forked now sees them, after the at-fork handlers."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.write(write_end, " ".join(pool_mappings()).encode() or b"none")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    report = os.read(read_end, 4096).decode().split()
+    os.close(read_end)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    return [] if report == ["none"] else report
+
+
 def fork_from_another_thread_at(owner: Any, name: str, make: Callable[[], object]) -> tuple[list[str], object]:
     """Run ``make()`` in a thread; when it calls ``owner.name`` (a step of a pool's
     making), this thread forks right before that step runs, while the making thread
@@ -61,24 +79,12 @@ def fork_from_another_thread_at(owner: Any, name: str, make: Callable[[], object
         thread = threading.Thread(target=making)
         thread.start()
         assert at_step.wait(60)
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: only this thread is here
-            code = 1
-            try:
-                os.write(write_end, " ".join(pool_mappings()).encode() or b"none")
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_end)
-        report = os.read(read_end, 4096).decode().split()
-        os.close(read_end)
-        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        report = pool_mappings_of_a_child()  # only this thread is there
     finally:
         forked.set()
         thread.join(60)
         setattr(owner, name, real)
-    return ([] if report == ["none"] else report), made[0]
+    return report, made[0]
 
 
 # The steps of PinnedPool's making, each of which lets go of the GIL: a child may be
@@ -113,19 +119,7 @@ def test_a_child_forked_while_a_pools_slots_outlive_it_views_them_privately() ->
     forked child must still see it privately."""
     array = np.asarray(numafast.PinnedPool(NODES[0], MIB, 2).acquire())
     gc.collect()
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.write(write_end, " ".join(pool_mappings()).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    report = os.read(read_end, 4096).decode().split()
-    os.close(read_end)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    report = pool_mappings_of_a_child()
     assert report and not [perms for perms in report if perms[3] == "s"], report
     del array
 
