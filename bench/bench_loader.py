@@ -231,53 +231,63 @@ def test_pin_memory_hook(benchmark, table, kind: str) -> None:  # type: ignore[n
 ALTERNATED_ROUNDS = 8  # x a kind's batches per round: rounds long enough to outlast a scheduling hiccup
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_numa_loader_against_the_ceiling_alternated(benchmark, table, kind: str) -> None:  # type: ignore[no-untyped-def]
-    """Pairs of a ceiling round and a NumaLoader round (each pair in the other order from
-    the one before), each NumaLoader round against the ceiling round of its pair: on a
-    machine whose speed drifts (other guests on the host), the fairest ratio; the
-    cases above each run their rounds back to back."""
-    batch, _shape, _dtype, per_round = KINDS[kind]
-    batches = per_round * ALTERNATED_ROUNDS
-    ceiling = stock(kind, batches, collate_fn=StackIntoOwnBuffer())
-    loader = numafast.torch.NumaLoader(stock(kind, batches), node=NODE)
+def alternated_rounds(benchmark, table, group: str, rates: str, baseline: tuple[str, str, Any], loader: Any,  # type: ignore[no-untyped-def]
+                      epoch: Callable[[Iterator[Any]], int], samples: int, quiet: bool = False) -> None:
+    """Pairs of a baseline round and a NumaLoader round (each pair in the other order from
+    the one before), each NumaLoader round against the baseline round of its pair: on a
+    machine whose speed drifts (other guests on the host), the fairest ratio. ``baseline``
+    is (its name, its row's label, the loader); ``epoch(iterator)`` consumes one epoch and
+    returns its samples. Tabled under ``group`` (median and slowest round) and ``rates``
+    (median samples/s of each, to tell a slow NumaLoader from a slow baseline: a ratio
+    above 1 is the baseline's own bad run, not NumaLoader beating it)."""
+    name, label, base = baseline
     ratios: list[float] = []
-    rounds_seconds: dict[str, list[float]] = {"ceiling": [], "NumaLoader": []}
+    rounds_seconds: dict[str, list[float]] = {name: [], "NumaLoader": []}
 
-    read = stand_in(kind)
-
-    def seconds(name: str, epoch: Iterator[Any]) -> float:
+    def seconds(who: str, iterator: Iterator[Any]) -> float:
         start = time.perf_counter()
-        assert consume(epoch, read) == batch * batches
-        rounds_seconds[name].append(time.perf_counter() - start)
-        return rounds_seconds[name][-1]
+        assert epoch(iterator) == samples
+        rounds_seconds[who].append(time.perf_counter() - start)
+        return rounds_seconds[who][-1]
 
     def pair() -> None:
         # Which goes first alternates too: here the second round of a pair of the very same
         # loader ran ~3% faster than the first (median of 7 pairs: 1.00-1.09x).
         if len(ratios) % 2:
             numa_seconds = seconds("NumaLoader", iter(loader))
-            ratios.append(seconds("ceiling", iter(ceiling)) / numa_seconds)
+            ratios.append(seconds(name, iter(base)) / numa_seconds)
         else:
-            ceiling_seconds = seconds("ceiling", iter(ceiling))
-            ratios.append(ceiling_seconds / seconds("NumaLoader", iter(loader)))
+            base_seconds = seconds(name, iter(base))
+            ratios.append(base_seconds / seconds("NumaLoader", iter(loader)))
 
-    group = f"{kind}: NumaLoader / the ceiling, rounds alternated (after one warm-up epoch)"
-    record(benchmark, table, group, "ceiling + NumaLoader, a round each", pair, unit="us/op",
-           scale=lambda seconds: seconds * 1e6, warmup=1)  # fmt: skip
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")
+        record(benchmark, table, group, f"{name} + NumaLoader, a round each", pair, unit="us/op",
+               scale=lambda seconds: seconds * 1e6, warmup=1)  # fmt: skip
     if benchmark.stats is not None:
         rounds = sorted(ratios[1:])  # the first pair was the warm-up
         table[group] = {
-            "the ceiling (each round)": (1.0, "x"),
+            label: (1.0, "x"),
             "NumaLoader, median round": (rounds[len(rounds) // 2], "x"),
             "NumaLoader, slowest round": (rounds[0], "x"),
         }
-        # The rates themselves, to tell a slow NumaLoader from a slow ceiling (a ratio
-        # above 1 is the ceiling's own bad run, not NumaLoader beating it).
-        table[f"{kind}: the same rounds, median samples/s"] = {
-            name: (batch * batches / sorted(taken[1:])[len(taken[1:]) // 2], "samples/s")
-            for name, taken in rounds_seconds.items()
-        }
+        table[rates] = {who: (samples / sorted(taken[1:])[len(taken[1:]) // 2], "samples/s")
+                        for who, taken in rounds_seconds.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_numa_loader_against_the_ceiling_alternated(benchmark, table, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """The ceiling (the same workers moving nothing) and NumaLoader, rounds alternated:
+    the cases above each run their rounds back to back."""
+    batch, _shape, _dtype, per_round = KINDS[kind]
+    batches = per_round * ALTERNATED_ROUNDS
+    ceiling = stock(kind, batches, collate_fn=StackIntoOwnBuffer())
+    loader = numafast.torch.NumaLoader(stock(kind, batches), node=NODE)
+    read = stand_in(kind)
+    alternated_rounds(benchmark, table, f"{kind}: NumaLoader / the ceiling, rounds alternated (after one warm-up epoch)",
+                      f"{kind}: the same rounds, median samples/s", ("ceiling", "the ceiling (each round)", ceiling),
+                      loader, lambda epoch: consume(epoch, read), batch * batches)  # fmt: skip
     stats = loader.stats()
     assert stats.landed > 0 and set(stats.fallbacks) <= {"first batches"}, stats
 
@@ -382,45 +392,14 @@ def kept_loader(start: str) -> DataLoader:  # type: ignore[type-arg]
 @pytest.mark.parametrize("start", ["fork", "spawn"])
 @pytest.mark.parametrize("consumer", list(KEEPERS))
 def test_consumers_keeping_batches_against_stock_alternated(benchmark, table, consumer: str, start: str) -> None:  # type: ignore[no-untyped-def]
-    """Pairs of a stock round and a NumaLoader round (each pair in the other order from
-    the one before), the consumer keeping every batch (or its labels) of the epoch:
-    NumaLoader's pools grow at once, within max_pinned_bytes, and are released when
-    the consumer drops what it kept (before the next round's)."""
-    keep = KEEPERS[consumer]
-    stock_loader = kept_loader(start)
+    """The stock loader and NumaLoader, rounds alternated, the consumer keeping every batch
+    (or its labels) of the epoch: NumaLoader's pools grow at once, within
+    max_pinned_bytes, and are released when the consumer drops what it kept (before
+    the next round's). The warning about kept batches is said once and tested elsewhere."""
     loader = numafast.torch.NumaLoader(kept_loader(start), node=NODE)
-    ratios: list[float] = []
-    rounds_seconds: dict[str, list[float]] = {"stock": [], "NumaLoader": []}
-
-    def seconds(name: str, epoch: Iterator[Any]) -> float:
-        start_time = time.perf_counter()
-        assert keep(epoch) == KEPT_BATCHES * KEPT_BATCH
-        rounds_seconds[name].append(time.perf_counter() - start_time)
-        return rounds_seconds[name][-1]
-
-    def pair() -> None:
-        if len(ratios) % 2:
-            numa_seconds = seconds("NumaLoader", iter(loader))
-            ratios.append(seconds("stock", iter(stock_loader)) / numa_seconds)
-        else:
-            stock_seconds = seconds("stock", iter(stock_loader))
-            ratios.append(stock_seconds / seconds("NumaLoader", iter(loader)))
-
-    group = f"{consumer}, {start} workers: NumaLoader / stock, rounds alternated (after one warm-up pair)"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the warning about kept batches: said once, tested elsewhere
-        record(benchmark, table, group, "stock + NumaLoader, a round each", pair, unit="us/op",
-               scale=lambda seconds: seconds * 1e6, warmup=1)  # fmt: skip
-    if benchmark.stats is not None:
-        rounds = sorted(ratios[1:])  # the first pair was the warm-up
-        table[group] = {
-            "stock DataLoader (each round)": (1.0, "x"),
-            "NumaLoader, median round": (rounds[len(rounds) // 2], "x"),
-            "NumaLoader, slowest round": (rounds[0], "x"),
-        }
-        table[f"{consumer}, {start} workers: the same rounds, median samples/s"] = {
-            name: (KEPT_BATCHES * KEPT_BATCH / sorted(taken[1:])[len(taken[1:]) // 2], "samples/s")
-            for name, taken in rounds_seconds.items()
-        }
+    alternated_rounds(benchmark, table, f"{consumer}, {start} workers: NumaLoader / stock, rounds alternated (after one warm-up pair)",
+                      f"{consumer}, {start} workers: the same rounds, median samples/s",
+                      ("stock", "stock DataLoader (each round)", kept_loader(start)), loader, KEEPERS[consumer],
+                      KEPT_BATCHES * KEPT_BATCH, quiet=True)  # fmt: skip
     stats = loader.stats()
     assert stats.unpinned == 0 and set(stats.fallbacks) <= {"first batches"}, stats
