@@ -314,6 +314,19 @@ def lightning_jobs(tmp: Path) -> list[Run]:
     return runs
 
 
+LIGHTNING_AGAIN = 2  # the plain run with numafast, this many times more
+
+
+def lightning_again_jobs(tmp: Path) -> list[Run]:
+    runs = []
+    for again in range(1, LIGHTNING_AGAIN + 1):
+        name = f"lightning-plain-numafast-again{again}"
+        arguments = ["--out", str(tmp / name), "--name", name, "--variant", "plain", "--numafast"]
+        runs.append(Run(f"Lightning plain with numafast, again ({again})", name, tmp / name,
+                        script("lightning_run.py", *arguments)))
+    return runs
+
+
 def accelerate_run(tmp: Path, name: str, variant: str | None, launcher: str = "torchrun") -> Run:
     arguments = ["--out", str(tmp / name), "--name", name]
     if variant is not None:
@@ -347,6 +360,7 @@ def ray_jobs(tmp: Path) -> list[Run]:
 JOBS = {
     "test_ray_train_numaloader": (ray_jobs, ("torch", "ray.train")),
     "test_lightning_ddp_numaloader": (lightning_jobs, ("torch", "lightning")),
+    "test_lightning_ddp_numaloader_again": (lightning_again_jobs, ("torch", "lightning")),
     "test_accelerate_numaloader": (accelerate_jobs, ("torch", "accelerate")),
     "test_transformers_trainer_numaloader": (transformers_jobs, ("torch", "transformers", "accelerate")),
 }
@@ -388,6 +402,20 @@ def test_lightning_ddp_numaloader(host_jobs: dict[str, Run], variant: str) -> No
     ours = job(host_jobs, test, f"lightning-{variant}-numafast").ranks()
     check_shards(label, ours)
     compare(label, without, ours)
+    check_numafast(label, ours)
+
+
+@pytest.mark.host_only(HOST_ONLY)
+@pytest.mark.parametrize("again", range(1, LIGHTNING_AGAIN + 1))
+def test_lightning_ddp_numaloader_again(host_jobs: dict[str, Run], again: int) -> None:
+    """The plain run again: workers forked each epoch in both ranks, while gloo's and
+    torch's threads run. One such run in 16 once hung for good (a worker stuck inside
+    os.fork(), CPython gh-112275); NumaLoader's start watch replaces such a worker, so
+    every run ends, within the job's timeout, with every step's batch landed."""
+    test = "test_lightning_ddp_numaloader_again"
+    label = f"Lightning plain with numafast, again ({again})"
+    ours = job(host_jobs, test, f"lightning-plain-numafast-again{again}").ranks()
+    check_shards(label, ours)
     check_numafast(label, ours)
 
 
