@@ -1,7 +1,8 @@
 """A worker's message that cannot become its batch on arrival (its pool gone, its lease
 over, the copy failing) reaches the consumer as a worker's error does: at that batch,
 saying which worker's batch and why, and the next ``next()`` goes on with the next
-batch, in order; under the pin_memory hook, PyTorch's pin thread lives on.
+batch, in order; under the pin_memory hook, PyTorch's pin thread lives on. Save a
+batch whose worker died after sending it: the DataLoader's own error for a dead worker.
 
 Each loader here has a DataLoader ``timeout``: a batch lost on its way would fail the
 test in seconds, not hang it.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 import numafast.torch  # noqa: E402
 from numafast.torch.hook import PinMemoryHook  # noqa: E402
-from numafast.torch.message import Fallback, FallbackReason, SlotBatch, receivers  # noqa: E402
+from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers  # noqa: E402
 from torch._utils import ExceptionWrapper  # noqa: E402
 
 pytestmark = pytest.mark.host_only("the batch's path in one process: nothing the kernel's nodes change")
@@ -148,6 +150,55 @@ def test_a_receive_error_under_the_pin_memory_hook_leaves_torchs_pin_thread_runn
     hook.remove()
 
 
+class DyingWorker(torch.utils.data.Dataset):  # type: ignore[misc]
+    """dataset(), whose worker 0 ends, once ``dying`` is set, in its second batch
+    (samples 4 and 5), after its first was sent; with exit status 0, which PyTorch's
+    SIGCHLD handler lets pass (it raises for a failure): the DataLoader sees the death
+    when it reads the queue."""
+
+    def __init__(self) -> None:
+        self.samples = dataset()
+        self.dying = False
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Any:
+        info = torch.utils.data.get_worker_info()
+        if self.dying and info is not None and info.id == 0 and index == 4:
+            time.sleep(0.5)  # the queue's feeder thread sends the first batch
+            os._exit(0)
+        return self.samples[index]
+
+
+def test_a_batch_whose_worker_died_after_sending_it_raises_the_dataloaders_dead_worker_error() -> None:
+    """The owner ends a dead worker's leases when it sees the death (here stats(); in a
+    job, a worker asking for slots), the one of its batch still queued too. That batch
+    raises what the DataLoader raises for a worker that died, caused by SenderDied; the
+    DataLoader stops waiting for that worker, and the other's batches follow."""
+    data = DyingWorker()
+    loader = numafast.torch.NumaLoader(data, batch_size=2, num_workers=2, timeout=TIMEOUT_S)
+    assert [batch[:, 0].tolist() for batch in loader] == expected()  # the pools exist: batches travel in slots
+    data.dying = True
+    iterator = iter(loader)
+    dead = iterator._workers[0]
+    dead.join(TIMEOUT_S)
+    assert dead.exitcode == 0
+    loader.stats()  # ends the dead worker's leases
+    seen = outcomes(iterator)
+    error = seen[0]
+    assert isinstance(error, RuntimeError), seen
+    assert str(error).startswith(f"DataLoader worker (pid(s) {dead.pid}) exited unexpectedly"), str(error)
+    cause = error.__cause__
+    assert isinstance(cause, SenderDied), repr(cause)
+    assert f"DataLoader worker process 0 (pid {dead.pid}) died after sending batch 1 of DataLoader worker process 0" in (
+        str(cause)
+    ), str(cause)
+    assert seen[1:] == [batch for index, batch in enumerate(expected()) if index not in (0, 2)], seen
+    data.dying = False
+    assert [batch[:, 0].tolist() for batch in loader] == expected()  # and the next epoch is whole
+
+
 class Refusing:
     """A receiver whose every take-over fails, as a pool that cannot be read would."""
 
@@ -183,8 +234,8 @@ def test_an_unreceivable_message_becomes_the_wrapped_error_of_its_worker_batch()
 
 def test_a_message_still_says_which_worker_sent_it_after_travelling() -> None:
     """Where no receiver takes it, the message keeps its worker and number."""
-    moved = pickle.loads(pickle.dumps(SlotBatch(os.getpid() + 10**6, 1, 7, 0, 1, 512, b"", (), 3, 9)))
-    assert isinstance(moved, SlotBatch) and (moved.worker, moved.number) == (3, 9)
+    moved = pickle.loads(pickle.dumps(SlotBatch(os.getpid() + 10**6, 1, 7, 0, 1, 512, b"", (), 3, 9, 4242)))
+    assert isinstance(moved, SlotBatch) and (moved.worker, moved.number, moved.sender) == (3, 9, 4242)
 
 
 def test_workers_number_their_batches_from_one_each_epoch() -> None:

@@ -150,7 +150,7 @@ class SlotCollate:
             raise
         unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
-                         unpinned, self._batch[1], self._batch[2])  # fmt: skip
+                         unpinned, self._batch[1], self._batch[2], _pid.pid)  # fmt: skip
 
     def _more_slots(self, reader: BoardReader, needed: int) -> tuple[tuple[PoolView, int, int] | None, bool]:
         """Ask the owner for more slots and take one as soon as it publishes them:

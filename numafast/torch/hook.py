@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,12 +31,10 @@ from numafast._validate import check_node
 from numafast.binding import bind
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, resolve_device
+from numafast.torch.message import in_pin_thread
 from numafast.torch.pools import LoaderStats, node_pools
 
 __all__ = ["PinMemoryHook", "pin_memory_hook"]
-
-# The name PyTorch's pin thread gives itself (torch.utils.data._utils.pin_memory).
-PIN_THREAD_NAME = "pt_data_pin"
 
 _bound = threading.local()  # .node: the node this thread was bound to by a hook
 
@@ -64,7 +61,7 @@ class PinMemoryHook:
 
     def _bind_pin_thread(self) -> None:
         """PyTorch's pin thread binds itself to the node at its first batch: it only lives to pin."""
-        if getattr(_bound, "node", None) != self.node and _thread_name() == PIN_THREAD_NAME:
+        if getattr(_bound, "node", None) != self.node and in_pin_thread():
             assert self.node is not None
             bind(self.node)
             _bound.node = self.node
@@ -136,10 +133,3 @@ def _why_torch_will_not_pin() -> str:
         return f"the accelerator is {kind}: numafast pins for CUDA devices"
     return ""
 
-
-def _thread_name() -> str:
-    """The calling thread's kernel name (what PyTorch sets for its pin thread)."""
-    try:
-        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
-    except OSError:
-        return ""

@@ -21,17 +21,32 @@ queue (its count of batches in flight then never comes right: the next batch is
 waited for forever) and, under the pin_memory hook, end PyTorch's pin thread. So the
 consumer meets the error at that batch, as a worker's own, and the next ``next()``
 goes on with the next batch.
+
+Save one case: a batch whose worker died after sending it (killed, out of memory).
+When the owner saw the death it ended the dead worker's leases, the one of the batch
+still queued too (nothing tells a queued batch from one that was never sent), so the
+batch cannot be read. Then :class:`SenderDied` is raised inside the unpickling, out
+of the DataLoader's ``get``: the DataLoader finds its worker dead and raises its own
+error, ``DataLoader worker (pid(s) ...) exited unexpectedly``, caused by this one, as
+it does for a worker that dies without sending; it stops waiting for that worker's
+batches, so its count of batches in flight does not matter. In PyTorch's pin thread,
+which such an error would end, the batch becomes the wrapped error as above.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from enum import Enum
+from pathlib import Path
 from typing import Any, Protocol
 
 from numafast import _pid
 
-__all__ = ["Fallback", "FallbackReason", "Receiver", "SlotBatch", "receivers"]
+__all__ = ["Fallback", "FallbackReason", "Receiver", "SenderDied", "SlotBatch", "in_pin_thread", "receivers"]
+
+# The name PyTorch's pin thread gives itself (torch.utils.data._utils.pin_memory).
+PIN_THREAD_NAME = "pt_data_pin"
 
 
 class FallbackReason(str, Enum):
@@ -57,6 +72,11 @@ class FallbackReason(str, Enum):
     settings live where numafast cannot reach them)."""
 
 
+class SenderDied(RuntimeError):
+    """A batch whose DataLoader worker died after sending it: the owner ended the dead
+    worker's leases, this batch's slot among them, so it cannot be read."""
+
+
 class Receiver(Protocol):
     """The owner's side (:class:`numafast.torch.pools.NodePools`)."""
 
@@ -74,10 +94,11 @@ class SlotBatch:
     whose file is ``inode``, owned by receiver ``owner_id`` of process ``owner_pid``."""
 
     __slots__ = ("owner_pid", "owner_id", "inode", "index", "generation", "nbytes", "payload", "unpinned", "worker",
-                 "number")  # fmt: skip
+                 "number", "sender")  # fmt: skip
 
     def __init__(self, owner_pid: int, owner_id: int, inode: int, index: int, generation: int, nbytes: int,
-                 payload: bytes, unpinned: tuple[str, ...] = (), worker: int = -1, number: int = 0) -> None:
+                 payload: bytes, unpinned: tuple[str, ...] = (), worker: int = -1, number: int = 0,
+                 sender: int = 0) -> None:  # fmt: skip
         self.owner_pid = owner_pid
         self.owner_id = owner_id
         self.inode = inode
@@ -90,10 +111,11 @@ class SlotBatch:
         """The DataLoader worker that sent it (-1: not said)."""
         self.number = number
         """Its batch's number among those that worker collated (1 for its first)."""
+        self.sender = sender
+        """The pid of the process that sent it (0: not said)."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _arrive_in_slot, (self.owner_pid, self.owner_id, self.inode, self.index, self.generation, self.nbytes,
-                                 self.payload, self.unpinned, self.worker, self.number)  # fmt: skip
+        return _arrive_in_slot, tuple(getattr(self, name) for name in SlotBatch.__slots__)
 
     def describe(self) -> str:
         where = f"slot {self.index} of pool file {self.inode}, lease {self.generation}"
@@ -135,6 +157,10 @@ def _arrive_in_slot(*fields: Any) -> Any:
         return message
     try:
         return receiver.receive(message)
+    except SenderDied:
+        if in_pin_thread():
+            return _failed(message.describe())
+        raise  # out of the DataLoader's get: it finds its worker dead and says so (see above)
     except Exception:  # noqa: BLE001 - the consumer meets it at this batch, as a worker's error
         return _failed(message.describe())
 
@@ -164,3 +190,11 @@ def _failed(batch: str) -> Any:
 
     wrap: Any = ExceptionWrapper  # untyped in some torch versions
     return wrap(where=f"in the main process, taking over {batch}")
+
+
+def in_pin_thread() -> bool:
+    """Whether the calling thread is PyTorch's pin thread (by the kernel name it gives itself)."""
+    try:
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip() == PIN_THREAD_NAME
+    except OSError:
+        return False

@@ -50,14 +50,14 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from numafast import _libnuma
+from numafast import _libnuma, _pid
 from numafast._buffers import PAGE_SIZE
 from numafast.errors import InvalidSizeError, PoolClosedError, PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch.batch import fill, flatten, layout, opaque_leaves
 from numafast.torch.device import settled_gpu
-from numafast.torch.message import Fallback, FallbackReason, SlotBatch, receivers
+from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotFull, SlotMeasure, SlotPacker, placeable, tensor_kind, unpack
 
 __all__ = ["LoaderStats", "NodePools", "close_idle_pools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
@@ -246,11 +246,21 @@ class NodePools:
             self.before_receive()
         with self._mutex:
             pool = self._by_inode.get(message.inode)
-            if pool is None:
-                raise RuntimeError(
-                    f"a batch arrived in slot {message.index} of a node-{self.node} pool this loader no longer has"
-                )
-            slot = pool.adopt(message.index, message.generation, message.nbytes)
+            try:
+                if pool is None:
+                    raise RuntimeError(
+                        f"a batch arrived in slot {message.index} of a node-{self.node} pool this loader no longer has"
+                    )
+                slot = pool.adopt(message.index, message.generation, message.nbytes)
+            except (LookupError, RuntimeError) as error:
+                # A lease ends early only when its worker is gone (reclaim_orphans), and a
+                # pool leaves this loader only once every lease of it ended.
+                if message.sender and _pid.start_time(message.sender) is None:
+                    raise SenderDied(
+                        f"DataLoader worker process {message.worker} (pid {message.sender}) died after sending "
+                        f"{message.describe()}: its slot went back to the pool when the death was seen"
+                    ) from error
+                raise
             self.landed += 1
         if message.unpinned:
             for kind in message.unpinned:
