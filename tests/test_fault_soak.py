@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.host_only("faults of one process's loader: nothing the kernel's nodes change")
 
 SOAK = r"""
-import gc, os, signal, sys, warnings
+import gc, os, signal, sys, threading, warnings
 from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -97,6 +97,9 @@ del kept, batch, loader
 gc.collect()
 closed = numafast.torch.close_idle_pools()
 gc.collect()
+for thread in threading.enumerate():  # a closed queue's feeder thread closes its pipe when it next runs
+    if thread.name == "QueueFeederThread":
+        thread.join(5)
 print(" | ".join(seen))
 print(f"closed {closed} mappings {len(pool_mappings())} locked_kib {locked()} children {len(children())} "
       f"fds {fds() - fds_before}")
