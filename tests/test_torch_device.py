@@ -159,11 +159,11 @@ def test_a_batch_is_received_while_a_pool_is_being_made() -> None:
     proceed = threading.Event()
 
     class SlowPools(NodePools):
-        def _new_pool(self, slot_bytes: int) -> numafast.PinnedPool:
+        def _new_pool(self, slot_bytes: int, slots: int) -> numafast.PinnedPool:
             if self.pools:  # the resize, not the first pool
                 making.set()
                 assert proceed.wait(30)
-            return super()._new_pool(slot_bytes)
+            return super()._new_pool(slot_bytes, slots)
 
     pools = SlowPools(local_node(), 2, lock="off")
     try:

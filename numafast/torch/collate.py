@@ -26,7 +26,6 @@ Ray Train) copies it, and with it numafast.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -70,7 +69,7 @@ class SlotCollate:
         self.direct = collate_fn is default_collate
         self.pools: NodePools | None = pools
         self.owner_id = pools.owner_id
-        self.owner_pid = os.getpid()
+        self.owner_pid = _pid.pid
         self.board: BoardHandle = pools.board.handle()
         self.node = pools.node if bind_workers else None
         """The node each worker binds itself to at its first batch (None: stay where it is)."""
@@ -98,7 +97,7 @@ class SlotCollate:
             pid, _worker, number = self._batch
             self._batch = (_pid.pid, info.id, number + 1 if pid == _pid.pid else 1)
             return self._in_worker(samples)
-        if self.pools is not None and os.getpid() == self.owner_pid:
+        if self.pools is not None and _pid.pid == self.owner_pid:
             return self.pools.collate_here(samples, self)
         _warn_elsewhere(self.owner_pid)
         return self.collate_fn(samples)
@@ -167,11 +166,9 @@ class SlotCollate:
         try:
             while True:
                 views = reader.pools()
-                for view in views:
-                    if view.handle.slot_bytes >= needed:
-                        lease = view.lease(0.0)
-                        if lease is not None:
-                            return (view, lease[0], lease[1]), False
+                lease = _free_slot(views, needed)
+                if lease is not None:
+                    return lease, False
                 if reader.version != version:
                     now = [view.handle for view in views]
                     if now == before:  # the owner's answer: no more room
@@ -216,7 +213,7 @@ class SlotCollate:
         function. Workers forked by NumaLoader's ``iter()`` start bound already."""
         assert self.node is not None
         bind(self.node, strict=self.strict)
-        self._bound_pid = os.getpid()
+        self._bound_pid = _pid.pid
 
     def fill(self, packer: SlotPacker, samples: Any) -> Any:
         """The batch, collated into ``packer``'s slot when the collate function is
@@ -236,11 +233,9 @@ def _lease(reader: BoardReader, needed: int, wait_s: float) -> tuple[PoolView, i
     deadline = None  # taken when the first look finds no slot: the usual batch finds one
     try:
         while True:
-            for view in reader.pools():
-                if view.handle.slot_bytes >= needed:
-                    lease = view.lease(0.0)
-                    if lease is not None:
-                        return view, lease[0], lease[1]
+            lease = _free_slot(reader.pools(), needed)
+            if lease is not None:
+                return lease
             if deadline is None:
                 deadline = time.monotonic() + wait_s
             elif time.monotonic() >= deadline:
@@ -248,6 +243,16 @@ def _lease(reader: BoardReader, needed: int, wait_s: float) -> tuple[PoolView, i
             time.sleep(SLOT_POLL_S)
     except OSError:
         return None
+
+
+def _free_slot(views: list[PoolView], needed: int) -> tuple[PoolView, int, int] | None:
+    """A free slot of ``needed`` bytes or more, leased now, in one of ``views``."""
+    for view in views:
+        if view.handle.slot_bytes >= needed:
+            lease = view.lease(0.0)
+            if lease is not None:
+                return view, lease[0], lease[1]
+    return None
 
 
 _warned_elsewhere: set[int] = set()
@@ -258,7 +263,7 @@ def _warn_elsewhere(owner_pid: int) -> None:
     if owner_pid not in _warned_elsewhere:
         _warned_elsewhere.add(owner_pid)
         warnings.warn(
-            f"numafast: this loader's pools belong to process {owner_pid}, not to this one ({os.getpid()}): the "
+            f"numafast: this loader's pools belong to process {owner_pid}, not to this one ({_pid.pid}): the "
             "loader was copied to another process, whose batches are collated as without numafast; make the "
             "NumaLoader in the process that iterates it", RuntimeWarning, stacklevel=3,
         )

@@ -39,7 +39,6 @@ its slots are faulted in (placed, locked) as they are first used.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import warnings
 import weakref
@@ -155,8 +154,6 @@ class NodePools:
         """Why the last request for more room was refused (empty: none was)."""
         self._kept_grew = False
         """Pools were added because every slot was held: the consumer keeps batches."""
-        self._new_slots = slots
-        """The slots of the pool being made (under ``_making``)."""
         # Checked now, not at the first batch that makes a pool.
         self.lock: LockMode = parse_mode(lock, LockMode, "lock")
         self.register: RegisterMode = parse_mode(register, RegisterMode, "register")
@@ -190,7 +187,7 @@ class NodePools:
         held only for bookkeeping, never while a pool is faulted in or registered."""
         self._making = threading.Lock()
         """One pool is made at a time (by the serving thread or a copy in this one)."""
-        self._pid = os.getpid()
+        self._owner_pid = _pid.pid
         receivers[self.owner_id] = self
         _all_pools.add(self)
 
@@ -208,7 +205,7 @@ class NodePools:
         weakref.finalize(user, self._detach).atexit = False
 
     def _detach(self) -> None:
-        if os.getpid() != self._pid:
+        if _pid.pid != self._owner_pid:
             return  # a forked child's copy: the pools are the parent's
         with _idle_mutex:
             self.users -= 1
@@ -381,8 +378,7 @@ class NodePools:
                     )
                 if not resize:
                     self._kept_grew = True
-            self._new_slots = count
-            pool = self._new_pool(slot_bytes)
+            pool = self._new_pool(slot_bytes, count)
             with self._mutex:
                 if self.closed:
                     pool.close()
@@ -550,16 +546,15 @@ class NodePools:
             retiring.close()
         self.retired.extend(old)
 
-    def _new_pool(self, slot_bytes: int) -> PinnedPool:
-        """A pool of ``_new_slots`` slots of ``slot_bytes`` (the count decided by make_room,
-        which makes one pool at a time)."""
+    def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
+        """A pool of ``slots`` slots of ``slot_bytes``."""
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
         # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
         device = self.device if self.device is not None else settled_gpu(None)
         return PinnedPool(
-            self.node, slot_bytes, self._new_slots, lock=self.lock, register=self.register, timeout=None,
+            self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
             prefault=False, device=device,
         )
 
@@ -625,7 +620,7 @@ def pinned_bytes() -> int:
     back, and idle ones kept for the next loader."""
     total = 0
     for pools in list(_all_pools):
-        if pools._pid == os.getpid():
+        if pools._owner_pid == _pid.pid:
             total += sum(pool.stats().bytes_mapped for pool in [*pools.pools, *pools.retired])
     return total
 
