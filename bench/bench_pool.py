@@ -152,11 +152,11 @@ def test_copy_memcpy(benchmark, table, copy_pools, size: int) -> None:  # type: 
 def test_copy_pin(benchmark, table, copy_pools, size: int, threads: int | None) -> None:  # type: ignore[no-untyped-def]
     torch = pytest.importorskip("torch")
     import numafast.torch
-    from numafast.torch.batch import _copy_threads
+    from numafast.torch.slot import copy_threads
 
     pool = copy_pools[size]
     batch = {"images": torch.rand(size // 4)}
-    count = _copy_threads(size, len(pool.cpus), threads)  # what pin() will use
+    count = copy_threads(size, len(pool.cpus), threads)  # what pin() will use
 
     def pin() -> None:
         numafast.torch.pin(batch, pool, threads=threads)

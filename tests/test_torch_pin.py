@@ -22,9 +22,10 @@ torch = pytest.importorskip("torch")
 
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
-from numafast.torch.batch import ALIGNMENT, flatten  # noqa: E402
+from numafast.torch.batch import flatten  # noqa: E402
 from numafast.torch.message import PIN_THREAD_NAME, Fallback, FallbackReason, SlotBatch  # noqa: E402
 from numafast.torch.hook import PinMemoryHook  # noqa: E402
+from numafast.torch.slot import ALIGNMENT  # noqa: E402
 
 NODES = online_nodes()
 MIB = 1 << 20

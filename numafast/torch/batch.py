@@ -16,26 +16,18 @@ import copy
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from numafast import _libnuma
-from numafast.errors import InvalidBufferError, SlotTooSmallError
+from numafast.errors import SlotTooSmallError
 from numafast.pool import PinnedPool, pool_of
-from numafast.torch.packing import ALIGNMENT, copies_as_bytes, plain_array
+from numafast.torch.slot import ALIGNMENT, fill, layout, plain_array
 
-__all__ = ["ALIGNMENT", "BatchLayout", "fill", "flatten", "layout", "pin", "record_stream"]
-
-# Below this many bytes per thread, one more copy thread costs more than it saves.
-BYTES_PER_COPY_THREAD = 16 << 20
-# Beyond this many threads a copy is memory-bound anyway.
-MAX_COPY_THREADS = 8
+__all__ = ["flatten", "opaque_leaves", "pin", "record_stream"]
 
 Batch = TypeVar("Batch")
-# What pin() places in a slot: tensors, and NumPy arrays of plain numbers.
-Leaf = Union[torch.Tensor, "np.ndarray[Any, Any]"]
 # Leaves that are values, not buffers: kept as they are without a word.
 PLAIN_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), np.generic, torch.dtype, torch.device)
 
@@ -138,35 +130,6 @@ def _rebuild(item: Any, replace: Callable[[Any], Any], arrays: bool = False) -> 
     return item
 
 
-@dataclasses.dataclass(frozen=True)
-class BatchLayout:
-    """Where each tensor of a batch goes in a slot: byte offsets and the total size."""
-
-    offsets: tuple[int, ...]
-    nbytes: int
-
-
-def layout(tensors: Sequence[Leaf]) -> BatchLayout:
-    """Each tensor or array at the next :data:`ALIGNMENT` boundary after the one before;
-    checks that every tensor is a dense CPU tensor (the only kind that can be pinned)."""
-    offsets = []
-    end = 0
-    for index, tensor in enumerate(tensors):
-        if isinstance(tensor, np.ndarray):
-            start = -(-end // ALIGNMENT) * ALIGNMENT
-            offsets.append(start)
-            end = start + tensor.nbytes
-            continue
-        if tensor.device.type != "cpu":
-            raise InvalidBufferError(f"tensor {index} of the batch is on {tensor.device}: only host tensors are pinned")
-        if tensor.layout != torch.strided:
-            raise InvalidBufferError(f"tensor {index} of the batch is {tensor.layout}: only dense tensors are pinned")
-        start = -(-end // ALIGNMENT) * ALIGNMENT
-        offsets.append(start)
-        end = start + tensor.numel() * tensor.element_size()
-    return BatchLayout(tuple(offsets), end)
-
-
 def pin(batch: Batch, pool: PinnedPool, *, threads: int | None = None, timeout: float | None = None) -> Batch:
     """``batch`` copied into one slot of ``pool``: the same structure, each tensor (and
     NumPy array) replaced by one of the same dtype, shape and values over pool memory.
@@ -188,75 +151,19 @@ def pin(batch: Batch, pool: PinnedPool, *, threads: int | None = None, timeout: 
             f"pin() leaves {', '.join(sorted(opaque))} where they are: it places tensors and NumPy arrays inside "
             "dicts, lists, tuples, namedtuples and dataclasses", RuntimeWarning, stacklevel=2,
         )
-    tensors, rebuild = flatten(batch, arrays=True)
-    if not tensors:
+    leaves, rebuild = flatten(batch, arrays=True)
+    if not leaves:
         return batch
-    plan = layout(tensors)
+    plan = layout(leaves)
     if plan.nbytes > pool.slot_bytes:
         raise SlotTooSmallError(
-            f"the batch needs {plan.nbytes} bytes ({len(tensors)} tensors, each aligned to {ALIGNMENT} bytes) "
+            f"the batch needs {plan.nbytes} bytes ({len(leaves)} tensors, each aligned to {ALIGNMENT} bytes) "
             f"but a slot of this pool holds {pool.slot_bytes} bytes"
         )
     slot = None
     if plan.nbytes:
         slot = pool.acquire(plan.nbytes) if timeout is None else pool.acquire(plan.nbytes, timeout)
-    return rebuild(fill(slot, tensors, plan, pool.cpus, threads))
-
-
-def fill(
-    slot: _libnuma.Slot | None, tensors: Sequence[Leaf], plan: BatchLayout, cpus: Sequence[int],
-    threads: int | None = None,
-) -> list[Any]:
-    """Copies of ``tensors`` (and arrays) in ``slot`` as ``plan`` lays them out: the
-    contiguous ones in one GIL-free gather copy (``threads`` threads pinned to
-    ``cpus``), the others (strided, conjugate or negative views) by torch or NumPy."""
-    pinned = [_tensor_in(slot, tensor, offset) for tensor, offset in zip(tensors, plan.offsets)]
-    contiguous = [i for i, tensor in enumerate(tensors) if copies_as_bytes(tensor)]
-    as_bytes = set(contiguous)
-    sources = [_bytes_of(tensors[i]) for i in contiguous]
-    count = _copy_threads(sum(source.nbytes for source in sources), len(cpus), threads)
-    if slot is not None and sources:
-        _libnuma.gather_copy(slot, [plan.offsets[i] for i in contiguous], sources, cpus if count > 1 else (), count)
-    for i, tensor in enumerate(tensors):
-        if i not in as_bytes and _numel(tensor):
-            if isinstance(tensor, np.ndarray):
-                np.copyto(pinned[i], tensor)
-            else:
-                pinned[i].copy_(tensor)  # torch releases the GIL for it
-    return pinned
-
-
-def _numel(leaf: Leaf) -> int:
-    return int(leaf.size) if isinstance(leaf, np.ndarray) else leaf.numel()
-
-
-def _tensor_in(slot: _libnuma.Slot | None, like: Leaf, offset: int) -> Any:
-    """A tensor (or array) of ``like``'s dtype and shape over ``slot`` at ``offset``.
-    Each tensor has a storage of its own bytes only (torch.save or a queue sends no
-    more than that); each holds a reference to the slot."""
-    if isinstance(like, np.ndarray):
-        if like.size == 0 or slot is None:
-            return np.empty(like.shape, like.dtype)
-        return np.frombuffer(memoryview(slot), dtype=like.dtype, count=like.size, offset=offset).reshape(like.shape)
-    if like.numel() == 0 or slot is None:
-        return torch.empty(like.shape, dtype=like.dtype)
-    tensor = torch.frombuffer(slot, dtype=like.dtype, count=like.numel(), offset=offset).view(like.shape)
-    return tensor.requires_grad_() if like.requires_grad else tensor
-
-
-def _bytes_of(leaf: Leaf) -> Any:
-    """A contiguous CPU tensor's or array's memory as a flat uint8 NumPy array (no copy)."""
-    if isinstance(leaf, np.ndarray):
-        return leaf.reshape(-1).view(np.uint8)
-    return leaf.detach().reshape(-1).view(torch.uint8).numpy()
-
-
-def _copy_threads(nbytes: int, cpus: int, asked: int | None) -> int:
-    if asked is not None:
-        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-            raise ValueError(f"threads must be a positive integer, not {asked!r}")
-        return min(asked, max(cpus, 1))
-    return max(1, min(nbytes // BYTES_PER_COPY_THREAD, cpus, MAX_COPY_THREADS))
+    return rebuild(fill(slot, leaves, plan, pool.cpus, threads))
 
 
 def record_stream(batch: object, stream: object) -> int:

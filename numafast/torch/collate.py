@@ -37,7 +37,8 @@ from numafast import _pid
 from numafast.binding import bind
 from numafast.pool_share import BoardHandle, BoardReader, PoolView
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch
-from numafast.torch.packing import SlotFull, SlotMeasure, SlotPacker
+from numafast.torch.packing import SlotMeasure, SlotPacker
+from numafast.torch.slot import SlotFull
 
 if TYPE_CHECKING:
     from numafast.torch.pools import NodePools

@@ -1,8 +1,8 @@
 """A batch packed into one pool slot by whichever process fills it, and unpacked over
 the owner's mapping of the same slot.
 
-:class:`SlotPacker` lays tensors out in a slot, each on an :data:`ALIGNMENT`
-boundary. It serves two ways: as torch's own ``collate`` with a map whose tensor
+:class:`SlotPacker` lays tensors out in a slot (a :class:`~numafast.torch.slot.SlotLayout`).
+It serves two ways: as torch's own ``collate`` with a map whose tensor
 function stacks the samples straight into the slot (``torch.stack(out=...)``: the
 batch is made where it will be read, no copy), and as the pickler of the finished
 batch, which turns each tensor or NumPy array into a small reference to its bytes
@@ -27,17 +27,12 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from numafast import _libnuma
+from numafast.torch.slot import (
+    Leaf, Ref, SlotLayout, copy_in, over_slot, placeable, plain_array, tensor_kind,
+)  # fmt: skip
 
-__all__ = ["ALIGNMENT", "SlotFull", "SlotMeasure", "SlotPacker", "placeable", "tensor_kind", "unpack"]
+__all__ = ["SlotMeasure", "SlotPacker", "unpack"]
 
-# Where each tensor starts inside a slot: the CUDA caching allocator's block size,
-# so a copy engine reads every tensor from an aligned address.
-ALIGNMENT = 512
-
-# A reference to bytes in the slot: ("t", offset, dtype name, shape, requires_grad)
-# for a tensor, ("a", offset, dtype str, shape) for a NumPy array.
-Ref = tuple[Any, ...]
 CollateFn = Callable[..., Any]
 # The keys of torch's default_collate_fn_map whose functions return a new tensor.
 _NUMPY_SCALARS = (np.bool_, np.number, np.object_)
@@ -53,30 +48,16 @@ _PACKED_NUMBERS: dict[type, tuple[str, torch.dtype]] = {
 }
 
 
-class SlotFull(Exception):
-    """The batch does not fit in the slot."""
-
-
-def plain_array(item: object) -> bool:
-    """A NumPy array of plain numbers (no objects, no fields): bytes that can be placed."""
-    return type(item) is np.ndarray and not item.dtype.hasobject and item.dtype.fields is None
-
-
-def copies_as_bytes(leaf: torch.Tensor | np.ndarray[Any, Any]) -> bool:
-    """A non-empty tensor or array whose memory is its values in order: copied as bytes
-    (strided, conjugate or negative views are copied by torch or NumPy instead)."""
-    if isinstance(leaf, np.ndarray):
-        return leaf.size > 0 and leaf.flags.c_contiguous
-    return bool(leaf.numel()) and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg()
-
-
-class SlotPacker:
+class SlotPacker(SlotLayout):
     """Lays a batch out in ``memory`` (one slot, writable); :meth:`reset` lays the next
     one out in another slot, with the same collate map (made once)."""
 
     def __init__(self, memory: Any, made: dict[Ref, Any] | None = None) -> None:
+        super().__init__()
         self.placed: dict[int, tuple[object, Ref]] = {}
-        self.copies: list[tuple[int, Any]] = []
+        """What is in the slot, by id: tensors made there, and leaves given a place there."""
+        self.copies: list[tuple[Leaf, Ref]] = []
+        """Leaves :meth:`pack` copies into the slot, and where."""
         self.unpinned: set[str] = set()
         """Kinds of tensors left as they are (sparse, nested, on a device)."""
         self._collate_map: dict[Any, CollateFn] | None = None
@@ -109,20 +90,14 @@ class SlotPacker:
         self._collate_map = None
         self._payloads.clear()
 
-    def _reserve(self, nbytes: int) -> int:
-        start = -(-self.end // ALIGNMENT) * ALIGNMENT
-        if start + nbytes > self.capacity:
-            raise SlotFull(f"{start + nbytes} bytes needed, the slot holds {self.capacity}")
-        self.end = start + nbytes
-        return start
-
-    def tensor(self, dtype: torch.dtype, shape: Sequence[int], requires_grad: bool = False) -> torch.Tensor:
+    def tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """A new tensor in the slot (uninitialised; an empty one outside it)."""
-        numel = math.prod(shape)
-        if numel == 0:
+        if not math.prod(shape):
             return torch.empty(tuple(shape), dtype=dtype)
-        start = self._reserve(numel * dtype.itemsize)
-        ref = ("t", start, _dtype_name(dtype), tuple(shape), requires_grad)
+        return self._placed(self.tensor_ref(dtype, shape))
+
+    def _placed(self, ref: Ref) -> torch.Tensor:
+        """The tensor ``ref`` names over the slot, known as placed there."""
         tensor: torch.Tensor = self._over(ref)
         self.placed[id(tensor)] = (tensor, ref)
         return tensor
@@ -132,12 +107,12 @@ class SlotPacker:
         earlier batch where they are kept (see :meth:`reset`)."""
         made = self._made
         if made is None:
-            return _over_slot(self.memory, ref)
+            return over_slot(self.memory, ref)
         over = made.get(ref)
         if over is None:
             if len(made) >= _TEMPLATES_KEPT:
                 made.clear()
-            over = made[ref] = _over_slot(self.memory, ref)
+            over = made[ref] = over_slot(self.memory, ref)
         return over
 
     def _packed(self, values: Sequence[Any], code: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -145,15 +120,12 @@ class SlotPacker:
         written by ``struct`` in one call, ``code`` being its code for ``dtype``; None when
         one does not fit (an int beyond int64: torch's own function says so)."""
         count = len(values)
-        start = self._reserve(count * dtype.itemsize)
+        ref = self.tensor_ref(dtype, (count,))
         try:
-            _struct_of(code, count).pack_into(self.memory, start, *values)
+            _struct_of(code, count).pack_into(self.memory, ref[1], *values)
         except struct.error:
             return None
-        ref = ("t", start, _dtype_name(dtype), (count,), False)
-        tensor: torch.Tensor = self._over(ref)
-        self.placed[id(tensor)] = (tensor, ref)
-        return tensor
+        return self._placed(ref)
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` copied into the slot (now, by torch: for small and strided ones)."""
@@ -241,8 +213,8 @@ class SlotPacker:
 
     def pack(self, batch: object, cpus: Sequence[int] = (), threads: int = 1) -> bytes:
         """``batch`` pickled with its tensors and arrays as references into the slot; those
-        not in it yet are copied there (in one GIL-free gather copy, ``threads`` threads
-        on ``cpus``). SlotFull when they do not fit.
+        not in it yet are copied there (see :func:`~numafast.torch.slot.copy_in`:
+        ``threads`` threads on ``cpus``). SlotFull when they do not fit.
 
         A batch of lists, tuples and str-keyed dicts of tensors collated into the slot
         has the same payload as the last one of its layout: that is reused, not pickled."""
@@ -253,10 +225,8 @@ class SlotPacker:
                 return payload
         out = io.BytesIO()
         _Packer(out, self).dump(batch)
-        if self.copies:
-            offsets = [offset for offset, _source in self.copies]
-            _libnuma.gather_copy(self.memory, offsets, [source for _offset, source in self.copies], cpus, threads)
-            self.copies.clear()
+        copy_in(self.memory, self.copies, cpus, threads)
+        self.copies.clear()
         payload = out.getvalue()
         if layout is not None:
             if len(self._payloads) >= _TEMPLATES_KEPT:
@@ -279,15 +249,9 @@ class SlotPacker:
             return None if any(part is None for _key, part in items) else (dict, *items)
         return None
 
-    def _copy_in(self, target: torch.Tensor, offset: int, tensor: torch.Tensor) -> None:
-        if copies_as_bytes(tensor):  # in the one gather copy at the end of pack()
-            self.copies.append((offset, tensor.detach().reshape(-1).view(torch.uint8).numpy()))
-        else:
-            with torch.no_grad():
-                target.copy_(tensor)
-
     def reference(self, value: object) -> Ref | None:
-        """The slot reference for ``value`` (placing it first), or None to pickle it as is."""
+        """The slot reference for ``value`` (given a place there, copied at the end of
+        :meth:`pack`), or None to pickle it as is."""
         known = self.placed.get(id(value))
         if known is not None and known[0] is value:
             return known[1]
@@ -297,15 +261,14 @@ class SlotPacker:
                 if tensor.numel():
                     self.unpinned.add(tensor_kind(tensor))
                 return None
-            target = self.tensor(tensor.dtype, tensor.shape, tensor.requires_grad)
-            ref = self.placed[id(target)][1]
-            self._copy_in(target, ref[1], tensor)
-        elif isinstance(value, np.ndarray) and plain_array(value) and value.size:
-            start = self._reserve(value.nbytes)
-            self.copies.append((start, np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
-            ref = ("a", start, value.dtype.str, value.shape)
+            leaf: Leaf = tensor
+        elif plain_array(value) and value.size:  # type: ignore[attr-defined]
+            leaf = value  # type: ignore[assignment]
         else:
             return None
+        ref = self.leaf_ref(leaf)
+        assert ref is not None  # not empty
+        self.copies.append((leaf, ref))
         self.placed[id(value)] = (value, ref)
         return ref
 
@@ -337,20 +300,8 @@ class SlotMeasure(SlotPacker):
         self.copies.clear()
         return self.end
 
-    def tensor(self, dtype: torch.dtype, shape: Sequence[int], requires_grad: bool = False) -> torch.Tensor:
-        numel = math.prod(shape)
-        start = self._reserve(numel * dtype.itemsize) if numel else 0
-        tensor = torch.empty(tuple(shape), dtype=dtype, device="meta")
-        self.placed[id(tensor)] = (tensor, ("t", start, _dtype_name(dtype), tuple(shape), requires_grad))
-        return tensor
-
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        if placeable(tensor):
-            self.tensor(tensor.dtype, tensor.shape)
-        return tensor
-
-    def _copy_in(self, target: torch.Tensor, offset: int, tensor: torch.Tensor) -> None:
-        pass
+    def _over(self, ref: Ref) -> Any:
+        return torch.empty(ref[3], dtype=getattr(torch, ref[2]), device="meta")
 
     def _numbers(self, make: CollateFn) -> CollateFn:
         return self._placing(make)  # the same bytes as struct writes, where that applies
@@ -362,20 +313,10 @@ class SlotMeasure(SlotPacker):
         return self.tensor(first.dtype, (len(batch), *first.shape))
 
 
-def tensor_kind(tensor: torch.Tensor) -> str:
-    """What kind of tensor one that numafast leaves where it is is, for a warning."""
-    return "nested tensor" if tensor.is_nested else f"{tensor.layout} tensor on {tensor.device}"
-
-
 def _stacks_in_slot(first: torch.Tensor) -> bool:
     """A column whose first tensor is this one is stacked into the slot (dense, on the
     CPU); others are left to torch's own collate function."""
     return first.is_cpu and first.layout is torch.strided and not first.is_nested
-
-
-def placeable(tensor: torch.Tensor) -> bool:
-    """A dense, non-empty CPU tensor: one that can be laid out in a slot."""
-    return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0
 
 
 class _Packer(pickle.Pickler):
@@ -398,16 +339,8 @@ class _Unpacker(pickle.Unpickler):
     def persistent_load(self, ref: Any) -> Any:
         made = self.made.get(ref)
         if made is None:
-            made = self.made[ref] = _over_slot(self.slot, ref)
+            made = self.made[ref] = over_slot(self.slot, ref)
         return made
-
-
-# torch dtype name -> NumPy dtype, for those NumPy has (not bfloat16, float8, ...).
-_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {}
-for _name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "float32",
-              "float64", "complex64", "complex128"):  # fmt: skip
-    if hasattr(torch, _name):
-        _NUMPY_DTYPES[_name] = torch.empty(0, dtype=getattr(torch, _name)).numpy().dtype
 
 
 def _struct_of(code: str, count: int) -> struct.Struct:
@@ -422,46 +355,16 @@ def _struct_of(code: str, count: int) -> struct.Struct:
 
 _STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """``dtype``'s name as a reference carries it ("uint8")."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _over_slot(slot: Any, ref: Ref) -> Any:
-    """The tensor or array ``ref`` names, over ``slot``. The array (and so the tensor made
-    from it) holds a reference to ``slot``: the slot lives as long as they do."""
-    kind, offset, dtype, shape = ref[:4]
-    if kind == "a":
-        return np.ndarray(shape, np.dtype(dtype), slot, offset)
-    numpy_dtype = _NUMPY_DTYPES.get(dtype)
-    if numpy_dtype is not None:  # a third of the cost of torch.frombuffer + view, the same tensor
-        tensor = torch.from_numpy(np.ndarray(shape, numpy_dtype, slot, offset))
-    else:
-        tensor = torch.frombuffer(slot, dtype=getattr(torch, dtype), count=math.prod(shape), offset=offset).view(shape)
-    return tensor.requires_grad_() if ref[4] else tensor
-
-
 # How to rebuild a payload's batch over another slot without unpickling it: the
 # payload of same-shaped batches is the same bytes (offsets are slot-relative), so
-# its structure is learnt once. None: a payload whose batch holds more than lists,
+# its structure is learnt once: the references in the order the batch is made from,
+# and the function that makes it. None: a payload whose batch holds more than lists,
 # tuples, str-keyed dicts and slot tensors and arrays (anything else is unpickled
 # anew every time, so no object is ever shared between two batches).
 Build = Callable[[list[Any]], Any]
-# A reference as a template makes it again: (NumPy dtype, shape, offset) of a tensor
-# made by torch.from_numpy (the dtype None for any other kind), and the reference.
-Maker = tuple[Any, tuple[int, ...], int, Ref]
-_templates: dict[bytes, tuple[tuple[Maker, ...], Build] | None] = {}
+_templates: dict[bytes, tuple[tuple[Ref, ...], Build] | None] = {}
 _TEMPLATES_KEPT = 64
 _UNSEEN: Any = object()
-_from_numpy = torch.from_numpy
-_ndarray = np.ndarray
 
 
 def unpack(payload: bytes, slot: Any) -> Any:
@@ -469,25 +372,17 @@ def unpack(payload: bytes, slot: Any) -> Any:
     (each holds a reference to it: the slot comes back when the last is gone)."""
     template = _templates.get(payload, _UNSEEN)
     if template is not None and template is not _UNSEEN:
-        makers, build = template
-        return build([
-            _over_slot(slot, ref) if dtype is None else _from_numpy(_ndarray(shape, dtype, slot, offset))
-            for dtype, shape, offset, ref in makers
-        ])  # fmt: skip
+        refs, build = template
+        return build([over_slot(slot, ref) for ref in refs])
     unpacker = _Unpacker(payload, slot)
     batch = unpacker.load()
     if template is _UNSEEN:
-        if len(_templates) >= _TEMPLATES_KEPT:
-            _templates.clear()
         builder = _builder(batch, {id(made): position for position, made in enumerate(unpacker.made.values())},
                            len(unpacker.made))  # fmt: skip
-        _templates[payload] = None if builder is None else (tuple(map(_maker, unpacker.made)), builder)
+        if len(_templates) >= _TEMPLATES_KEPT:
+            _templates.clear()
+        _templates[payload] = None if builder is None else (tuple(unpacker.made), builder)
     return batch
-
-
-def _maker(ref: Ref) -> Maker:
-    plain = ref[0] == "t" and not ref[4]  # not an array, no gradient to ask for
-    return (_NUMPY_DTYPES.get(ref[2]) if plain else None), ref[3], ref[1], ref
 
 
 def _builder(value: Any, positions: dict[int, int], count: int) -> Build | None:

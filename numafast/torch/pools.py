@@ -54,10 +54,11 @@ from numafast._buffers import PAGE_SIZE
 from numafast.errors import InvalidSizeError, PoolClosedError, PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
-from numafast.torch.batch import fill, flatten, layout, opaque_leaves
+from numafast.torch.batch import flatten, opaque_leaves
 from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
-from numafast.torch.packing import SlotFull, SlotMeasure, SlotPacker, placeable, tensor_kind, unpack
+from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
+from numafast.torch.slot import SlotFull, fill, layout, placeable, tensor_kind
 
 __all__ = ["LoaderStats", "NodePools", "close_idle_pools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
 
