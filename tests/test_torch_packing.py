@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 import numafast  # noqa: E402
 from numafast.torch import packing  # noqa: E402
 from numafast.torch.batch import flatten  # noqa: E402
+from numafast.torch.slot import CACHE_ENTRIES, recall, remember  # noqa: E402
 
 NODE = online_nodes()[0]
 Pair = namedtuple("Pair", "image label")
@@ -206,3 +207,16 @@ def test_a_packer_keeping_its_tensors_fills_them_anew_for_each_batch() -> None:
         made.append(collated)
     assert made[1][0] is made[0][0] and made[1][1] is made[0][1]  # the same layout: the same tensors, filled again
     assert made[2][0] is not made[0][0] and made[3][0] is made[0][0]
+
+
+def test_a_cache_keeps_the_entries_in_use_within_its_bound() -> None:
+    """The one cache policy of a batch's path: bounded, the least recently used entry
+    going first, so a stream of new keys (new shapes, payloads with file names) never
+    pushes out the one every batch uses."""
+    cache: dict[int, str] = {}
+    remember(cache, -1, "in use")
+    for key in range(3 * CACHE_ENTRIES):
+        remember(cache, key, str(key))
+        assert recall(cache, -1, None) == "in use"
+    assert len(cache) == CACHE_ENTRIES
+    assert recall(cache, 0, None) is None and recall(cache, 3 * CACHE_ENTRIES - 1, None) == str(3 * CACHE_ENTRIES - 1)

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from numafast.torch.slot import (
-    Leaf, Ref, SlotLayout, copy_in, over_slot, placeable, plain_array, tensor_kind,
+    Leaf, Ref, SlotLayout, copy_in, over_slot, placeable, plain_array, recall, remember, tensor_kind,
 )  # fmt: skip
 
 __all__ = ["SlotMeasure", "SlotPacker", "unpack"]
@@ -67,7 +67,8 @@ class SlotPacker(SlotLayout):
     def reset(self, memory: Any, made: dict[Ref, Any] | None = None) -> SlotPacker:
         """Start laying a new batch out in ``memory``. ``made``: the tensors made over
         ``memory`` for earlier batches, by reference, to reuse (a worker's, whose
-        tensors never leave it: only their references travel); None: new ones."""
+        tensors never leave it: only their references travel; kept as
+        :func:`~numafast.torch.slot.remember` keeps entries); None: new ones."""
         self.memory = memory
         self.capacity = len(memory)
         self.end = 0
@@ -108,12 +109,8 @@ class SlotPacker(SlotLayout):
         made = self._made
         if made is None:
             return over_slot(self.memory, ref)
-        over = made.get(ref)
-        if over is None:
-            if len(made) >= _TEMPLATES_KEPT:
-                made.clear()
-            over = made[ref] = over_slot(self.memory, ref)
-        return over
+        over = recall(made, ref, None)
+        return remember(made, ref, over_slot(self.memory, ref)) if over is None else over
 
     def _packed(self, values: Sequence[Any], code: str, dtype: torch.dtype) -> torch.Tensor | None:
         """A ``dtype`` tensor in the slot holding ``values`` (Python numbers, all of one type),
@@ -220,7 +217,7 @@ class SlotPacker(SlotLayout):
         has the same payload as the last one of its layout: that is reused, not pickled."""
         layout = self._layout(batch)
         if layout is not None:
-            payload = self._payloads.get(layout)
+            payload = recall(self._payloads, layout, None)
             if payload is not None:
                 return payload
         out = io.BytesIO()
@@ -228,11 +225,7 @@ class SlotPacker(SlotLayout):
         copy_in(self.memory, self.copies, cpus, threads)
         self.copies.clear()
         payload = out.getvalue()
-        if layout is not None:
-            if len(self._payloads) >= _TEMPLATES_KEPT:
-                self._payloads.clear()
-            self._payloads[layout] = payload
-        return payload
+        return payload if layout is None else remember(self._payloads, layout, payload)
 
     def _layout(self, value: object) -> Any:
         """What makes ``value``'s payload: its containers and the references of the
@@ -344,13 +337,9 @@ class _Unpacker(pickle.Unpickler):
 
 
 def _struct_of(code: str, count: int) -> struct.Struct:
-    """``count`` values of struct code ``code``, compiled once."""
-    compiled = _STRUCTS.get((code, count))
-    if compiled is None:
-        if len(_STRUCTS) >= _TEMPLATES_KEPT:
-            _STRUCTS.clear()
-        compiled = _STRUCTS[(code, count)] = struct.Struct(f"{count}{code}")
-    return compiled
+    """``count`` values of struct code ``code``, compiled once (while in use)."""
+    compiled = recall(_STRUCTS, (code, count), None)
+    return remember(_STRUCTS, (code, count), struct.Struct(f"{count}{code}")) if compiled is None else compiled
 
 
 _STRUCTS: dict[tuple[str, int], struct.Struct] = {}
@@ -363,14 +352,13 @@ _STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 # anew every time, so no object is ever shared between two batches).
 Build = Callable[[list[Any]], Any]
 _templates: dict[bytes, tuple[tuple[Ref, ...], Build] | None] = {}
-_TEMPLATES_KEPT = 64
 _UNSEEN: Any = object()
 
 
 def unpack(payload: bytes, slot: Any) -> Any:
     """The batch :meth:`SlotPacker.pack` packed, with its tensors and arrays over ``slot``
     (each holds a reference to it: the slot comes back when the last is gone)."""
-    template = _templates.get(payload, _UNSEEN)
+    template = recall(_templates, payload, _UNSEEN)
     if template is not None and template is not _UNSEEN:
         refs, build = template
         return build([over_slot(slot, ref) for ref in refs])
@@ -379,9 +367,7 @@ def unpack(payload: bytes, slot: Any) -> Any:
     if template is _UNSEEN:
         builder = _builder(batch, {id(made): position for position, made in enumerate(unpacker.made.values())},
                            len(unpacker.made))  # fmt: skip
-        if len(_templates) >= _TEMPLATES_KEPT:
-            _templates.clear()
-        _templates[payload] = None if builder is None else (tuple(unpacker.made), builder)
+        remember(_templates, payload, None if builder is None else (tuple(unpacker.made), builder))
     return batch
 
 

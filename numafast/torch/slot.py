@@ -10,6 +10,11 @@ boundary (:class:`SlotLayout`). A :data:`Ref` names one leaf's place and kind; i
 all a worker sends of a tensor, and :func:`over_slot` makes the tensor or array it
 names over any process's mapping of the slot. :func:`copy_in` copies leaves to the
 places their refs name.
+
+The caches of a batch's path (tensors a worker made over a slot, payloads and
+templates of batch layouts, compiled structs) follow one policy: :func:`recall` and
+:func:`remember`, at most :data:`CACHE_ENTRIES` entries, the least recently used
+dropped first.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import numpy as np
 import torch
@@ -27,8 +32,8 @@ from numafast import _libnuma
 from numafast.errors import InvalidBufferError
 
 __all__ = [
-    "ALIGNMENT", "BatchLayout", "Leaf", "Ref", "SlotFull", "SlotLayout", "copy_in", "copy_threads",
-    "fill", "layout", "over_slot", "placeable", "plain_array", "tensor_kind",
+    "ALIGNMENT", "BatchLayout", "CACHE_ENTRIES", "Leaf", "Ref", "SlotFull", "SlotLayout", "copy_in", "copy_threads",
+    "fill", "layout", "over_slot", "placeable", "plain_array", "recall", "remember", "tensor_kind",
 ]  # fmt: skip
 
 # Where each leaf starts inside a slot: the CUDA caching allocator's block size, so a
@@ -38,12 +43,18 @@ ALIGNMENT = 512
 BYTES_PER_COPY_THREAD = 16 << 20
 # Beyond this many threads a copy is memory-bound anyway.
 MAX_COPY_THREADS = 8
+# The most entries any cache of a batch's path keeps (see recall and remember).
+CACHE_ENTRIES = 64
 
 # A tensor or a NumPy array of plain numbers: what a slot holds.
 Leaf = Union[torch.Tensor, "np.ndarray[Any, Any]"]
 # A leaf's place in a slot: ("t", offset, dtype name, shape, requires_grad) for a
 # tensor, ("a", offset, dtype str, shape) for a NumPy array. Hashable and picklable.
 Ref = tuple[Any, ...]
+
+K = TypeVar("K")
+V = TypeVar("V")
+D = TypeVar("D")
 
 
 class SlotFull(Exception):
@@ -196,6 +207,24 @@ def _empty_like(leaf: Leaf) -> Any:
     if isinstance(leaf, np.ndarray):
         return np.empty(leaf.shape, leaf.dtype)
     return torch.empty(leaf.shape, dtype=leaf.dtype)
+
+
+def recall(cache: dict[K, V], key: K, missing: D) -> V | D:
+    """``cache[key]``, now its most recently used entry; ``missing`` when it has none."""
+    if key not in cache:
+        return missing
+    value = cache[key] = cache.pop(key)  # last in the dict's order: the most recently used
+    return value
+
+
+def remember(cache: dict[K, V], key: K, value: V) -> V:
+    """``value`` kept in ``cache`` under ``key``; past :data:`CACHE_ENTRIES` entries, the
+    least recently used goes (so a stream of new keys never grows memory, and the ones
+    in use stay)."""
+    if len(cache) >= CACHE_ENTRIES and key not in cache:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
 
 
 # Every torch dtype's name as a reference carries it ("uint8"), and the NumPy dtype of
