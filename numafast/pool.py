@@ -195,7 +195,7 @@ class _Resources:
     object so that the slots, which outlive a closed pool, hold no reference to it."""
 
     def __init__(self, file: _PoolFile, region: _libnuma.MappedBuffer) -> None:
-        self.owner_pid = os.getpid()
+        self.owner_pid = _pid.pid
         self.file = file
         self.region = region
         self.fd = file.fd
@@ -206,7 +206,7 @@ class _Resources:
     def unpin(self) -> None:
         """Unregister and unlock (the memory stays mapped and valid); nothing in a
         forked child, which inherited neither the lock nor the registration."""
-        if os.getpid() != self.owner_pid:
+        if not _pid.owns(self.owner_pid):
             return
         with self.lock:
             registration, self.registration = self.registration, None
@@ -220,7 +220,7 @@ class _Resources:
         """Unpin, unmap, close the file: called once no slot is out and no GPU work is
         in flight. Nothing in a forked child: arrays it inherited may still read its
         private view, which goes when the child ends."""
-        if os.getpid() != self.owner_pid:
+        if not _pid.owns(self.owner_pid):
             return
         self.unpin()
         self.region.free()
@@ -269,7 +269,7 @@ def _after_fork_in_child() -> None:
             file.view_privately()
         except OSError as error:
             message = (
-                f"numafast: process {os.getpid()}, forked from {os.getppid()}, cannot make its view of the "
+                f"numafast: process {_pid.pid}, forked from {os.getppid()}, cannot make its view of the "
                 f"node-{file.node} pool private ({error}); it would write into the slots its parent hands "
                 f"out, so it exits now with status {FORK_REMAP_FAILED_STATUS}\n"
             )
@@ -467,8 +467,9 @@ class PinnedPool:
                 f"arrays or tensors, {slots.fenced} in flight on the GPU) and none came back within "
                 f"{wait:g} s; drop references to earlier batches, or make the pool larger"
             ) from None
-        except RuntimeError:
-            raise self._state_error() from None
+        except RuntimeError:  # the extension's refusal: say it in numafast's words
+            self._check()
+            raise
         if self._faulted is not None:
             self._fault_in(slot.index, slot.nbytes)
         return slot
@@ -500,8 +501,7 @@ class PinnedPool:
         :meth:`share`) and filled with ``nbytes`` bytes, as a slot of this process:
         it comes back to the pool like any other. LookupError when that lease has
         ended (the worker died and the slot was reclaimed, or it was adopted already)."""
-        if _pid.pid != self._slots.owner_pid or self._slots.drained:  # a closed pool still takes its workers' batches
-            raise self._state_error()
+        self._check(closed_ok=not self._slots.drained)  # a closed pool still takes its workers' batches
         try:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
@@ -510,17 +510,10 @@ class PinnedPool:
             self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
         return slot
 
-    def reclaim(self, index: int, generation: int, pid: int) -> bool:
-        """End the lease of slot ``index`` held by process ``pid`` (a batch dropped unread);
-        False when it had ended already."""
-        if os.getpid() != self._slots.owner_pid:
-            return False
-        return bool(self._slots.reclaim(index, generation, pid))
-
     def reclaim_orphans(self) -> int:
         """End every lease whose worker process is gone (killed, or exited with a batch
         never sent): those slots are free again. Returns how many."""
-        if os.getpid() != self._slots.owner_pid or self._slots.drained:
+        if not _pid.owns(self._slots.owner_pid) or self._slots.drained:
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
@@ -531,7 +524,7 @@ class PinnedPool:
     def share(self) -> PoolHandle:
         """What another process needs to map this pool and lease its slots (small and
         picklable): see :class:`numafast.pool_share.PoolView`."""
-        self._check_usable()
+        self._check()
         return PoolHandle(
             owner_pid=self._resources.owner_pid,
             fd=self._resources.fd,
@@ -544,7 +537,7 @@ class PinnedPool:
     def settle(self) -> bool:
         """For a closed pool: release its memory once no slot is out (held, in flight or
         leased to a worker); True once released."""
-        if os.getpid() != self._slots.owner_pid:
+        if not _pid.owns(self._slots.owner_pid):
             return False
         self.reclaim_orphans()
         return bool(self._slots.settle())
@@ -553,25 +546,24 @@ class PinnedPool:
         self._slots.__reduce__()  # raises TypeError: why pool memory does not travel, and what to do
         raise AssertionError("unreachable")
 
-    def _state_error(self) -> Exception:
-        if os.getpid() != self._slots.owner_pid:
-            return PoolForkedError(
-                f"this pool was made by process {self._slots.owner_pid}; the forked child {os.getpid()} only "
+    def _check(self, *, closed_ok: bool = False) -> None:
+        """PoolForkedError in a forked child (its copy of the pool is a private view);
+        PoolClosedError once the pool is closed, unless ``closed_ok``."""
+        if not _pid.owns(self._slots.owner_pid):
+            raise PoolForkedError(
+                f"this pool was made by process {self._slots.owner_pid}; the forked child {_pid.pid} only "
                 "reads the slots it inherited (a private view: locking and CUDA registration are not "
                 "inherited): make a new pool in the child"
-            )
-        return PoolClosedError(f"this node-{self._node} pool is closed")
-
-    def _check_usable(self) -> None:
-        if os.getpid() != self._slots.owner_pid or self._slots.closed:
-            raise self._state_error()
+            ) from None
+        if self._slots.closed and not closed_ok:
+            raise PoolClosedError(f"this node-{self._node} pool is closed") from None
 
     def record_stream(self, address: int, stream: object) -> bool:
         """Name a CUDA stream that reads the slot holding ``address`` (e.g. a tensor's
         ``data_ptr()``), like ``Tensor.record_stream``: when that slot comes back, it is
         reused only after the work queued on ``stream`` by then has finished. False when
         the address is not in this pool or the pool is not registered with CUDA."""
-        self._check_usable()
+        self._check()
         index = self._slots.index_of(address)
         if index < 0 or self._fences is None:
             return False
@@ -585,8 +577,7 @@ class PinnedPool:
 
     def stats(self) -> PoolStats:
         """The pool's counters now (see :class:`PoolStats`)."""
-        if os.getpid() != self._slots.owner_pid:
-            raise self._state_error()
+        self._check(closed_ok=True)
         slots = self._slots
         region = self._resources.region
         return PoolStats(
@@ -620,7 +611,7 @@ class PinnedPool:
         self._slots.close()
 
     def __enter__(self) -> PinnedPool:
-        self._check_usable()
+        self._check()
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -134,9 +134,6 @@ cdef timespec _deadline_in(double seconds) noexcept nogil:
 # (Ctrl-C) and at fences again.
 cdef double _WAIT_STEP_S = 0.05
 cdef double _FENCE_POLL_S = 0.0005
-# A worker waiting for a slot looks again this often (another process frees it:
-# no condition variable reaches across processes).
-cdef long _CLAIM_POLL_NS = 200000
 
 # The slot table at the start of a pool's mapping: a header, then one 64-bit word per
 # slot, ``generation << 40 | state << 32 | pid``, then one more word per slot that says
@@ -303,37 +300,22 @@ cdef class SlotTable:
             return False
         return nf_cas64(word, seen, _word(generation + (1 if next_generation else 0), new_state, new_pid))
 
-    def claim(self, double timeout, uint64_t started):
+    def claim(self, uint64_t started):
         """Lease a free slot to this process (a worker), whose start time is ``started``
         (clock ticks after boot, as /proc/self/stat gives it): ``(index, generation)``,
-        or None when none came free within ``timeout`` seconds (polling, GIL released)."""
+        or None when none is free now. It never waits: a worker that finds every slot
+        taken asks its owner for more (numafast.pool_share.BoardReader.ask)."""
         cdef uint64_t generation = 0
-        cdef uint64_t pid = <uint64_t>getpid()
         cdef Py_ssize_t index
-        cdef double start
-        cdef timespec pause
-        pause.tv_sec = 0
-        pause.tv_nsec = _CLAIM_POLL_NS
         if self._unmapped():
             return None
-        # A look that does not wait is a few atomic reads, made with the GIL held; only
-        # a claim that waits releases it.
-        index = self._claim(_LEASED, pid, started, &generation)
-        if index >= 0 or timeout <= 0:
-            return None if index < 0 else (index, generation)
-        start = _monotonic()
-        with nogil:
-            while True:
-                index = self._claim(_LEASED, pid, started, &generation)
-                if index >= 0 or _monotonic() - start >= timeout:
-                    break
-                nanosleep(&pause, NULL)
+        index = self._claim(_LEASED, <uint64_t>nf_pid(), started, &generation)
         return None if index < 0 else (index, generation)
 
     def unclaim(self, Py_ssize_t index, uint64_t generation, pid=None) -> bool:
         """Free a slot leased to ``pid`` (default: this process) in ``generation``: a
         worker giving up on a batch, or the owner reclaiming a dead worker's slot."""
-        cdef uint64_t owner = <uint64_t>(getpid() if pid is None else pid)
+        cdef uint64_t owner = <uint64_t>(nf_pid() if pid is None else pid)
         self._check_index(index)
         if self._unmapped():
             return False
@@ -435,7 +417,7 @@ cdef class SlotPool:
         self.fences = [None] * count if fence is not None else []
         self.fence_order = []
         self.on_drained = on_drained
-        self.owner_pid = getpid()
+        self.owner_pid = nf_pid()
         pthread_mutex_init(&self.mutex, NULL)
         pthread_condattr_init(&attributes)
         pthread_condattr_setclock(&attributes, CLOCK_MONOTONIC)
@@ -445,7 +427,7 @@ cdef class SlotPool:
 
     def __dealloc__(self):
         # No Slot is out (each holds a reference); fenced slots may still be in flight.
-        if self.owner_pid != nf_pid():
+        if not self._owned():
             return  # a forked child's copy: the mutex and condition are left as they are (see the class)
         if not self.is_drained and self.table is not None:
             try:
@@ -471,8 +453,13 @@ cdef class SlotPool:
         """Slots that worker processes lease now (filling them, or their batch on its way)."""
         return self.table.states().count(_LEASED)
 
+    cdef inline bint _owned(self) noexcept:
+        """Whether this process made the pool (not a forked child's copy): the one check
+        before anything of the owner's alone (the slot bookkeeping, the mutex)."""
+        return self.owner_pid == nf_pid()
+
     cdef int _check_owner(self) except -1:
-        if self.owner_pid != nf_pid():
+        if not self._owned():
             raise RuntimeError(
                 f"this pool belongs to process {self.owner_pid}; a forked child only reads the slots "
                 "it inherited: make a new pool in the child")
@@ -599,7 +586,7 @@ cdef class SlotPool:
         self._signal()
 
     cdef void _signal(self) noexcept:
-        if self.owner_pid != nf_pid():
+        if not self._owned():
             return  # never the owner's mutex in a forked child (see the class)
         pthread_mutex_lock(&self.mutex)
         pthread_cond_signal(&self.returned)
@@ -609,7 +596,7 @@ cdef class SlotPool:
         """A Slot object died (GIL held): its slot is free, or fenced until its GPU work ends."""
         cdef object fence = None
         cdef uint64_t word
-        if self.owner_pid != nf_pid():
+        if not self._owned():
             return 0  # a forked child's copy: nothing of the parent's to give back
         word = nf_load64(self.table._slot_word(index))
         self.in_use -= 1
@@ -675,7 +662,7 @@ cdef class SlotPool:
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef bint retired = True
-        if self.closed and not self.is_drained and self.owner_pid == nf_pid():
+        if self.closed and not self.is_drained and self._owned():
             for index in range(self.table.count):
                 while True:
                     word = nf_load64(self.table._slot_word(index))
@@ -694,7 +681,7 @@ cdef class SlotPool:
         forked child, only marks this copy closed."""
         if self.closed:
             return
-        if self.owner_pid != nf_pid():
+        if not self._owned():
             self.closed = True  # no waiter of this copy exists to wake, and the mutex is not the child's
             return
         pthread_mutex_lock(&self.mutex)
