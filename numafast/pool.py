@@ -363,7 +363,7 @@ class PinnedPool:
         slots = _positive_int(slots, "slots")
         lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
         register_mode: RegisterMode = parse_mode(register, RegisterMode, "register")
-        self._timeout = _check_timeout(timeout)
+        self._wait = _wait_of(timeout)
         if device is not None:
             device = check_device_index(device)
         if _libnuma.node_size64(self._node)[0] == 0:
@@ -415,7 +415,6 @@ class PinnedPool:
             # prefault=False: how many bytes of each slot this process has faulted in.
             self._faulted: list[int] | None = None if prefault else [0] * slots
             self._slot_bytes = slot_bytes
-            self._wait = -1.0 if self._timeout is None else self._timeout  # SlotPool's "as long as it takes"
         except BaseException:
             self._resources.release()
             raise
@@ -459,8 +458,7 @@ class PinnedPool:
             size, wait = self._slot_bytes, self._wait
         else:
             size = self._slot_bytes_of(nbytes)
-            given = self._timeout if timeout is _WAIT else _check_timeout(timeout)
-            wait = -1.0 if given is None else given
+            wait = self._wait if timeout is _WAIT else _wait_of(timeout)
         try:
             slot: Slot = self._acquire_slot(size, wait)
         except TimeoutError:
@@ -509,7 +507,7 @@ class PinnedPool:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
             raise LookupError(f"node-{self._node} pool: {error}; its batch cannot be read any more") from None
-        if self._faulted is not None and self._faulted[index] < nbytes:
+        if self._faulted is not None:
             self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
         return slot
 
@@ -539,9 +537,8 @@ class PinnedPool:
 
     def settle(self) -> bool:
         """For a closed pool: release its memory once no slot is out (held, in flight or
-        leased to a worker); True once released."""
-        if not _pid.owns(self._slots.owner_pid):
-            return False
+        leased to a worker); True once released. Also records the fences of slots given
+        back since the last look (see :meth:`numafast._libnuma.SlotPool.settle`)."""
         self.reclaim_orphans()
         return bool(self._slots.settle())
 
@@ -689,9 +686,11 @@ def _leaser_alive(pid: int, started: int) -> bool:
 _LEASE_STARTED_BITS = (1 << 40) - 1  # the bits of a start time that a lease keeps (see src/pool.pxi)
 
 
-def _check_timeout(timeout: object) -> float | None:
+def _wait_of(timeout: object) -> float:
+    """``timeout`` (None: as long as it takes) as SlotPool.acquire takes it (-1.0: as long
+    as it takes), or a ValueError naming it."""
     if timeout is None:
-        return None
+        return -1.0
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or timeout != timeout:
         raise ValueError(f"timeout must be None (wait as long as it takes) or seconds >= 0, not {timeout!r}")
     return float(timeout)
