@@ -663,10 +663,7 @@ class PinnedPool:
 
 def pool_of(address: int) -> PinnedPool | None:
     """The live pool whose slots hold ``address``, if any."""
-    for pool in list(_live_pools):
-        if pool._slots.index_of(address) >= 0:
-            return pool
-    return None
+    return next((pool for pool in list(_live_pools) if pool.contains(address)), None)
 
 
 def _leaser_alive(pid: int, started: int) -> bool:
