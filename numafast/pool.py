@@ -408,9 +408,9 @@ class PinnedPool:
                 fence = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
             self._fences = fence
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
-            # Dropped unclosed: closed then, without waiting there (a finalizer runs in the
-            # dropping thread); the main thread settles it, as it does a returned slot.
-            weakref.finalize(self, self._slots.close, False).atexit = False
+            # Dropped: closed then, and released once its last slot is back, leases or not;
+            # without waiting there (a finalizer runs in the dropping thread).
+            weakref.finalize(self, self._slots.abandon).atexit = False
             self._acquire_slot = self._slots.acquire
             # prefault=False: how many bytes of each slot this process has faulted in.
             self._faulted: list[int] | None = None if prefault else [0] * slots

@@ -421,6 +421,7 @@ cdef class SlotPool:
     cdef readonly bint closed
     cdef bint is_drained
     cdef bint settle_queued
+    cdef bint abandoned
     cdef bint sync_ready
     cdef pthread_mutex_t mutex
     cdef pthread_cond_t returned
@@ -702,6 +703,7 @@ cdef class SlotPool:
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef bint retired = True
+        cdef uint64_t state
         cdef object fence
         if self.is_drained or not self._owned():
             return self.is_drained
@@ -716,21 +718,20 @@ cdef class SlotPool:
         for index in range(self.table.count):
             while True:
                 word = nf_load64(self.table._slot_word(index))
-                if _state(word) != _FREE or self.table._change(index, _generation(word), _FREE, _PID_BITS,
-                                                               _LOST, 0, False):
+                state = _state(word)
+                if not (state == _FREE or state == _LEASED and self.abandoned) or self.table._change(
+                        index, _generation(word), state, _PID_BITS, _LOST, 0, False):
                     break
             retired = retired and _state(nf_load64(self.table._slot_word(index))) == _LOST
         if retired:
             self._drain()
         return self.is_drained
 
-    def close(self, bint wait=True) -> None:
+    def close(self) -> None:
         """Hand out no more slots; wake every waiter (it raises); then settle(): wait for
         the GPU work on fenced slots, and call on_drained now if no slot is out, else
         when the last one comes back (slots leased by workers count as out: see
-        :meth:`settle`). With ``wait=False`` (from a deallocator or a finalizer) the
-        settling is left to the main thread's next Python instruction, as a returned
-        slot's is. In a forked child, only marks this copy closed."""
+        :meth:`settle`). In a forked child, only marks this copy closed."""
         if self.closed:
             return
         if not self._owned():
@@ -740,10 +741,23 @@ cdef class SlotPool:
         self.closed = True
         pthread_cond_broadcast(&self.returned)
         pthread_mutex_unlock(&self.mutex)
-        if wait:
-            self.settle()
-        else:
-            self._settle_soon()
+        self.settle()
+
+    def abandon(self) -> None:
+        """What the pool's owner calls as it is dropped (a finalizer, in whichever thread
+        drops it): close, and let the memory go once no slot of this process is out,
+        workers' leases or not (nobody is left to adopt their batches; a worker's own
+        mapping keeps what it writes valid). Waits for nothing: the settling is left
+        to the main thread's next Python instruction, as a returned slot's is."""
+        if not self._owned():
+            return
+        self.abandoned = True
+        if not self.closed:
+            pthread_mutex_lock(&self.mutex)
+            self.closed = True
+            pthread_cond_broadcast(&self.returned)
+            pthread_mutex_unlock(&self.mutex)
+        self._settle_soon()
 
     @property
     def drained(self) -> bool:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -174,6 +175,24 @@ def test_a_process_that_dies_holding_a_slot_gives_it_back_through_the_owner() ->
         again = pool.acquire()
         assert pool._slots.table.states()[again.index] == _libnuma.SLOT_STATES["held"]
         del again
+
+
+def test_a_dropped_pool_is_released_though_a_worker_still_leases_a_slot() -> None:
+    """Nobody is left to adopt the batch of a dropped pool: its memory goes once no slot
+    of the owner's is out, leases or not (a worker's own mapping keeps its slot valid)."""
+    pool = numafast.PinnedPool(NODES[0], MIB, 2)
+    resources = pool._resources
+    assert PoolView(pool.share()).lease() is not None  # as a worker that then died would
+    held = pool.acquire()
+    del pool
+    gc.collect()
+    assert resources.fd >= 0 and not resources.region.freed  # the held slot keeps it
+    del held
+    assert released(resources)  # settled by the main thread at its next Python call: this one
+
+
+def released(resources: Any) -> bool:
+    return resources.fd == -1 and bool(resources.region.freed)
 
 
 def test_many_processes_claiming_at_once_never_share_a_slot() -> None:
