@@ -197,6 +197,42 @@ def test_pools_grown_for_kept_batches_shrink_back_once_they_are_dropped() -> Non
     assert numafast.torch.close_idle_pools() == 1 and vmlck() == before
 
 
+class LargeImages(Dataset):  # type: ignore[type-arg]
+    """Sample i: a 1 MiB float32 image filled with i, and i."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return torch.full((256, 1024), float(index)), index
+
+
+@SEMANTICS
+def test_kept_small_batches_grow_small_slots_in_pools_taken_over_with_large_ones() -> None:
+    """A loader takes over the idle pools of a gone one whose batches were 1 MiB; its own
+    are 96 KiB and the consumer keeps them all: the pools added have slots sized for
+    its batches, not the first pool's, so the run stays within a max_pinned_bytes
+    that pools of 1 MiB slots would have passed (every batch lands, none unpinned)."""
+    gc.collect()
+    numafast.torch.close_idle_pools()
+    large = numafast.torch.NumaLoader(DataLoader(LargeImages(), batch_size=1, num_workers=2))
+    assert sum(1 for _batch in large) == 8
+    large_slot = large.stats().pools[0].slot_bytes
+    del large
+    gc.collect()
+    cap = 24 << 20
+    small = numafast.torch.NumaLoader(DataLoader(Images(512), batch_size=8, num_workers=2), max_pinned_bytes=cap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept = list(small)
+    stats = small.stats()
+    assert small.pools.taken_over and stats.pools[0].slot_bytes == large_slot >= 1 << 20, stats
+    assert len(kept) == 64 and stats.unpinned == 0 and stats.landed >= 60, stats
+    assert len(stats.pools) > 1 and all(pool.slot_bytes * 4 <= large_slot for pool in stats.pools[1:]), stats
+    assert sum(pool.slots for pool in stats.pools) * large_slot > cap  # what slots of the first pool's size would take
+    del kept
+
+
 @SEMANTICS
 def test_the_boards_limit_on_pools_is_never_silent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(node_pools_module, "BOARD_ENTRIES", 2)

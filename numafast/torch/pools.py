@@ -72,6 +72,9 @@ PINNED_SHARE_OF_NODE = 4
 # A grown pool found wholly free is released when the batches received reach a
 # multiple of this (and at stats() and iter()): a look at each pool's counters.
 SHRINK_EVERY = 8
+# A pool added for more slots has smaller slots than the first pool's when the batches
+# landed lately need this many times less.
+_GROWN_SMALLER = 4
 
 _owner_ids = itertools.count(1)
 # NodePools no loader uses any more, by (node, lock, register): the next loader's.
@@ -163,6 +166,9 @@ class NodePools:
         self.grown = 0
         self.resized = 0
         self.landed = 0
+        self.largest_landed = 0
+        """The most bytes a batch that landed in a worker took of its slot (since the
+        counters were reset): what a pool added for more slots is sized by."""
         self.copied = 0
         self.bytes_copied = 0
         self.fallbacks: Counter[str] = Counter()
@@ -227,7 +233,7 @@ class NodePools:
     def reset_counters(self) -> None:
         """Start the batch counters afresh (a new loader taking idle pools)."""
         with self._mutex:
-            self.landed = self.copied = self.bytes_copied = self.unpinned = 0
+            self.landed = self.largest_landed = self.copied = self.bytes_copied = self.unpinned = 0
             self.refused = ""
             self._kept_grew = False
             self.fallbacks.clear()
@@ -260,6 +266,7 @@ class NodePools:
                     ) from error
                 raise
             self.landed += 1
+            self.largest_landed = max(self.largest_landed, message.nbytes)
         if message.unpinned:
             for kind in message.unpinned:
                 self._warn_unpinned(kind)
@@ -361,9 +368,9 @@ class NodePools:
                 if self.closed:
                     return False
                 resize = not self.pools or nbytes > self.pools[0].slot_bytes
-                if not resize and (not more or self._slot_free_soon()):
+                if not resize and (not more or self._slot_free_soon(nbytes)):
                     return True
-                slot_bytes = _slot_bytes_for(nbytes) if resize else self.pools[0].slot_bytes
+                slot_bytes = _slot_bytes_for(nbytes) if resize else self._grown_slot_bytes(nbytes)
                 wanted = self.slots if resize else max(self.slots, sum(pool.slots for pool in self.pools))
                 room = self.max_pinned_bytes - pinned_bytes()
                 count = min(wanted, _slots_within(slot_bytes, room))
@@ -451,11 +458,22 @@ class NodePools:
             self._settle_retired()
         return len(gone)
 
-    def _slot_free_soon(self) -> bool:
-        """A slot is free, or only in flight (a GPU copy still reads it: free soon), once
-        the leases of workers that are gone are ended."""
+    def _grown_slot_bytes(self, nbytes: int) -> int:
+        """The slots of a pool added for more: as large as the first pool's, or as the
+        batches landed lately need where they need far less. Pools taken over from an
+        earlier loader keep its slot size; a consumer keeping small batches would
+        otherwise grow pools of that size until max_pinned_bytes refused more."""
+        largest = self.pools[0].slot_bytes
+        needed = _slot_bytes_for(max(nbytes, self.largest_landed))
+        return needed if needed * _GROWN_SMALLER <= largest else largest
+
+    def _slot_free_soon(self, nbytes: int) -> bool:
+        """A slot of ``nbytes`` or more is free, or only in flight (a GPU copy still reads
+        it: free soon), once the leases of workers that are gone are ended."""
         self.reclaim_orphans()
-        return any(stats.free or stats.in_flight for stats in (pool.stats() for pool in self.pools))
+        return any(
+            stats.free or stats.in_flight for stats in (pool.stats() for pool in self.pools if pool.slot_bytes >= nbytes)
+        )
 
     def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
@@ -522,14 +540,14 @@ class NodePools:
             with self._mutex:
                 if self.closed:
                     raise PoolClosedError(f"the node-{self.node} pools of this loader are closed")
-                fits = bool(self.pools) and nbytes <= self.pools[0].slot_bytes
-                for pool in self.pools if fits else ():
+                fitting = [pool for pool in self.pools if nbytes <= pool.slot_bytes]
+                for pool in fitting:
                     try:
                         return pool.acquire(nbytes, 0), pool
                     except PoolExhaustedError:
                         pass
                 self.reclaim_orphans()
-                busy = [pool for pool in self.pools if pool.stats().in_flight] if fits else []
+                busy = [pool for pool in fitting if pool.stats().in_flight]
             if busy:
                 return busy[0].acquire(nbytes, None), busy[0]
             if not self.make_room(nbytes, more=True):
