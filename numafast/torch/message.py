@@ -115,7 +115,8 @@ class SlotBatch:
         """The pid of the process that sent it (0: not said)."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _arrive_in_slot, tuple(getattr(self, name) for name in SlotBatch.__slots__)
+        return _arrive_in_slot, (self.owner_pid, self.owner_id, self.inode, self.index, self.generation, self.nbytes,
+                                 self.payload, self.unpinned, self.worker, self.number, self.sender)  # fmt: skip
 
     def describe(self) -> str:
         where = f"slot {self.index} of pool file {self.inode}, lease {self.generation}"
