@@ -26,6 +26,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 import numafast.torch
 
+# As at a terminal: a runner started in the background (nohup, `&` without job
+# control) hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 class Numbers(Dataset):
     def __init__(self, n, bad=-1):
         self.n, self.bad = n, bad
