@@ -25,6 +25,12 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
+def owns(owner_pid: int) -> bool:
+    """Whether this process is ``owner_pid``: the check made before anything that only
+    the process which made a pool or a board may do (a forked child has a copy)."""
+    return owner_pid == pid
+
+
 def start_time(process: int | str = "self") -> int | None:
     """When ``process`` started, in clock ticks after boot (/proc/PID/stat's 22nd field,
     ``starttime``); None when it is gone, or dead and not yet reaped (a zombie, whose

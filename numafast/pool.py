@@ -195,7 +195,7 @@ class _Resources:
     object so that the slots, which outlive a closed pool, hold no reference to it."""
 
     def __init__(self, file: _PoolFile, region: _libnuma.MappedBuffer) -> None:
-        self.owner_pid = os.getpid()
+        self.owner_pid = _pid.pid
         self.file = file
         self.region = region
         self.fd = file.fd
@@ -206,7 +206,7 @@ class _Resources:
     def unpin(self) -> None:
         """Unregister and unlock (the memory stays mapped and valid); nothing in a
         forked child, which inherited neither the lock nor the registration."""
-        if os.getpid() != self.owner_pid:
+        if not _pid.owns(self.owner_pid):
             return
         with self.lock:
             registration, self.registration = self.registration, None
@@ -220,7 +220,7 @@ class _Resources:
         """Unpin, unmap, close the file: called once no slot is out and no GPU work is
         in flight. Nothing in a forked child: arrays it inherited may still read its
         private view, which goes when the child ends."""
-        if os.getpid() != self.owner_pid:
+        if not _pid.owns(self.owner_pid):
             return
         self.unpin()
         self.region.free()
@@ -269,7 +269,7 @@ def _after_fork_in_child() -> None:
             file.view_privately()
         except OSError as error:
             message = (
-                f"numafast: process {os.getpid()}, forked from {os.getppid()}, cannot make its view of the "
+                f"numafast: process {_pid.pid}, forked from {os.getppid()}, cannot make its view of the "
                 f"node-{file.node} pool private ({error}); it would write into the slots its parent hands "
                 f"out, so it exits now with status {FORK_REMAP_FAILED_STATUS}\n"
             )
@@ -363,7 +363,7 @@ class PinnedPool:
         slots = _positive_int(slots, "slots")
         lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
         register_mode: RegisterMode = parse_mode(register, RegisterMode, "register")
-        self._timeout = _check_timeout(timeout)
+        self._wait = _wait_of(timeout)
         if device is not None:
             device = check_device_index(device)
         if _libnuma.node_size64(self._node)[0] == 0:
@@ -408,11 +408,13 @@ class PinnedPool:
                 fence = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
             self._fences = fence
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
+            # Dropped: closed then, and released once its last slot is back, leases or not;
+            # without waiting there (a finalizer runs in the dropping thread).
+            weakref.finalize(self, self._slots.abandon).atexit = False
             self._acquire_slot = self._slots.acquire
             # prefault=False: how many bytes of each slot this process has faulted in.
             self._faulted: list[int] | None = None if prefault else [0] * slots
             self._slot_bytes = slot_bytes
-            self._wait = -1.0 if self._timeout is None else self._timeout  # SlotPool's "as long as it takes"
         except BaseException:
             self._resources.release()
             raise
@@ -456,8 +458,7 @@ class PinnedPool:
             size, wait = self._slot_bytes, self._wait
         else:
             size = self._slot_bytes_of(nbytes)
-            given = self._timeout if timeout is _WAIT else _check_timeout(timeout)
-            wait = -1.0 if given is None else given
+            wait = self._wait if timeout is _WAIT else _wait_of(timeout)
         try:
             slot: Slot = self._acquire_slot(size, wait)
         except TimeoutError:
@@ -467,8 +468,9 @@ class PinnedPool:
                 f"arrays or tensors, {slots.fenced} in flight on the GPU) and none came back within "
                 f"{wait:g} s; drop references to earlier batches, or make the pool larger"
             ) from None
-        except RuntimeError:
-            raise self._state_error() from None
+        except RuntimeError:  # the extension's refusal: say it in numafast's words
+            self._check()
+            raise
         if self._faulted is not None:
             self._fault_in(slot.index, slot.nbytes)
         return slot
@@ -500,27 +502,19 @@ class PinnedPool:
         :meth:`share`) and filled with ``nbytes`` bytes, as a slot of this process:
         it comes back to the pool like any other. LookupError when that lease has
         ended (the worker died and the slot was reclaimed, or it was adopted already)."""
-        if _pid.pid != self._slots.owner_pid or self._slots.drained:  # a closed pool still takes its workers' batches
-            raise self._state_error()
+        self._check(closed_ok=not self._slots.drained)  # a closed pool still takes its workers' batches
         try:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
             raise LookupError(f"node-{self._node} pool: {error}; its batch cannot be read any more") from None
-        if self._faulted is not None and self._faulted[index] < nbytes:
+        if self._faulted is not None:
             self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
         return slot
-
-    def reclaim(self, index: int, generation: int, pid: int) -> bool:
-        """End the lease of slot ``index`` held by process ``pid`` (a batch dropped unread);
-        False when it had ended already."""
-        if os.getpid() != self._slots.owner_pid:
-            return False
-        return bool(self._slots.reclaim(index, generation, pid))
 
     def reclaim_orphans(self) -> int:
         """End every lease whose worker process is gone (killed, or exited with a batch
         never sent): those slots are free again. Returns how many."""
-        if os.getpid() != self._slots.owner_pid or self._slots.drained:
+        if not _pid.owns(self._slots.owner_pid) or self._slots.drained:
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
@@ -531,7 +525,7 @@ class PinnedPool:
     def share(self) -> PoolHandle:
         """What another process needs to map this pool and lease its slots (small and
         picklable): see :class:`numafast.pool_share.PoolView`."""
-        self._check_usable()
+        self._check()
         return PoolHandle(
             owner_pid=self._resources.owner_pid,
             fd=self._resources.fd,
@@ -543,9 +537,8 @@ class PinnedPool:
 
     def settle(self) -> bool:
         """For a closed pool: release its memory once no slot is out (held, in flight or
-        leased to a worker); True once released."""
-        if os.getpid() != self._slots.owner_pid:
-            return False
+        leased to a worker); True once released. Also records the fences of slots given
+        back since the last look (see :meth:`numafast._libnuma.SlotPool.settle`)."""
         self.reclaim_orphans()
         return bool(self._slots.settle())
 
@@ -553,25 +546,24 @@ class PinnedPool:
         self._slots.__reduce__()  # raises TypeError: why pool memory does not travel, and what to do
         raise AssertionError("unreachable")
 
-    def _state_error(self) -> Exception:
-        if os.getpid() != self._slots.owner_pid:
-            return PoolForkedError(
-                f"this pool was made by process {self._slots.owner_pid}; the forked child {os.getpid()} only "
+    def _check(self, *, closed_ok: bool = False) -> None:
+        """PoolForkedError in a forked child (its copy of the pool is a private view);
+        PoolClosedError once the pool is closed, unless ``closed_ok``."""
+        if not _pid.owns(self._slots.owner_pid):
+            raise PoolForkedError(
+                f"this pool was made by process {self._slots.owner_pid}; the forked child {_pid.pid} only "
                 "reads the slots it inherited (a private view: locking and CUDA registration are not "
                 "inherited): make a new pool in the child"
-            )
-        return PoolClosedError(f"this node-{self._node} pool is closed")
-
-    def _check_usable(self) -> None:
-        if os.getpid() != self._slots.owner_pid or self._slots.closed:
-            raise self._state_error()
+            ) from None
+        if self._slots.closed and not closed_ok:
+            raise PoolClosedError(f"this node-{self._node} pool is closed") from None
 
     def record_stream(self, address: int, stream: object) -> bool:
         """Name a CUDA stream that reads the slot holding ``address`` (e.g. a tensor's
         ``data_ptr()``), like ``Tensor.record_stream``: when that slot comes back, it is
         reused only after the work queued on ``stream`` by then has finished. False when
         the address is not in this pool or the pool is not registered with CUDA."""
-        self._check_usable()
+        self._check()
         index = self._slots.index_of(address)
         if index < 0 or self._fences is None:
             return False
@@ -585,8 +577,7 @@ class PinnedPool:
 
     def stats(self) -> PoolStats:
         """The pool's counters now (see :class:`PoolStats`)."""
-        if os.getpid() != self._slots.owner_pid:
-            raise self._state_error()
+        self._check(closed_ok=True)
         slots = self._slots
         region = self._resources.region
         return PoolStats(
@@ -620,7 +611,7 @@ class PinnedPool:
         self._slots.close()
 
     def __enter__(self) -> PinnedPool:
-        self._check_usable()
+        self._check()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -672,10 +663,7 @@ class PinnedPool:
 
 def pool_of(address: int) -> PinnedPool | None:
     """The live pool whose slots hold ``address``, if any."""
-    for pool in list(_live_pools):
-        if pool._slots.index_of(address) >= 0:
-            return pool
-    return None
+    return next((pool for pool in list(_live_pools) if pool.contains(address)), None)
 
 
 def _leaser_alive(pid: int, started: int) -> bool:
@@ -695,9 +683,11 @@ def _leaser_alive(pid: int, started: int) -> bool:
 _LEASE_STARTED_BITS = (1 << 40) - 1  # the bits of a start time that a lease keeps (see src/pool.pxi)
 
 
-def _check_timeout(timeout: object) -> float | None:
+def _wait_of(timeout: object) -> float:
+    """``timeout`` (None: as long as it takes) as SlotPool.acquire takes it (-1.0: as long
+    as it takes), or a ValueError naming it."""
     if timeout is None:
-        return None
+        return -1.0
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or timeout != timeout:
         raise ValueError(f"timeout must be None (wait as long as it takes) or seconds >= 0, not {timeout!r}")
     return float(timeout)

@@ -90,7 +90,7 @@ def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
         os.close(opened)
     raise OSError(
         f"cannot open {what} of process {owner_pid} (its descriptor {fd}, inode {inode}) from process "
-        f"{os.getpid()}: the owner is gone, or this process may not read its /proc/PID/fd"
+        f"{_pid.pid}: the owner is gone, or this process may not read its /proc/PID/fd"
     )
 
 
@@ -111,7 +111,7 @@ class PoolBoard:
     made in place, with no copy by the main process."""
 
     def __init__(self) -> None:
-        self.owner_pid = os.getpid()
+        self.owner_pid = _pid.pid
         self.fd = os.memfd_create("numafast-pool-board", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, BOARD_BYTES)
         self.memory = mmap.mmap(self.fd, BOARD_BYTES)
@@ -131,7 +131,7 @@ class PoolBoard:
     def publish(self, pools: Sequence[PoolHandle]) -> None:
         """Make ``pools`` (the first BOARD_ENTRIES of them) what workers see. Only the
         process that made the board publishes (a forked child's copy maps the same file)."""
-        if os.getpid() != self.owner_pid:
+        if not _pid.owns(self.owner_pid):
             raise RuntimeError(f"this pool board belongs to process {self.owner_pid}: a forked child "
                                "cannot publish on it")  # fmt: skip
         pools = list(pools)[:BOARD_ENTRIES]
@@ -156,7 +156,7 @@ class PoolBoard:
     def close(self) -> None:
         """Unmap and close the file and the pipe (also when the board is collected), and
         end :meth:`serve_requests`. In a forked child, only its own copies are closed."""
-        if self._serving and os.getpid() == self.owner_pid:
+        if self._serving and _pid.owns(self.owner_pid):
             self._serving = False
             os.write(self.request_fd, _CLOSED)  # the serving thread's cue to return
         self._closer()
@@ -293,10 +293,14 @@ class PoolView:
         """Per slot, what a filler keeps over its memory from batch to batch (a worker's
         tensors to collate into): it lives as long as this view's mapping."""
 
-    def lease(self, timeout: float) -> tuple[int, int] | None:
-        """A free slot leased to this process, ``(index, generation)``; None when none came
-        free within ``timeout`` seconds."""
-        lease: tuple[int, int] | None = self.table.claim(timeout, _pid.started())
+    def lease(self, timeout: float = 0.0) -> tuple[int, int] | None:
+        """A free slot leased to this process now, ``(index, generation)``; None when every
+        slot is taken. It never waits: a worker asks the owner for room instead
+        (:meth:`BoardReader.ask`). ``timeout`` must be 0: it stays only for callers
+        that still pass it (numafast.torch.collate)."""
+        if timeout:
+            raise ValueError(f"PoolView.lease() does not wait (timeout={timeout!r}): lease again, or ask for room")
+        lease: tuple[int, int] | None = self.table.claim(_pid.started())
         return lease
 
     def slot(self, index: int) -> memoryview:

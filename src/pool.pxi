@@ -11,11 +11,24 @@
 # the last reference goes, with no finalizer ordering to guess) is the moment that
 # no array or tensor views the slot any more. The exports are still counted, for
 # repr and for the tests.
+#
+# That deallocator runs in whichever thread drops the last reference (a pin thread,
+# the cycle collector in any thread), so it only changes the slot's word and the
+# pool's counters: it never calls Python, waits on a GPU event or warns. A slot
+# that needs more (a CUDA fence recorded, or a closed pool's memory released) is
+# marked returned, and SlotPool.settle() does the rest: at the main thread's next
+# Python instruction (a CPython pending call) or at the next acquire(), settle() or
+# close(), whichever comes first.
 
 cimport cython
 from libc.stdint cimport int64_t
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.ref cimport Py_DECREF, Py_INCREF
+
+
+cdef extern from "Python.h":
+    int Py_AddPendingCall(int (*func)(void *) noexcept, void *arg) nogil
 
 
 cdef extern from *:
@@ -134,9 +147,6 @@ cdef timespec _deadline_in(double seconds) noexcept nogil:
 # (Ctrl-C) and at fences again.
 cdef double _WAIT_STEP_S = 0.05
 cdef double _FENCE_POLL_S = 0.0005
-# A worker waiting for a slot looks again this often (another process frees it:
-# no condition variable reaches across processes).
-cdef long _CLAIM_POLL_NS = 200000
 
 # The slot table at the start of a pool's mapping: a header, then one 64-bit word per
 # slot, ``generation << 40 | state << 32 | pid``, then one more word per slot that says
@@ -166,8 +176,10 @@ cdef enum _SlotState:
     _FENCED = 2    # given back while GPU work queued on it may still run
     _LOST = 3      # given back, but no fence could be recorded: never reused
     _LEASED = 4    # claimed by another process (a worker) that fills it
+    _RETURNED = 5  # given back (its Slot object died), its fence not recorded yet
 
-SLOT_STATES = {"free": _FREE, "held": _HELD, "fenced": _FENCED, "retired": _LOST, "leased": _LEASED}
+SLOT_STATES = {"free": _FREE, "held": _HELD, "fenced": _FENCED, "retired": _LOST, "leased": _LEASED,
+               "returned": _RETURNED}
 
 
 cdef inline uint64_t _word(uint64_t generation, uint64_t state, uint64_t pid) noexcept nogil:
@@ -303,37 +315,22 @@ cdef class SlotTable:
             return False
         return nf_cas64(word, seen, _word(generation + (1 if next_generation else 0), new_state, new_pid))
 
-    def claim(self, double timeout, uint64_t started):
+    def claim(self, uint64_t started):
         """Lease a free slot to this process (a worker), whose start time is ``started``
         (clock ticks after boot, as /proc/self/stat gives it): ``(index, generation)``,
-        or None when none came free within ``timeout`` seconds (polling, GIL released)."""
+        or None when none is free now. It never waits: a worker that finds every slot
+        taken asks its owner for more (numafast.pool_share.BoardReader.ask)."""
         cdef uint64_t generation = 0
-        cdef uint64_t pid = <uint64_t>getpid()
         cdef Py_ssize_t index
-        cdef double start
-        cdef timespec pause
-        pause.tv_sec = 0
-        pause.tv_nsec = _CLAIM_POLL_NS
         if self._unmapped():
             return None
-        # A look that does not wait is a few atomic reads, made with the GIL held; only
-        # a claim that waits releases it.
-        index = self._claim(_LEASED, pid, started, &generation)
-        if index >= 0 or timeout <= 0:
-            return None if index < 0 else (index, generation)
-        start = _monotonic()
-        with nogil:
-            while True:
-                index = self._claim(_LEASED, pid, started, &generation)
-                if index >= 0 or _monotonic() - start >= timeout:
-                    break
-                nanosleep(&pause, NULL)
+        index = self._claim(_LEASED, <uint64_t>nf_pid(), started, &generation)
         return None if index < 0 else (index, generation)
 
     def unclaim(self, Py_ssize_t index, uint64_t generation, pid=None) -> bool:
         """Free a slot leased to ``pid`` (default: this process) in ``generation``: a
         worker giving up on a batch, or the owner reclaiming a dead worker's slot."""
-        cdef uint64_t owner = <uint64_t>(getpid() if pid is None else pid)
+        cdef uint64_t owner = <uint64_t>(nf_pid() if pid is None else pid)
         self._check_index(index)
         if self._unmapped():
             return False
@@ -386,8 +383,11 @@ cdef class SlotPool:
     called as ``fence(index)`` as a slot comes back and returns an object with
     ``query()`` and ``synchronize()`` (CUDA events on the streams that read the
     slot): the slot is reused only once it is done. ``on_drained()`` is called
-    exactly once, when the pool is closed (or collected) and no slot is out any more
-    (none held, in flight or leased): that is when the memory may be released.
+    exactly once, when the pool is closed and no slot is out any more (none held, in
+    flight or leased): that is when the memory may be released. Both are called by
+    :meth:`settle` (and what calls it), never by a Slot's deallocator (see the top of
+    this file); a SlotPool collected unclosed calls neither (PinnedPool closes its
+    own when it is dropped).
 
     The mutex only guards the condition that in-process waiters sleep on (with the
     GIL released); the slots themselves change by compare-and-swap. After fork(),
@@ -405,7 +405,8 @@ cdef class SlotPool:
     cdef readonly Py_ssize_t count
     cdef readonly Py_ssize_t in_use
     cdef readonly Py_ssize_t peak
-    cdef readonly Py_ssize_t fenced
+    cdef readonly Py_ssize_t fenced  # in flight: fenced, or returned and not fenced yet
+    cdef Py_ssize_t to_fence  # returned, not fenced yet
     cdef readonly Py_ssize_t lost
     cdef readonly unsigned long long acquired
     cdef readonly unsigned long long adopted
@@ -419,6 +420,8 @@ cdef class SlotPool:
     cdef readonly pid_t owner_pid
     cdef readonly bint closed
     cdef bint is_drained
+    cdef bint settle_queued
+    cdef bint abandoned
     cdef bint sync_ready
     cdef pthread_mutex_t mutex
     cdef pthread_cond_t returned
@@ -435,7 +438,7 @@ cdef class SlotPool:
         self.fences = [None] * count if fence is not None else []
         self.fence_order = []
         self.on_drained = on_drained
-        self.owner_pid = getpid()
+        self.owner_pid = nf_pid()
         pthread_mutex_init(&self.mutex, NULL)
         pthread_condattr_init(&attributes)
         pthread_condattr_setclock(&attributes, CLOCK_MONOTONIC)
@@ -444,15 +447,9 @@ cdef class SlotPool:
         self.sync_ready = True
 
     def __dealloc__(self):
-        # No Slot is out (each holds a reference); fenced slots may still be in flight.
-        if self.owner_pid != nf_pid():
-            return  # a forked child's copy: the mutex and condition are left as they are (see the class)
-        if not self.is_drained and self.table is not None:
-            try:
-                self._settle_fences()
-            finally:
-                self._drain()
-        if self.sync_ready:
+        # No Slot is out (each holds a reference), and no settle is queued (it holds one
+        # too). Fences and on_drained are settle()'s: nothing here calls Python.
+        if self.sync_ready and self._owned():  # a forked child's copy leaves them as they are (see the class)
             pthread_cond_destroy(&self.returned)
             pthread_mutex_destroy(&self.mutex)
 
@@ -471,8 +468,13 @@ cdef class SlotPool:
         """Slots that worker processes lease now (filling them, or their batch on its way)."""
         return self.table.states().count(_LEASED)
 
+    cdef inline bint _owned(self) noexcept:
+        """Whether this process made the pool (not a forked child's copy): the one check
+        before anything of the owner's alone (the slot bookkeeping, the mutex)."""
+        return self.owner_pid == nf_pid()
+
     cdef int _check_owner(self) except -1:
-        if self.owner_pid != nf_pid():
+        if not self._owned():
             raise RuntimeError(
                 f"this pool belongs to process {self.owner_pid}; a forked child only reads the slots "
                 "it inherited: make a new pool in the child")
@@ -572,6 +574,7 @@ cdef class SlotPool:
         so another thread may reap the same slots: each is freed by one of them)."""
         cdef Py_ssize_t index
         cdef object fence
+        self._fence_returned()
         if block_on_oldest and self.fence_order and _FREE not in self.table.states():
             fence = self.fences[self.fence_order[0]]
             if fence is not None:
@@ -599,56 +602,80 @@ cdef class SlotPool:
         self._signal()
 
     cdef void _signal(self) noexcept:
-        if self.owner_pid != nf_pid():
+        # The mutex is only ever held for a few instructions (a waiter lets go of it
+        # while it sleeps, and never holds it with the GIL), so a Slot's deallocator
+        # may take it.
+        if not self._owned():
             return  # never the owner's mutex in a forked child (see the class)
         pthread_mutex_lock(&self.mutex)
         pthread_cond_signal(&self.returned)
         pthread_mutex_unlock(&self.mutex)
 
-    cdef int _give_back(self, Py_ssize_t index) except -1:
-        """A Slot object died (GIL held): its slot is free, or fenced until its GPU work ends."""
-        cdef object fence = None
+    cdef void _give_back(self, Py_ssize_t index) noexcept:
+        """A Slot object died (its deallocator, GIL held): without a fence, its slot is
+        free now; with one, it is marked returned, and settle() records the fence
+        (Python and CUDA, which a deallocator must not call). Flags and counters only."""
         cdef uint64_t word
-        if self.owner_pid != nf_pid():
-            return 0  # a forked child's copy: nothing of the parent's to give back
+        if not self._owned():
+            return  # a forked child's copy: nothing of the parent's to give back
         word = nf_load64(self.table._slot_word(index))
         self.in_use -= 1
-        if self.fence is not None:
+        if self.fence is None:
+            self._make_free(index, word, _HELD)
+        else:
+            self.table._change(index, _generation(word), _HELD, <uint64_t>self.owner_pid, _RETURNED,
+                               <uint64_t>self.owner_pid, False)
+            self.fenced += 1
+            self.to_fence += 1
+            self._signal()  # a waiter fences it and looks again
+        if self.closed or self.fence is not None:
+            self._settle_soon()
+
+    cdef void _settle_soon(self) noexcept:
+        """Have the main thread call settle() at its next Python instruction (a CPython
+        pending call, which holds a reference to the pool until it runs). Where the
+        queue of pending calls is full, the next acquire(), settle() or close() does it."""
+        if self.settle_queued:
+            return
+        self.settle_queued = True
+        Py_INCREF(self)
+        if Py_AddPendingCall(_settle_pending, <void *>self) != 0:
+            self.settle_queued = False
+            Py_DECREF(self)  # never the last reference: the caller holds one
+
+    cdef int _fence_returned(self) except -1:
+        """Record a fence for each returned slot; in a closed pool wait for it at once and
+        retire the slot (nothing would reap it). A slot whose fence cannot be recorded
+        is retired: without one nobody can tell when the GPU is done with it, and
+        handing it out again could overwrite a copy in flight."""
+        cdef Py_ssize_t index
+        cdef uint64_t word
+        cdef object fence
+        cdef uint64_t owner = <uint64_t>self.owner_pid
+        for index in range(self.count if self.to_fence else 0):
+            word = nf_load64(self.table._slot_word(index))
+            if _state(word) != _RETURNED or not self.table._change(index, _generation(word), _RETURNED, owner,
+                                                                   _FENCED, owner, False):
+                continue  # not returned, or another thread (while a fence let go of the GIL) took it
+            self.to_fence -= 1
             try:
                 fence = self.fence(index)
-                if self.closed:  # nothing will reap it: wait now, before the memory goes
+                if self.closed:
                     fence.synchronize()
-                    fence = None
             except BaseException as error:
-                # Without a fence nobody can tell when the GPU is done with the slot:
-                # never hand it out again rather than risk overwriting a copy in flight.
-                self.table._change(index, _generation(word), _HELD, <uint64_t>self.owner_pid, _LOST, 0, False)
+                self.table._change(index, _generation(word), _FENCED, owner, _LOST, 0, False)
+                self.fenced -= 1
                 self.lost += 1
                 import warnings
                 warnings.warn(f"slot {index} is retired: its fence could not be recorded ({error!r})",
-                              RuntimeWarning, stacklevel=1)
-                return 0
-        if fence is None:
-            self._make_free(index, word, _HELD)
-        else:
-            self.fences[index] = fence
-            self.fence_order.append(index)
-            self.table._change(index, _generation(word), _HELD, <uint64_t>self.owner_pid, _FENCED,
-                               <uint64_t>self.owner_pid, False)
-            self.fenced += 1
-        if self.closed:
-            self.settle()
-        return 0
-
-    cdef int _settle_fences(self) except -1:
-        """Wait for every fenced slot's GPU work and free it."""
-        cdef Py_ssize_t index
-        cdef object fence
-        for index in list(self.fence_order):
-            fence = self.fences[index]
-            if fence is not None:
-                fence.synchronize()
-                self._unfence(index, fence)
+                              RuntimeWarning, stacklevel=2)
+                continue
+            if self.closed:
+                self.fenced -= 1
+                self._make_free(index, word, _FENCED)
+            else:
+                self.fences[index] = fence
+                self.fence_order.append(index)
         return 0
 
     cdef int _drain(self) except -1:
@@ -662,9 +689,10 @@ cdef class SlotPool:
         return 0
 
     def settle(self) -> bool:
-        """For a closed pool: retire its free slots, and release the memory (on_drained)
-        once every slot is retired (none held, in flight or leased any more); True once
-        released.
+        """Record the fences of the slots given back since the last look (see the top of
+        this file). For a closed pool then: wait for the GPU work on fenced slots,
+        retire the free slots, and release the memory (on_drained) once every slot is
+        retired (none held, in flight or leased any more). True once released.
 
         Other processes lease slots on their own (a worker whose view of the board is
         a batch old): a slot that is free can be leased at any moment, even after
@@ -675,34 +703,61 @@ cdef class SlotPool:
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef bint retired = True
-        if self.closed and not self.is_drained and self.owner_pid == nf_pid():
-            for index in range(self.table.count):
-                while True:
-                    word = nf_load64(self.table._slot_word(index))
-                    if _state(word) != _FREE or self.table._change(index, _generation(word), _FREE, _PID_BITS,
-                                                                   _LOST, 0, False):
-                        break
-                retired = retired and _state(nf_load64(self.table._slot_word(index))) == _LOST
-            if retired:
-                self._drain()
+        cdef uint64_t state
+        cdef object fence
+        if self.is_drained or not self._owned():
+            return self.is_drained
+        self._fence_returned()
+        if not self.closed:
+            return False
+        for index in list(self.fence_order):
+            fence = self.fences[index]
+            if fence is not None:
+                fence.synchronize()
+                self._unfence(index, fence)
+        for index in range(self.table.count):
+            while True:
+                word = nf_load64(self.table._slot_word(index))
+                state = _state(word)
+                if not (state == _FREE or state == _LEASED and self.abandoned) or self.table._change(
+                        index, _generation(word), state, _PID_BITS, _LOST, 0, False):
+                    break
+            retired = retired and _state(nf_load64(self.table._slot_word(index))) == _LOST
+        if retired:
+            self._drain()
         return self.is_drained
 
     def close(self) -> None:
-        """Hand out no more slots; wake every waiter (it raises); wait for the GPU work
-        on fenced slots; call on_drained now if no slot is out, else when the last one
-        comes back (slots leased by workers count as out: see :meth:`settle`). In a
-        forked child, only marks this copy closed."""
+        """Hand out no more slots; wake every waiter (it raises); then settle(): wait for
+        the GPU work on fenced slots, and call on_drained now if no slot is out, else
+        when the last one comes back (slots leased by workers count as out: see
+        :meth:`settle`). In a forked child, only marks this copy closed."""
         if self.closed:
             return
-        if self.owner_pid != nf_pid():
+        if not self._owned():
             self.closed = True  # no waiter of this copy exists to wake, and the mutex is not the child's
             return
         pthread_mutex_lock(&self.mutex)
         self.closed = True
         pthread_cond_broadcast(&self.returned)
         pthread_mutex_unlock(&self.mutex)
-        self._settle_fences()
         self.settle()
+
+    def abandon(self) -> None:
+        """What the pool's owner calls as it is dropped (a finalizer, in whichever thread
+        drops it): close, and let the memory go once no slot of this process is out,
+        workers' leases or not (nobody is left to adopt their batches; a worker's own
+        mapping keeps what it writes valid). Waits for nothing: the settling is left
+        to the main thread's next Python instruction, as a returned slot's is."""
+        if not self._owned():
+            return
+        self.abandoned = True
+        if not self.closed:
+            pthread_mutex_lock(&self.mutex)
+            self.closed = True
+            pthread_cond_broadcast(&self.returned)
+            pthread_mutex_unlock(&self.mutex)
+        self._settle_soon()
 
     @property
     def drained(self) -> bool:
@@ -722,6 +777,17 @@ cdef class SlotPool:
 
     def __reduce__(self):
         raise TypeError(_NOT_PICKLED)
+
+
+cdef int _settle_pending(void *pool) noexcept with gil:
+    """SlotPool._settle_soon's pending call: the main thread, between two Python
+    instructions, outside any deallocator. An error is printed (unraisable): it
+    must not surface in whatever code the main thread was running."""
+    cdef SlotPool slots = <SlotPool>pool
+    Py_DECREF(slots)  # the reference _settle_soon took (the local holds one until the end)
+    slots.settle_queued = False
+    slots.settle()
+    return 0
 
 
 # ---------------------------------------------------------------- a seqlock in shared memory
@@ -881,6 +947,7 @@ cdef class Slot:
         self.exports -= 1
 
     def __dealloc__(self):
+        # Flags and counters only: see SlotPool._give_back.
         if self.pool is not None:
             self.pool._give_back(self.index)
 

@@ -174,8 +174,9 @@ def test_a_batch_written_by_a_worker_is_whole_when_the_owner_adopts_it(where: st
                     view = PoolView(handle)
                     deadline = time.monotonic() + SECONDS
                     while time.monotonic() < deadline:
-                        lease = view.lease(0.5)
-                        if lease is None:
+                        lease = view.lease()
+                        if lease is None:  # every slot taken: the owner frees them as it adopts
+                            time.sleep(0.0002)
                             continue
                         index, generation = lease
                         np.frombuffer(view.slot(index), dtype=np.int64)[:] = index * 1_000_003 + generation

@@ -247,6 +247,7 @@ def test_a_fenced_slot_is_reused_only_once_its_fence_is_done() -> None:
     again = slots.acquire(PAGE_SIZE, 30)  # polls the fence, then gets it
     assert again.index == first_index and slots.fenced == 0
     del again, other
+    slots.settle()  # records their fences now (else the main thread's next call would)
     fences[1].done.set()
     fences[2].done.set()
     slots.close()  # settles the remaining fences before the memory may go
@@ -300,6 +301,33 @@ def test_threads_waiting_on_the_same_fences_each_get_a_slot_once() -> None:
     taken.clear()  # given back, fenced again: let those fences be done
     for done in fences:
         done.done.set()
+
+
+def test_a_slot_dropped_in_another_thread_runs_no_python_in_its_deallocator() -> None:
+    """A Slot's deallocator runs in whichever thread drops it (a pin thread, the cycle
+    collector): it only marks the slot returned. Recording its fence, waiting for it
+    (a closed pool) and releasing the memory run in the main thread, outside it."""
+    where: dict[str, list[int]] = {"fence": [], "synchronize": [], "drained": []}
+
+    class Recorded(Fence):
+        def synchronize(self) -> None:
+            where["synchronize"].append(threading.get_ident())
+
+    def fence(index: int) -> Fence:
+        where["fence"].append(threading.get_ident())
+        return Recorded()
+
+    region = _libnuma.mmap_anonymous(_libnuma.slot_table_bytes(1) + PAGE_SIZE)
+    slots = _libnuma.SlotPool(region, PAGE_SIZE, 1, fence, lambda: where["drained"].append(threading.get_ident()))
+    box = [slots.acquire(PAGE_SIZE)]
+    slots.close()  # with the slot out: its return waits for its fence, then the memory goes
+    dropper = threading.Thread(target=box.clear)
+    dropper.start()
+    dropper.join()
+    slots.settle()  # done already if the main thread ran its pending call
+    main = threading.get_ident()
+    assert where == {"fence": [main], "synchronize": [main], "drained": [main]}, (where, main, dropper.ident)
+    assert slots.drained and slots.in_use == 0 and slots.fenced == 0
 
 
 # ---------------------------------------------------------------- closing, exit, fork

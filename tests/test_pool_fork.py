@@ -197,7 +197,7 @@ def lease_and_die(handle: Any) -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            if PoolView(handle).lease(1.0) is not None:
+            if PoolView(handle).lease() is not None:
                 os.kill(os.getpid(), 9)
         finally:
             os._exit(1)
@@ -229,7 +229,7 @@ def test_a_lease_whose_pid_names_another_process_now_is_ended() -> None:
         live = os.fork()
         if live == 0:  # leases, says so, and lives until told
             try:
-                lease = PoolView(handle).lease(1.0)
+                lease = PoolView(handle).lease()
                 os.write(lease_write, b"leased" if lease else b"none")
                 os.read(go_read, 1)
             finally:
