@@ -23,7 +23,7 @@
 cimport cython
 from libc.stdint cimport int64_t
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.exc cimport PyErr_CheckSignals
+from cpython.exc cimport PyErr_CheckSignals, PyErr_SetObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 
 
@@ -781,12 +781,22 @@ cdef class SlotPool:
 
 cdef int _settle_pending(void *pool) noexcept with gil:
     """SlotPool._settle_soon's pending call: the main thread, between two Python
-    instructions, outside any deallocator. An error is printed (unraisable): it
-    must not surface in whatever code the main thread was running."""
+    instructions, outside any deallocator.
+
+    settle() may run Python (on_drained, a fence), and a signal's handler runs in
+    whatever Python code the main thread runs when the signal comes: Ctrl-C's
+    KeyboardInterrupt, or the RuntimeError of PyTorch's SIGCHLD handler for a dead
+    DataLoader worker, may be raised inside settle(). It must not be lost: it is
+    left set and -1 returned, so CPython raises it in the main thread's code, as it
+    raises a signal handler's own. (The pool settles again at its next look.)"""
     cdef SlotPool slots = <SlotPool>pool
     Py_DECREF(slots)  # the reference _settle_soon took (the local holds one until the end)
     slots.settle_queued = False
-    slots.settle()
+    try:
+        slots.settle()
+    except BaseException as error:
+        PyErr_SetObject(type(error), error)
+        return -1
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -328,6 +329,27 @@ def test_a_slot_dropped_in_another_thread_runs_no_python_in_its_deallocator() ->
     main = threading.get_ident()
     assert where == {"fence": [main], "synchronize": [main], "drained": [main]}, (where, main, dropper.ident)
     assert slots.drained and slots.in_use == 0 and slots.fenced == 0
+
+
+def test_ctrl_c_that_comes_while_the_main_thread_settles_a_pool_is_raised_there() -> None:
+    """The settling a returned slot leaves to the main thread runs Python (on_drained):
+    a signal whose handler raises there (Ctrl-C; PyTorch's SIGCHLD handler for a dead
+    worker) reaches the main thread's code, not a printed unraisable error."""
+    region = _libnuma.mmap_anonymous(_libnuma.slot_table_bytes(1) + PAGE_SIZE)
+    drained: list[bool] = []
+
+    def ctrl_c_while_draining() -> None:
+        drained.append(True)
+        signal.raise_signal(signal.SIGINT)  # its handler runs in this Python code
+
+    slots = _libnuma.SlotPool(region, PAGE_SIZE, 1, None, ctrl_c_while_draining)
+    box = [slots.acquire(PAGE_SIZE)]
+    slots.close()  # with the slot out: the memory goes when it comes back
+    with pytest.raises(KeyboardInterrupt):
+        box.clear()  # the slot comes back: settle() is the main thread's next pending call
+        for _ in range(1000):  # Python instructions, at one of which the pending call runs
+            pass
+    assert drained == [True] and slots.drained
 
 
 # ---------------------------------------------------------------- closing, exit, fork
