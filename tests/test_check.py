@@ -36,6 +36,9 @@ GUEST_NODES = [0, 1, 2, 3]
 
 # Replays of captured files: nothing of the running kernel, so not run again in the guests.
 replay = pytest.mark.host_only("replays /proc files captured in the 4-node guest")
+# Audits against a Grace machine's sysfs snapshot: nothing of the running kernel either
+# (each read of a snapshot takes seconds under the guests' TCG emulation).
+grace_snapshot = pytest.mark.host_only("audits against a Grace sysfs snapshot")
 
 
 def guest_node_of_cpu(cpu: int) -> int:
@@ -187,6 +190,7 @@ def grace_rank(cpus: tuple[int, ...], mems: tuple[int, ...], pages: dict[int, in
     return Process(1, 0, "rank", (Thread(1, cpus, mems),), (Mapping(0, "default", None, False, False, 0, pages),))
 
 
+@grace_snapshot
 def test_a_rank_with_pages_on_its_grace_gpus_memory_node_is_local() -> None:
     # GB200 tray: GPUs 0 and 1 hang off Grace node 0 (CPUs 0-3); their HBM is nodes 2 and 10.
     # (GPUs on node 0 only: the expected node must exist on the host that runs the check.)
@@ -207,6 +211,7 @@ def test_a_rank_with_pages_on_its_grace_gpus_memory_node_is_local() -> None:
     assert [f.policy for f in audit_process(elsewhere, gpu1, 1.0, list(range(34)), lambda cpu: 0).policies] == ["bind:2"]
 
 
+@grace_snapshot
 def test_a_gpus_memory_node_follows_the_processs_gpu_numbering() -> None:
     gh200 = grace_site("gh200", 0)
     assert (gh200.node, gh200.local_nodes) == (0, (0, 1))
@@ -217,6 +222,7 @@ def test_a_gpus_memory_node_follows_the_processs_gpu_numbering() -> None:
     assert grace_site("gb200", 1, "1,0").local_nodes == (0, 2)
 
 
+@grace_snapshot
 def test_check_gpu_on_a_grace_snapshot_reports_the_memory_node_as_local(capsys: pytest.CaptureFixture[str]) -> None:
     with bound_shell_with_a_child() as (shell, _sleep):
         status = main(["check", "--json", "--process-only", "--gpu", "0", "--sysfs", str(SNAPSHOTS / "gb200"),
