@@ -252,6 +252,42 @@ def test_persistent_workers_keep_the_worker_forked_in_place_of_a_stuck_one(
     assert [worker.pid for worker in again._workers] == pids and all(worker.is_alive() for worker in again._workers)
 
 
+class Wrapper(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """A loader with an iteration of its own over an inner one (Accelerate's DataLoaderShard)."""
+
+    def __init__(self, base: torch.utils.data.DataLoader) -> None:  # type: ignore[type-arg]
+        super().__init__(base.dataset)
+        self.base_dataloader = base
+
+    def __len__(self) -> int:
+        return len(self.base_dataloader)
+
+    def __iter__(self) -> Any:
+        yield from self.base_dataloader
+
+
+@pytest.mark.parametrize("made", ["iterated through", "made from its settings"])
+def test_a_worker_stuck_in_fork_is_replaced_where_numaloader_does_not_iterate_itself(
+    head_lock_at_fork: HeadLockAtFork, short_deadline: None, made: str
+) -> None:
+    """NumaLoader(accelerator.prepare(loader)) forks its workers in the loader it iterates
+    through; accelerator.prepare(NumaLoader(loader)) in a DataLoader made from its
+    settings, with numafast's collate: their workers are watched as a NumaLoader's are."""
+    inner = torch.utils.data.DataLoader(dataset(), batch_size=2, num_workers=2, timeout=10)
+    numa = numafast.torch.NumaLoader(Wrapper(inner) if made == "iterated through" else inner)
+    loader = numa if made == "iterated through" else torch.utils.data.DataLoader(
+        numa.dataset, batch_size=2, num_workers=2, timeout=10, collate_fn=numa.collate_fn)  # fmt: skip
+    assert (numa._through is not None) == (made == "iterated through")
+    replaced = workers.replaced_workers()
+    head_lock_at_fork.wedge(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        began = time.monotonic()
+        assert firsts(iter(loader)) == expected()
+    assert time.monotonic() - began < DEADLINE_S + 5
+    assert workers.replaced_workers() == replaced + 1
+
+
 def test_where_a_worker_cannot_be_replaced_the_error_names_it_and_the_fix(
     head_lock_at_fork: HeadLockAtFork, short_deadline: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,6 +27,11 @@ changed it), or the workers forked in its place do not start either, the user ge
 a :class:`WorkerStartError` at that worker's first batch instead, naming the worker,
 its pid, what it is stuck in, and the fix. Either way a warning says so, once.
 
+A loader that NumaLoader iterates through (``NumaLoader(accelerator.prepare(loader))``)
+or that a framework made from its settings (Accelerate's ``base_dataloader``) forks its
+workers where no :func:`watch_starts` is armed: its iterator is found as it forks a
+worker whose collate function is numafast's, and that fork is watched alike.
+
 The watch costs nothing per batch: a token per fork (a pipe holding one byte), and a
 thread that polls the tokens until every worker has started (milliseconds) and ends.
 """
@@ -163,18 +168,40 @@ class _StartWatch:
 
     def begin(self, iterator: Any) -> None:
         """Watch ``iterator``'s workers: torch's ``_workers``, one fork each, in order."""
+        if self._attach(iterator):
+            threading.Thread(target=self._run, name="numafast worker start", daemon=True).start()
+
+    def _attach(self, iterator: Any) -> bool:
         processes = getattr(iterator, "_workers", None)
         if not self.tokens:
-            return  # no worker forked (none asked for, or spawned, or served by a forkserver)
+            return False  # no worker forked (none asked for, or spawned, or served by a forkserver)
         if not isinstance(processes, list) or len(processes) != len(self.tokens):
             self.close()  # not torch's iterator as known: its workers cannot be told apart
-            return
+            return False
         _runs[iterator] = [token.run for token in self.tokens]
         for index, (process, token) in enumerate(zip(processes, self.tokens)):
             token.run = None
             self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token))
         self._iterator = weakref.ref(iterator)
-        threading.Thread(target=self._run, name="numafast worker start", daemon=True).start()
+        return True
+
+    def _begin_once_made(self, made: weakref.ref[Any]) -> None:
+        """The watch thread of an iterator found forking (:func:`_found_watch`): it begins
+        once the iterator has started all its workers (torch then sets ``_worker_pids_set``)."""
+        deadline = time.monotonic() + 60
+        while True:
+            iterator = made()
+            if iterator is None or getattr(iterator, "_shutdown", False) or time.monotonic() > deadline:
+                self.close()
+                return
+            if getattr(iterator, "_worker_pids_set", False) is True:
+                break
+            del iterator
+            time.sleep(POLL_S)
+        attached = self._attach(iterator)
+        del iterator
+        if attached:
+            self._run()
 
     def close(self) -> None:
         for token in self.tokens:
@@ -328,18 +355,60 @@ class _StartWatch:
 
 def _before_fork() -> None:
     watch = getattr(_local, "watch", None)
+    if watch is None:
+        watch = _found_watch()
     _local.pending = watch.token() if watch is not None else None
 
 
 def _after_fork_in_parent() -> None:
     _local.pending = None
+    begin, _local.begin = getattr(_local, "begin", None), None
+    if begin is not None:  # the first fork of an iterator found forking: its watch thread
+        threading.Thread(target=begin[0]._begin_once_made, args=(begin[1],), name="numafast worker start",
+                         daemon=True).start()  # fmt: skip
+
+
+_found: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()
+"""The watches of DataLoader iterators that a NumaLoader's own iter() did not make (a
+loader it iterates through, one a framework made from its settings: Accelerate's
+base_dataloader, a pin_memory_hook's loader), found as they fork a worker whose
+collate function is numafast's."""
+
+
+def _found_watch() -> _StartWatch | None:
+    """The watch of the torch iterator forking now, when numafast's collate is its
+    workers' (found in the frames of its ``__init__``); None for any other fork."""
+    try:
+        module = sys.modules.get("torch.utils.data.dataloader")
+        kind = getattr(module, "_MultiProcessingDataLoaderIter", None)
+        if kind is None:
+            return None
+        from numafast.torch.collate import SlotCollate
+
+        frame: FrameType | None = sys._getframe(2)
+        for _ in range(16):
+            if frame is None:
+                return None
+            if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), kind):
+                iterator = frame.f_locals["self"]
+                if not isinstance(getattr(iterator, "_collate_fn", None), SlotCollate):
+                    return None
+                watch = _found.get(iterator)
+                if watch is None:
+                    watch = _found[iterator] = _StartWatch(nullcontext)
+                    _local.begin = (watch, weakref.ref(iterator))
+                return watch
+            frame = frame.f_back
+    except Exception:  # noqa: BLE001 - never a reason for a fork to fail
+        pass
+    return None
 
 
 def _after_fork_in_child() -> None:
     """A forked child's first step: claim its start token (a watched worker), drop the
     parent's tokens, and exit at once when the parent has condemned it meanwhile."""
     token: _Token | None = getattr(_local, "pending", None)
-    _local.pending = _local.watch = None  # this child's own forks are not watched
+    _local.pending = _local.watch = _local.begin = None  # this child's own forks are not watched
     started = token is None or _claim(token.read)
     for fd in _open_tokens:
         try:
