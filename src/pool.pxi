@@ -33,6 +33,18 @@ cdef extern from "Python.h":
 
 cdef extern from *:
     """
+    /* Py_IsFinalizing is public from 3.13; before, the same function is private. */
+    #if PY_VERSION_HEX >= 0x030D0000
+    #define nf_is_finalizing() Py_IsFinalizing()
+    #else
+    #define nf_is_finalizing() _Py_IsFinalizing()
+    #endif
+    """
+    bint nf_is_finalizing()
+
+
+cdef extern from *:
+    """
     #include <pthread.h>
     /* This process's id without a system call per check (glibc stopped caching
        getpid() in 2.25): read at load, and again in every child that fork() makes,
@@ -792,6 +804,10 @@ cdef int _settle_pending(void *pool) noexcept with gil:
     cdef SlotPool slots = <SlotPool>pool
     Py_DECREF(slots)  # the reference _settle_soon took (the local holds one until the end)
     slots.settle_queued = False
+    if nf_is_finalizing():
+        # The interpreter is ending, its modules' globals already None (settle's Python
+        # would fail on them): the kernel takes the mappings and files back at exit.
+        return 0
     try:
         slots.settle()
     except BaseException as error:
