@@ -33,6 +33,7 @@ def test_run_execs_the_command_with_cpus_and_policy_it_inherits() -> None:
     assert json.loads(result.stdout) == [[cpu], [1, [node]], [node]]
 
 
+@pytest.mark.host_only("argument checks, a CLI start each (~10 s under the guests' TCG): the same on any kernel")
 @pytest.mark.parametrize(
     ("options", "message"),
     [
