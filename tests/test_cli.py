@@ -116,7 +116,8 @@ def test_plan_refuses_a_core_count_that_leaves_no_cpu_naming_the_option() -> Non
 
 
 NO_GPUS = "no GPUs to plan for: "
-NEEDS = "so it needs GPUs that sysfs shows, or a snapshot of a machine with them (--sysfs ROOT"
+NEEDS = ("so it needs GPUs that sysfs shows, or a snapshot of a machine with them (--sysfs ROOT, "
+         "e.g. tests/fixtures/dgx-h100 in a numafast checkout)")  # a wheel ships no fixtures
 
 
 def plan_output(capsys: pytest.CaptureFixture[str], *options: str) -> tuple[int, str, str]:

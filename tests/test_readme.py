@@ -18,7 +18,8 @@ onto that node) run in every guest.
 bench/gpu_proof.py, runs the ``gpu`` blocks so on a GPU machine).
 
 Python blocks run in one process (torch is imported once: ~30 s in a guest), each in
-a namespace of its own, so a block must import and define what it uses. Bash blocks
+a namespace of its own, so a block must import and define what it uses. A Python
+block may raise a warning only on a line that says it ``warns``. Bash blocks
 run one by one with ``bash -euo pipefail``; ``numafast`` there is this checkout's.
 Both run in an empty directory where ``tests`` links to the checkout's.
 """
@@ -141,35 +142,51 @@ def environment(bin_dir: Path) -> dict[str, str]:
 
 
 RUNNER = r"""
-import json, sys, traceback
-results = {}
+import json, sys, traceback, warnings
+results, warned = {}, {}
 for name, source in json.load(open(sys.argv[1])):
-    try:
-        exec(compile(source, name, "exec"), {"__name__": "__readme__"})
-    except BaseException:
-        results[name] = traceback.format_exc()
-    else:
-        results[name] = None
+    with warnings.catch_warnings(record=True) as caught:
+        # What a reader running the block as a script sees, every time: Python's default
+        # filters (deprecations shown only where the script itself calls), but "always".
+        warnings.simplefilter("always")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category)
+        warnings.filterwarnings("always", category=DeprecationWarning, module="__readme__")
+        try:
+            exec(compile(source, name, "exec"), {"__name__": "__readme__"})
+        except BaseException:
+            results[name] = traceback.format_exc()
+        else:
+            results[name] = None
+    warned[name] = [[w.filename, w.lineno, f"{w.category.__name__}: {w.message}"] for w in caught]
     print(f"{name}: {'failed' if results[name] else 'ok'}", file=sys.stderr, flush=True)
 json.dump(results, open(sys.argv[2], "w"))
+json.dump(warned, open(sys.argv[3], "w"))
 """
 
 
 @pytest.fixture(scope="module")
-def python_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
-    """Every runnable Python block, run in one process: {name: traceback or None}."""
+def python_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str | None], dict[str, list[list[object]]]]:
+    """Every runnable Python block, run in one process: ({name: traceback or None},
+    {name: the warnings it raised, as [file, line, "Category: message"]})."""
     tmp_path = tmp_path_factory.mktemp("readme")
     bin_dir = workdir(tmp_path)
     runnable = [(b.name, b.source) for b in BLOCKS if b.language == "python" and skip_reason(b) is None and "ci" not in b.tags]
     (tmp_path / "blocks.json").write_text(json.dumps(runnable))
     (tmp_path / "runner.py").write_text(RUNNER)
     result = subprocess.run(
-        [sys.executable, "runner.py", "blocks.json", "results.json"],
+        [sys.executable, "runner.py", "blocks.json", "results.json", "warnings.json"],
         cwd=tmp_path, env=environment(bin_dir), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0 and (tmp_path / "results.json").exists(), result.stderr
     results: dict[str, str | None] = json.loads((tmp_path / "results.json").read_text())
-    return results
+    warned: dict[str, list[list[object]]] = json.loads((tmp_path / "warnings.json").read_text())
+    return results, warned
+
+
+@pytest.fixture(scope="module")
+def python_results(python_run: tuple[dict[str, str | None], dict[str, list[list[object]]]]) -> dict[str, str | None]:
+    return python_run[0]
 
 
 def test_readme_has_blocks_and_known_tags() -> None:
@@ -183,6 +200,27 @@ def test_python_block_runs_as_written(block: Block, python_results: dict[str, st
     if (reason := skip_reason(block)) is not None:
         pytest.skip(reason)
     assert python_results[block.name] is None, f"{block.name} failed:\n{python_results[block.name]}"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "python" and "ci" not in b.tags], ids=lambda b: b.name)
+def test_python_block_warns_only_where_it_says(
+    block: Block, python_run: tuple[dict[str, str | None], dict[str, list[list[object]]]]
+) -> None:
+    """A reader who runs an example sees no warning it does not announce: each warning
+    must point at a line of the block that says "warns" (numafast's own warnings point
+    at the caller), never into numafast or torch (torch's "suggested max number of
+    worker" warning points into its dataloader.py: fewer workers, then). The training
+    frameworks' notices about their own APIs (Lightning, Ray) are theirs, not the
+    example's, and are left out."""
+    if (reason := skip_reason(block)) is not None:
+        pytest.skip(reason)
+    lines = block.source.splitlines()
+    unannounced = [
+        f"{where}:{line}: {message}" for where, line, message in python_run[1][block.name]
+        if not (where == block.name and isinstance(line, int) and 0 < line <= len(lines) and "warns" in lines[line - 1])
+        and not any(f"/{name}/" in str(where) for name in FRAMEWORKS)
+    ]  # fmt: skip
+    assert not unannounced, f"{block.name} warns where it does not say so:\n" + "\n".join(unannounced)
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "bash" and "ci" not in b.tags], ids=lambda b: b.name)

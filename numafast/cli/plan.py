@@ -77,7 +77,8 @@ def no_gpus(machine: Topology, name: str) -> str:
     return (
         f"no GPUs to plan for: {where}. plan gives each local rank the CPUs and memory of its GPU's node, "
         "so it needs GPUs that sysfs shows, or a snapshot of a machine with them (--sysfs ROOT, e.g. "
-        "tests/fixtures/dgx-h100). To bind without a GPU: numafast run --cpunodebind NODES --membind NODES -- COMMAND"
+        "tests/fixtures/dgx-h100 in a numafast checkout). "
+        "To bind without a GPU: numafast run --cpunodebind NODES --membind NODES -- COMMAND"
     )
 
 
