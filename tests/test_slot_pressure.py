@@ -197,6 +197,41 @@ def test_pools_grown_for_kept_batches_shrink_back_once_they_are_dropped() -> Non
     assert numafast.torch.close_idle_pools() == 1 and vmlck() == before
 
 
+@SEMANTICS
+def test_grown_pools_shrink_back_with_no_call_on_their_own_loader() -> None:
+    """An eval loader kept its labels, and the labels are dropped: its grown pools are
+    released as another loader's batches arrive (training goes on, the eval loader is
+    not iterated or asked for stats() until the next pass), and a loader dropped after
+    what it kept leaves only its first pool idle, without close_idle_pools()."""
+    gc.collect()
+    numafast.torch.close_idle_pools()
+    before = vmlck()
+    evaluation = numafast.torch.NumaLoader(DataLoader(Images(512), batch_size=8, num_workers=2), lock="required")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        targets = [labels for _images, labels in evaluation]
+    grown = evaluation.pools
+    first_pool = grown.pools[0].stats().bytes_mapped
+    assert len(targets) == 64 and len(grown.pools) > 2 and vmlck() - before > 2 * first_pool
+    del targets
+    training = numafast.torch.NumaLoader(DataLoader(Images(128), batch_size=8, num_workers=2), lock="required")
+    assert training.pools is not grown
+    assert sum(1 for _batch in training) == 16  # no call on the eval loader's pools meanwhile
+    assert len(grown.pools) == 1, [pool.stats() for pool in grown.pools]
+    training_pool = training.pools.pools[0].stats().bytes_mapped
+    assert vmlck() - before == first_pool + training_pool  # the kernel unlocked the grown pools
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept = list(evaluation)
+    assert len(grown.pools) > 2
+    del kept, evaluation
+    gc.collect()
+    assert len(grown.pools) == 1 and vmlck() - before == first_pool + training_pool  # idle: its first pool only
+    del training
+    gc.collect()
+    assert numafast.torch.close_idle_pools() == 1 and vmlck() == before  # one idle set per node: the other closed
+
+
 class LargeImages(Dataset):  # type: ignore[type-arg]
     """Sample i: a 1 MiB float32 image filled with i, and i."""
 

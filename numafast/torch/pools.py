@@ -22,8 +22,8 @@ request past it is refused at once, and so is one past the board's
 :data:`~numafast.pool_share.BOARD_ENTRIES` pools; the worker then sends its batch as
 torch would, and it reaches the consumer unpinned, counted (``unpinned``) and warned
 about once, naming the limit. Pools grown for a burst of kept batches are released
-once all their slots are free again (checked as batches arrive, at ``stats()`` and
-at each ``iter()``).
+once all their slots are free again (checked as batches of any loader of the
+process arrive, at ``stats()``, at each ``iter()``, and when the loader goes idle).
 
 Every change is published on a :class:`~numafast.pool_share.PoolBoard` that the
 workers read before each batch, so running workers start filling new pools at once.
@@ -69,8 +69,9 @@ HEADROOM = 1.25
 SLOT_GRAIN = 1 << 16
 # The default max_pinned_bytes: this share of the node's memory.
 PINNED_SHARE_OF_NODE = 4
-# A grown pool found wholly free is released when the batches received reach a
-# multiple of this (and at stats() and iter()): a look at each pool's counters.
+# A grown pool found wholly free is released when the batches a loader received reach
+# a multiple of this (every loader's pools: see _shrink_all), and at stats(), iter()
+# and when its loader is gone: a look at each pool's counters.
 SHRINK_EVERY = 8
 # A pool added for more slots has smaller slots than the first pool's when the batches
 # landed lately need this many times less.
@@ -223,6 +224,7 @@ class NodePools:
             _idle[key] = self
         if replaced is not None and replaced is not self:
             replaced.close()
+        self.shrink()  # idle with its first pool only, where the consumer let its kept batches go already
 
     def use_device(self, index: int) -> None:
         """Register the pools made from now on through CUDA device ``index`` (the loader's,
@@ -279,9 +281,9 @@ class NodePools:
         retired pools settled, and now and then grown pools that are free released."""
         if self._kept_grew and "kept" not in self.warned:
             self._warn_kept()
-        if len(self.pools) > 1 and not (self.landed + self.copied + self.unpinned) % SHRINK_EVERY:
-            self.shrink()
-        elif self.retired:
+        if not (self.landed + self.copied + self.unpinned) % SHRINK_EVERY:
+            _shrink_all()  # this loader's pools, and those of loaders not iterated now (an eval loader, idle ones)
+        if self.retired:
             self._settle_retired()
 
     def copy_in(self, fallback: Fallback) -> Any:
@@ -631,6 +633,18 @@ _ACQUIRE_ATTEMPTS = 4
 
 # Every NodePools of this process: what max_pinned_bytes bounds together.
 _all_pools: weakref.WeakSet[NodePools] = weakref.WeakSet()
+
+
+def _shrink_all() -> None:
+    """Release the grown pools found wholly free in every NodePools of this process (see
+    :meth:`NodePools.shrink`), not only those of the loader whose batch arrives: an
+    eval loader's consumer drops the labels it kept and training goes on with another
+    loader, or the loader is gone and its pools wait idle; nothing then asks those
+    pools for a batch or for stats() until the next pass. A look at the counters of
+    the pools of those with more than one."""
+    for pools in list(_all_pools):
+        if pools._owner_pid == _pid.pid and len(pools.pools) > 1 and not pools.closed:
+            pools.shrink()
 
 
 def pinned_bytes() -> int:
