@@ -340,3 +340,5 @@ def test_pytorchs_shuffler_iterdatapipe_test_through_numaloader() -> None:
                             cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[-2] == "waited []", result.stdout
+    # Its kept batches' slots come back as the interpreter ends: nothing may fail then.
+    assert "Exception ignored" not in result.stderr, result.stderr
