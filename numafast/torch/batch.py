@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from numafast.errors import SlotTooSmallError
-from numafast.pool import PinnedPool, pool_of
+from numafast.pool import PinnedPool, Slot, pool_of
 from numafast.torch.slot import ALIGNMENT, fill, layout, plain_array
 
 __all__ = ["flatten", "opaque_leaves", "pin", "record_stream"]
@@ -151,19 +151,36 @@ def pin(batch: Batch, pool: PinnedPool, *, threads: int | None = None, timeout: 
             f"pin() leaves {', '.join(sorted(opaque))} where they are: it places tensors and NumPy arrays inside "
             "dicts, lists, tuples, namedtuples and dataclasses", RuntimeWarning, stacklevel=2,
         )
+
+    def acquire(nbytes: int, leaves: int) -> tuple[Slot, Sequence[int]]:
+        if nbytes > pool.slot_bytes:
+            raise SlotTooSmallError(
+                f"the batch needs {nbytes} bytes ({leaves} tensors, each aligned to {ALIGNMENT} bytes) "
+                f"but a slot of this pool holds {pool.slot_bytes} bytes"
+            )
+        return (pool.acquire(nbytes) if timeout is None else pool.acquire(nbytes, timeout)), pool.cpus
+
+    return place(batch, acquire, threads=threads)
+
+
+def place(
+    batch: Batch,
+    acquire: Callable[[int, int], tuple[Slot, Sequence[int]]],
+    keep: Callable[[Any], bool] = lambda leaf: False,
+    threads: int | None = None,
+) -> Batch:
+    """The steps of every pin: ``batch`` with its tensors and arrays (those ``keep`` does
+    not keep where they are) laid out in the slot that ``acquire(bytes, leaves)`` gives
+    (with the CPUs to copy on), copied in and put back in the same structure."""
     leaves, rebuild = flatten(batch, arrays=True)
-    if not leaves:
+    placed = [leaf for leaf in leaves if not keep(leaf)]
+    if not placed:
         return batch
-    plan = layout(leaves)
-    if plan.nbytes > pool.slot_bytes:
-        raise SlotTooSmallError(
-            f"the batch needs {plan.nbytes} bytes ({len(leaves)} tensors, each aligned to {ALIGNMENT} bytes) "
-            f"but a slot of this pool holds {pool.slot_bytes} bytes"
-        )
-    slot = None
-    if plan.nbytes:
-        slot = pool.acquire(plan.nbytes) if timeout is None else pool.acquire(plan.nbytes, timeout)
-    return rebuild(fill(slot, leaves, plan, pool.cpus, threads))
+    plan = layout(placed)
+    slot, cpus = acquire(plan.nbytes, len(placed)) if plan.nbytes else (None, ())
+    copies = iter(fill(slot, placed, plan, cpus, threads))
+    del slot  # the copies hold it now: it comes back when the last of them goes
+    return rebuild([leaf if keep(leaf) else next(copies) for leaf in leaves])
 
 
 def record_stream(batch: object, stream: object) -> int:

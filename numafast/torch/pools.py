@@ -43,7 +43,7 @@ import threading
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -54,7 +54,7 @@ from numafast._buffers import PAGE_SIZE
 from numafast.errors import InvalidSizeError, PoolClosedError, PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
-from numafast.torch.batch import flatten, opaque_leaves
+from numafast.torch.batch import opaque_leaves, place
 from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
@@ -511,28 +511,28 @@ class NodePools:
         for kind in opaque_leaves(batch):
             self._warn_once(kind, f"batch leaves of type {kind} are not pinned: numafast places tensors and "
                             "NumPy arrays inside dicts, lists, tuples, namedtuples and dataclasses")
-        leaves, rebuild = flatten(batch, arrays=True)
-        # Sparse, nested and device tensors stay as they are, as in a worker's slot.
-        kept = {id(leaf): leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and not placeable(leaf)}
-        for kind in sorted({tensor_kind(leaf) for leaf in kept.values() if leaf.is_nested or leaf.numel()}):
-            self._warn_unpinned(kind)
-        tensors = [leaf for leaf in leaves if id(leaf) not in kept]
-        if not tensors:
-            return batch
-        plan = layout(tensors)
-        if not plan.nbytes:
-            copies = fill(None, tensors, plan, ())
-        else:
-            acquired = self._acquire(plan.nbytes)
+        unpinned: set[str] = set()
+
+        def keep(leaf: Any) -> bool:
+            """Sparse, nested and device tensors stay as they are, as in a worker's slot."""
+            if not isinstance(leaf, torch.Tensor) or placeable(leaf):
+                return False
+            if leaf.is_nested or leaf.numel():
+                unpinned.add(tensor_kind(leaf))
+            return True
+
+        def acquire(nbytes: int, _leaves: int) -> tuple[Slot, Sequence[int]]:
+            acquired = self._acquire(nbytes)
             if acquired is None:
-                raise _NoRoom(f"no slot for a {plan.nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
-            slot, pool = acquired
-            del acquired
-            self.bytes_copied += plan.nbytes
-            copies = fill(slot, tensors, plan, pool.cpus)
-            del slot
-        placed = iter(copies)
-        return rebuild([leaf if id(leaf) in kept else next(placed) for leaf in leaves])
+                raise _NoRoom(f"no slot for a {nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
+            self.bytes_copied += nbytes
+            return acquired[0], acquired[1].cpus
+
+        try:
+            return place(batch, acquire, keep)
+        finally:
+            for kind in sorted(unpinned):
+                self._warn_unpinned(kind)
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool] | None:
         """A slot of ``nbytes`` for a copy in this process: a free one, else one in flight
