@@ -41,6 +41,7 @@ def test_the_torch_layer_imports_one_way_along_the_batchs_path() -> None:
     assert import_cycles(Path(numafast.torch.__file__).parent, "numafast.torch") == []
 
 
+@pytest.mark.host_only("an import check: the same on any kernel (a Python child, ~12 s under TCG)")
 def test_importing_numafast_never_imports_torch() -> None:
     code = "import sys, numafast, numafast.memory, numafast.pages; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
