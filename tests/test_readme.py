@@ -4,7 +4,8 @@ A fence may carry tags after the language (```python gpu):
 
 * ``gpu``: needs a CUDA GPU; skipped, saying so, where PyTorch sees none.
 * ``slurm``: needs a SLURM cluster (``srun``); skipped without one.
-* ``host``: takes minutes under the guests' TCG emulation; run on the host only.
+* ``host``: slow under the guests' TCG emulation (a framework's run, the bench, a
+  block of CLI commands at ~12 s each); run on the host only.
 
 Bash blocks run on the host and in the 4-node guest, not in the memory-only guest:
 they are numafast commands, each a fresh interpreter (~12 s under TCG), which the
@@ -106,7 +107,7 @@ def skip_reason(block: Block) -> str | None:
     if "slurm" in block.tags and shutil.which("srun") is None:
         return f"{block.name} needs a SLURM cluster (no srun here)"
     if "host" in block.tags and IN_GUEST:
-        return f"{block.name} takes minutes under TCG emulation: run on the host only"
+        return f"{block.name} is slow under TCG emulation: run on the host only"
     if block.language == "bash" and IN_GUEST and cpuless_nodes_with_memory():
         return (f"{block.name}: shell blocks run on the host and in the 4-node guest; here they would cost minutes of "
                 "TCG, and the CLI tests run the commands against the CPU-less node")
