@@ -371,7 +371,7 @@ class PinnedPool:
         registers = _registers(register_mode)
         self._device: int | None = _registering_device(device) if registers else None
         prefault = prefault or registers
-        stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
+        stride = whole_pages(slot_bytes)
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
         # Known to the at-fork handler before the first step that lets go of the GIL
         # (memfd_create): another thread may fork at any of them.
@@ -380,7 +380,7 @@ class PinnedPool:
             file.fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
             # A child forked before the next line finds the mapping in /proc/self/maps.
             file.region = region = allocate(
-                _libnuma.slot_table_bytes(slots) + stride * slots,
+                pool_bytes(slot_bytes, slots),
                 node=self._node,
                 hugepages=hugepages,
                 shared_file=file.fd,
@@ -481,7 +481,7 @@ class PinnedPool:
         assert self._faulted is not None
         done = self._faulted[index]
         if nbytes > done:
-            end = -(-nbytes // PAGE_SIZE) * PAGE_SIZE  # whole pages: a slot's stride is too
+            end = whole_pages(nbytes)  # a slot's stride is whole pages too
             self._faulted[index] = end
             start = self._slots.table.offset(index)
             with memoryview(self._resources.region) as whole, whole[start + done : start + end] as part:
@@ -659,6 +659,17 @@ class PinnedPool:
             word for word, on in (("locked", self.locked), ("CUDA-registered", self.registered)) if on
         ) or "not locked"
         return f"<PinnedPool node {self._node}: {self._slots.count} x {self._slots.slot_bytes} bytes, {pinned}, {state}>"
+
+
+def whole_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages: a slot's stride."""
+    return -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+
+
+def pool_bytes(slot_bytes: int, slots: int) -> int:
+    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then the
+    slots, each in whole pages."""
+    return int(_libnuma.slot_table_bytes(slots)) + whole_pages(slot_bytes) * slots
 
 
 def pool_of(address: int) -> PinnedPool | None:

@@ -50,9 +50,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from numafast import _libnuma, _pid
-from numafast._buffers import PAGE_SIZE
 from numafast.errors import InvalidSizeError, PoolClosedError, PoolExhaustedError
-from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
+from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode, pool_bytes, whole_pages
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch.batch import opaque_leaves, place
 from numafast.torch.device import settled_gpu
@@ -675,18 +674,10 @@ def check_max_pinned_bytes(value: object) -> int | None:
     return value
 
 
-def _pool_bytes(slot_bytes: int, slots: int) -> int:
-    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then the
-    slots, each in whole pages."""
-    stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
-    return int(_libnuma.slot_table_bytes(slots)) + stride * slots
-
-
 def _slots_within(slot_bytes: int, room: int) -> int:
     """How many slots of ``slot_bytes`` a pool mapping at most ``room`` bytes holds."""
-    stride = -(-slot_bytes // PAGE_SIZE) * PAGE_SIZE
-    count = max(room, 0) // stride
-    while count and _pool_bytes(slot_bytes, count) > room:
+    count = max(room, 0) // whole_pages(slot_bytes)
+    while count and pool_bytes(slot_bytes, count) > room:
         count -= 1
     return count
 
