@@ -15,7 +15,7 @@ from functools import cache
 from typing import TypeVar
 
 from numafast import _libnuma
-from numafast.errors import InvalidCpuSetError, InvalidNodeError, NodeNotAllowedError
+from numafast.errors import InvalidCpuSetError, InvalidNodeError, InvalidSizeError, NodeNotAllowedError
 
 NODE_ONLINE = "/sys/devices/system/node/online"
 EnumT = TypeVar("EnumT", bound=Enum)
@@ -109,6 +109,16 @@ def integer(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def positive_int(value: object, what: str, *, minimum: int = 1, or_none: bool = False) -> int:
+    """``value`` (an integer, Python's or NumPy's) as an int of at least ``minimum``; else
+    InvalidSizeError naming ``what`` and the value (``or_none``: the caller also takes None)."""
+    number = integer(value)
+    if number is None or number < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+        raise InvalidSizeError(f"{what} must be {kind}{' or None' if or_none else ''}, not {value!r}")
+    return number
 
 
 def id_list(ids: object) -> list[object]:

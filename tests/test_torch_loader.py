@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from sysfs_truth import (
@@ -834,6 +835,18 @@ def test_dropping_a_half_read_loader_leaves_its_pools_to_the_next_and_closing_th
 def test_bad_arguments_are_refused_by_name(loader: Any, options: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         numafast.torch.NumaLoader(loader, **options)
+
+
+def test_numpy_integers_are_integers() -> None:
+    """Sizes read from a config array or computed with NumPy (np.int64) are taken as ints."""
+    loader = numafast.torch.NumaLoader(
+        DataLoader(range(8), batch_size=4), slots=np.int64(3), prefetch=np.int32(1), max_pinned_bytes=np.int64(1 << 26)
+    )
+    assert (loader.slots, loader.prefetch, loader.max_pinned_bytes) == (3, 1, 1 << 26)
+    assert type(loader.slots) is int and type(loader.max_pinned_bytes) is int
+    assert [batch.tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(numafast.InvalidSizeError, match=r"slots must be a positive integer or None, not 2.5"):
+        numafast.torch.NumaLoader(DataLoader(range(4)), slots=2.5)
 
 
 def test_a_cuda_device_without_cuda_says_why() -> None:

@@ -166,8 +166,9 @@ def test_tensors_that_cannot_be_pinned_are_refused(pool: Any) -> None:
         closed = numafast.PinnedPool(NODES[0], 4096, 1)
         closed.close()
         numafast.torch.pin([torch.ones(3)], closed)
-    with pytest.raises(ValueError, match="threads must be a positive integer"):
+    with pytest.raises(numafast.InvalidSizeError, match="threads must be a positive integer, not 0"):
         numafast.torch.pin([torch.ones(3)], pool, threads=0)
+    assert numafast.torch.pin([torch.ones(3)], pool, threads=np.int64(2))[0].tolist() == [1.0, 1.0, 1.0]  # NumPy's ints too
 
 
 # ---------------------------------------------------------------- the pin_memory hook

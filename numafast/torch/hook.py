@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from numafast._validate import check_node
+from numafast._validate import check_node, positive_int
 from numafast.binding import bind
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, resolve_device
@@ -101,8 +101,7 @@ def pin_memory_hook(
                          "which pins itself, or build the loader with pin_memory=True")
     if isinstance(loader.collate_fn, SlotCollate):
         raise ValueError("this DataLoader already has a numafast pin_memory_hook")
-    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
-        raise ValueError(f"slots must be a positive integer or None, not {slots!r}")
+    slots = None if slots is None else positive_int(slots, "slots", or_none=True)
     checked = check_node(node) if node is not None else None  # a bad node is refused here too
     in_flight = (loader.prefetch_factor or 0) * loader.num_workers
     slots = slots or in_flight + 2

@@ -42,9 +42,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from numafast import cuda
-from numafast._validate import check_node
+from numafast._validate import check_node, positive_int
 from numafast.binding import bind, numa_local
-from numafast.errors import InvalidSizeError, MemlockError
+from numafast.errors import MemlockError
 from numafast.pool import LockMode, memlock_room, parse_mode
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
@@ -240,10 +240,8 @@ class NumaLoader(DataLoader[T_co]):
             )
         else:
             settings = merge_settings({**DATALOADER_DEFAULTS, "dataset": dataset}, given)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise InvalidSizeError(f"prefetch must be a positive integer, not {prefetch!r}")
-        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
-            raise InvalidSizeError(f"slots must be a positive integer or None, not {slots!r}")
+        prefetch = positive_int(prefetch, "prefetch")
+        slots = None if slots is None else positive_int(slots, "slots", or_none=True)
         cap = check_max_pinned_bytes(max_pinned_bytes)
         resolved = resolve_device(device)
         node_guessed = False

@@ -50,6 +50,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from numafast import _libnuma, _pid
+from numafast._validate import integer
 from numafast.errors import InvalidSizeError, PoolClosedError, PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode, pool_bytes, whole_pages
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
@@ -669,9 +670,10 @@ def check_max_pinned_bytes(value: object) -> int | None:
     """``max_pinned_bytes`` checked: a positive int, or None for the default."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = integer(value)  # NumPy's integers too
+    if number is None or number < 1:
         raise InvalidSizeError(f"max_pinned_bytes must be a positive number of bytes or None, not {value!r}")
-    return value
+    return number
 
 
 def _slots_within(slot_bytes: int, room: int) -> int:

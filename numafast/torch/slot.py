@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from numafast import _libnuma
+from numafast._validate import positive_int
 from numafast.errors import InvalidBufferError
 
 __all__ = [
@@ -151,9 +152,7 @@ def copy_threads(nbytes: int, cpus: int, asked: int | None) -> int:
     """The threads that copy ``nbytes`` on ``cpus`` CPUs: ``asked`` (at most ``cpus``), or
     by default one per 16 MiB, at most ``cpus`` and 8."""
     if asked is not None:
-        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-            raise ValueError(f"threads must be a positive integer, not {asked!r}")
-        return min(asked, max(cpus, 1))
+        return min(positive_int(asked, "threads"), max(cpus, 1))
     return max(1, min(nbytes // BYTES_PER_COPY_THREAD, cpus, MAX_COPY_THREADS))
 
 
