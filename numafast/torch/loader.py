@@ -539,7 +539,7 @@ class _OnDeviceIterator:
             tensors, rebuild = flatten(pinned)
             copies, ready = self._copier.to_device(tensors)
             # The slots come back as `pinned` goes; they are reused once the side stream is done.
-            record_stream(pinned, self._copier.stream)
+            record_stream(tensors, self._copier.stream)
             self._ahead.append(_OnDevice(copies, ready, rebuild))
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
@@ -89,98 +90,93 @@ class Receiver(Protocol):
 receivers: weakref.WeakValueDictionary[int, Receiver] = weakref.WeakValueDictionary()
 
 
-class SlotBatch:
-    """A batch a worker packed into slot ``index`` (lease ``generation``) of the pool
-    whose file is ``inode``, owned by receiver ``owner_id`` of process ``owner_pid``."""
+class _Message:
+    """What both messages share: they become their batch as they are unpickled in the
+    process of their receiver (``owner_id`` of process ``owner_pid``), and say which
+    batch of which DataLoader worker they are."""
 
-    __slots__ = ("owner_pid", "owner_id", "inode", "index", "generation", "nbytes", "payload", "unpinned", "worker",
-                 "number", "sender")  # fmt: skip
-
-    def __init__(self, owner_pid: int, owner_id: int, inode: int, index: int, generation: int, nbytes: int,
-                 payload: bytes, unpinned: tuple[str, ...] = (), worker: int = -1, number: int = 0,
-                 sender: int = 0) -> None:  # fmt: skip
-        self.owner_pid = owner_pid
-        self.owner_id = owner_id
-        self.inode = inode
-        self.index = index
-        self.generation = generation
-        self.nbytes = nbytes
-        self.payload = payload
-        self.unpinned = unpinned
-        self.worker = worker
-        """The DataLoader worker that sent it (-1: not said)."""
-        self.number = number
-        """Its batch's number among those that worker collated (1 for its first)."""
-        self.sender = sender
-        """The pid of the process that sent it (0: not said)."""
+    __slots__: tuple[str, ...] = ()
+    owner_pid: int
+    owner_id: int
+    worker: int
+    number: int
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _arrive_in_slot, (self.owner_pid, self.owner_id, self.inode, self.index, self.generation, self.nbytes,
-                                 self.payload, self.unpinned, self.worker, self.number, self.sender)  # fmt: skip
+        return _arrive, (type(self), *(getattr(self, name) for name in self.__slots__))
 
     def describe(self) -> str:
-        where = f"slot {self.index} of pool file {self.inode}, lease {self.generation}"
-        return f"{_batch_of(self.worker, self.number)} ({where})"
+        batch = "a batch" if self.worker < 0 or self.number <= 0 else f"batch {self.number}"
+        of = f" of DataLoader worker process {self.worker}" if self.worker >= 0 else ""
+        return f"{batch}{of} ({self._what()})"
+
+    def _what(self) -> str:
+        raise NotImplementedError
+
+    def _become(self, receiver: Receiver) -> Any:
+        raise NotImplementedError
 
 
-class Fallback:
+@dataclass(slots=True, eq=False)
+class SlotBatch(_Message):
+    """A batch a worker packed into slot ``index`` (lease ``generation``) of the pool
+    whose file is ``inode``."""
+
+    owner_pid: int
+    owner_id: int
+    inode: int
+    index: int
+    generation: int
+    nbytes: int
+    payload: bytes
+    unpinned: tuple[str, ...] = ()
+    worker: int = -1
+    """The DataLoader worker that sent it (-1: not said)."""
+    number: int = 0
+    """Its batch's number among those that worker collated (1 for its first)."""
+    sender: int = 0
+    """The pid of the process that sent it (0: not said)."""
+
+    def _what(self) -> str:
+        return f"slot {self.index} of pool file {self.inode}, lease {self.generation}"
+
+    def _become(self, receiver: Receiver) -> Any:
+        return receiver.receive(self)
+
+
+@dataclass(slots=True, eq=False)
+class Fallback(_Message):
     """A batch that travels as torch sends it (tensors in shared memory), and why."""
 
-    __slots__ = ("owner_pid", "owner_id", "batch", "reason", "detail", "worker", "number")
+    owner_pid: int
+    owner_id: int
+    batch: Any
+    reason: FallbackReason
+    detail: str = ""
+    worker: int = -1
+    number: int = 0
 
-    def __init__(self, owner_pid: int, owner_id: int, batch: Any, reason: FallbackReason, detail: str = "",
-                 worker: int = -1, number: int = 0) -> None:  # fmt: skip
-        self.owner_pid = owner_pid
-        self.owner_id = owner_id
-        self.batch = batch
-        self.reason = reason
-        self.detail = detail
-        self.worker = worker
-        self.number = number
+    def _what(self) -> str:
+        return f"sent to be copied: {self.reason.value}"
 
-    def describe(self) -> str:
-        return f"{_batch_of(self.worker, self.number)} (sent to be copied: {self.reason.value})"
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _arrive_copied, tuple(getattr(self, name) for name in Fallback.__slots__)
+    def _become(self, receiver: Receiver) -> Any:
+        return receiver.copy_in(self)
 
 
-def _receiver(owner_pid: int, owner_id: int) -> Receiver | None:
-    """This process's receiver ``owner_id`` when this is its process (a forked child
-    inherits the registry, not the pools)."""
-    return receivers.get(owner_id) if owner_pid == _pid.pid else None
-
-
-def _arrive_in_slot(*fields: Any) -> Any:
-    message = SlotBatch(*fields)
-    receiver = _receiver(message.owner_pid, message.owner_id)
+def _arrive(kind: type[_Message], *fields: Any) -> Any:
+    """A message unpickled: its batch in its receiver's process (a forked child inherits
+    the registry, not the pools), else the message itself, to travel on."""
+    message = kind(*fields)
+    receiver = receivers.get(message.owner_id) if message.owner_pid == _pid.pid else None
     if receiver is None:
         return message
     try:
-        return receiver.receive(message)
+        return message._become(receiver)
     except SenderDied:
         if in_pin_thread():
             return _failed(message.describe())
         raise  # out of the DataLoader's get: it finds its worker dead and says so (see above)
     except Exception:  # noqa: BLE001 - the consumer meets it at this batch, as a worker's error
         return _failed(message.describe())
-
-
-def _arrive_copied(*fields: Any) -> Any:
-    fallback = Fallback(*fields)
-    receiver = _receiver(fallback.owner_pid, fallback.owner_id)
-    if receiver is None:
-        return fallback
-    try:
-        return receiver.copy_in(fallback)
-    except Exception:  # noqa: BLE001 - as above
-        return _failed(fallback.describe())
-
-
-def _batch_of(worker: int, number: int) -> str:
-    if worker < 0:
-        return "a batch"
-    return f"{f'batch {number}' if number > 0 else 'a batch'} of DataLoader worker process {worker}"
 
 
 def _failed(batch: str) -> Any:
