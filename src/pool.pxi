@@ -79,47 +79,40 @@ def mlock(buf, bint on_fault=False) -> None:
     way. Locking does not stop the kernel from migrating a page to another frame; a
     page pinned for DMA (cudaHostRegister) cannot move at all.
     """
-    cdef Py_buffer view
-    cdef char *first
-    cdef size_t pages
-    cdef int rc, err
-    _hold(buf, &view, False)
-    try:
-        pages = _pages_of(&view, False, &first)
-        with nogil:  # locking faults in any missing page: it can take a while
-            libc_errno.errno = 0
-            rc = -1
-            err = libc_errno.ENOSYS
-            if on_fault and numa_api.SYS_mlock2 >= 0:
-                rc = numa_api.syscall(numa_api.SYS_mlock2, first, pages * _PAGE, numa_api.MLOCK_ONFAULT)
-                err = libc_errno.errno
-            if rc != 0 and err in (libc_errno.ENOSYS, libc_errno.EINVAL):  # no mlock2 (or no ONFAULT) here
-                libc_errno.errno = 0
-                rc = numa_api.mlock(first, pages * _PAGE)
-                err = libc_errno.errno
-        if rc != 0:
-            _fail("mlock", err, f"{pages * _PAGE} bytes at {<uintptr_t>first:#x}")
-    finally:
-        PyBuffer_Release(&view)
+    _lock_pages(buf, True, on_fault)
 
 
 def munlock(buf) -> None:
     """munlock(2): let every page ``buf`` touches be swapped again."""
+    _lock_pages(buf, False, False)
+
+
+cdef int _lock_pages(object buf, bint lock, bint on_fault) except -1:
     cdef Py_buffer view
     cdef char *first
-    cdef size_t pages
-    cdef int rc, err
+    cdef size_t length
+    cdef int rc = -1
+    cdef int err = libc_errno.ENOSYS
     _hold(buf, &view, False)
     try:
-        pages = _pages_of(&view, False, &first)
-        with nogil:
+        length = _pages_of(&view, False, &first) * _PAGE
+        with nogil:  # locking faults in any missing page: it can take a while
             libc_errno.errno = 0
-            rc = numa_api.munlock(first, pages * _PAGE)
-            err = libc_errno.errno
+            if not lock:
+                rc = numa_api.munlock(first, length)
+                err = libc_errno.errno
+            elif on_fault and numa_api.SYS_mlock2 >= 0:
+                rc = numa_api.syscall(numa_api.SYS_mlock2, first, length, numa_api.MLOCK_ONFAULT)
+                err = libc_errno.errno
+            if lock and rc != 0 and err in (libc_errno.ENOSYS, libc_errno.EINVAL):  # no mlock2 (or no ONFAULT) here
+                libc_errno.errno = 0
+                rc = numa_api.mlock(first, length)
+                err = libc_errno.errno
         if rc != 0:
-            _fail("munlock", err, f"{pages * _PAGE} bytes at {<uintptr_t>first:#x}")
+            _fail("mlock" if lock else "munlock", err, f"{length} bytes at {<uintptr_t>first:#x}")
     finally:
         PyBuffer_Release(&view)
+    return 0
 
 
 def remap_private_at(uintptr_t address, size_t length, int fd, size_t offset) -> None:
@@ -744,16 +737,9 @@ cdef class SlotPool:
         the GPU work on fenced slots, and call on_drained now if no slot is out, else
         when the last one comes back (slots leased by workers count as out: see
         :meth:`settle`). In a forked child, only marks this copy closed."""
-        if self.closed:
-            return
-        if not self._owned():
-            self.closed = True  # no waiter of this copy exists to wake, and the mutex is not the child's
-            return
-        pthread_mutex_lock(&self.mutex)
-        self.closed = True
-        pthread_cond_broadcast(&self.returned)
-        pthread_mutex_unlock(&self.mutex)
-        self.settle()
+        if not self.closed:
+            self._shut()
+            self.settle()
 
     def abandon(self) -> None:
         """What the pool's owner calls as it is dropped (a finalizer, in whichever thread
@@ -761,15 +747,21 @@ cdef class SlotPool:
         workers' leases or not (nobody is left to adopt their batches; a worker's own
         mapping keeps what it writes valid). Waits for nothing: the settling is left
         to the main thread's next Python instruction, as a returned slot's is."""
+        if self._owned():
+            self.abandoned = True
+            self._shut()
+            self._settle_soon()
+
+    cdef void _shut(self) noexcept:
+        """Mark the pool closed and wake every waiter: under the mutex, so that no waiter
+        goes to sleep between its look at ``closed`` and the broadcast."""
         if not self._owned():
+            self.closed = True  # no waiter of this copy exists to wake, and the mutex is not the child's
             return
-        self.abandoned = True
-        if not self.closed:
-            pthread_mutex_lock(&self.mutex)
-            self.closed = True
-            pthread_cond_broadcast(&self.returned)
-            pthread_mutex_unlock(&self.mutex)
-        self._settle_soon()
+        pthread_mutex_lock(&self.mutex)
+        self.closed = True
+        pthread_cond_broadcast(&self.returned)
+        pthread_mutex_unlock(&self.mutex)
 
     @property
     def drained(self) -> bool:
