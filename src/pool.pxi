@@ -491,17 +491,13 @@ cdef class SlotPool:
         When none is free: wait up to ``timeout`` seconds (< 0: as long as it takes) for
         one to come back, then TimeoutError; RuntimeError once the pool is closed.
         """
-        cdef Py_ssize_t index = -1
-        cdef uint64_t generation = 0
+        cdef Py_ssize_t index
         self._check_owner()
         if nbytes > self.slot_bytes:
             raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
-        if not self.closed:
-            index = self.table._claim(_HELD, <uint64_t>self.owner_pid, 0, &generation)
+        index = -1 if self.closed else self._take()
         if index < 0:
             index = self._wait_for_slot(timeout)
-        else:
-            self._count_out()
         return Slot._wrap(self, index, nbytes)
 
     def adopt(self, Py_ssize_t index, uint64_t generation, size_t nbytes) -> Slot:
@@ -530,6 +526,14 @@ cdef class SlotPool:
             self.settle()
         return True
 
+    cdef Py_ssize_t _take(self) noexcept:
+        """Claim the lowest free slot for this process and count it out; -1 when none is free."""
+        cdef uint64_t generation = 0
+        cdef Py_ssize_t index = self.table._claim(_HELD, <uint64_t>self.owner_pid, 0, &generation)
+        if index >= 0:
+            self._count_out()
+        return index
+
     cdef inline void _count_out(self) noexcept:
         self.in_use += 1
         self.acquired += 1
@@ -540,8 +544,7 @@ cdef class SlotPool:
         cdef double start = _monotonic()
         cdef double remaining, step
         cdef timespec deadline
-        cdef Py_ssize_t index = -1
-        cdef uint64_t generation = 0
+        cdef Py_ssize_t index
         cdef bint counted = False
         try:
             while True:
@@ -549,9 +552,8 @@ cdef class SlotPool:
                     self._reap_fences(timeout < 0)
                 if self.closed:
                     raise RuntimeError("the pool was closed while waiting for a slot")
-                index = self.table._claim(_HELD, <uint64_t>self.owner_pid, 0, &generation)
+                index = self._take()
                 if index >= 0:
-                    self._count_out()
                     return index
                 if not counted:
                     counted = True
