@@ -88,6 +88,7 @@ def munlock(buf) -> None:
 
 
 cdef int _lock_pages(object buf, bint lock, bint on_fault) except -1:
+    """mlock (mlock2 with MLOCK_ONFAULT where asked and known) or munlock every page ``buf`` touches."""
     cdef Py_buffer view
     cdef char *first
     cdef size_t length
