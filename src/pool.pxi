@@ -686,16 +686,6 @@ cdef class SlotPool:
                 self.fence_order.append(index)
         return 0
 
-    cdef int _drain(self) except -1:
-        cdef object on_drained = self.on_drained
-        if self.is_drained:
-            return 0
-        self.is_drained = True
-        self.on_drained = None
-        if on_drained is not None:
-            on_drained()
-        return 0
-
     def settle(self) -> bool:
         """Record the fences of the slots given back since the last look (see the top of
         this file). For a closed pool then: wait for the GPU work on fenced slots,
@@ -712,7 +702,7 @@ cdef class SlotPool:
         cdef uint64_t word
         cdef bint retired = True
         cdef uint64_t state
-        cdef object fence
+        cdef object fence, on_drained
         if self.is_drained or not self._owned():
             return self.is_drained
         self._fence_returned()
@@ -732,7 +722,10 @@ cdef class SlotPool:
                     break
             retired = retired and _state(nf_load64(self.table._slot_word(index))) == _LOST
         if retired:
-            self._drain()
+            self.is_drained = True  # before on_drained runs: it is called once, even if it raises
+            on_drained, self.on_drained = self.on_drained, None
+            if on_drained is not None:
+                on_drained()
         return self.is_drained
 
     def close(self) -> None:
