@@ -28,6 +28,7 @@ import atexit
 import errno
 import numbers
 import os
+import resource
 import sys
 import threading
 import warnings
@@ -144,18 +145,23 @@ class _Registration(Protocol):
     def unregister(self) -> None: ...
 
 
-class _PoolFile:
-    """A pool's memfd and, once mapped, its mapping, as the at-fork handler sees them:
-    known from before the pool's file exists until its memory is released, so that
-    a child forked by another thread at any step of a pool's making (each of which
-    lets go of the GIL) turns that pool's mapping private too."""
-
-    __slots__ = ("__weakref__", "fd", "node", "region")
+class _Resources:
+    """A pool's memfd, its mapping, and what pins it: known to the at-fork handler from
+    before the file exists until the memory is released, so that a child forked by
+    another thread at any step of a pool's making (each of which lets go of the GIL)
+    turns that pool's mapping private too. Released in this order, each step exactly
+    once: the CUDA registration, the page lock, the mapping and its file. Kept apart
+    from the pool object so that the slots, which outlive a closed pool, hold no
+    reference to it."""
 
     def __init__(self, node: int) -> None:
+        self.owner_pid = _pid.pid
         self.node = node
         self.fd = -1
         self.region: _libnuma.MappedBuffer | None = None
+        self.locked = False
+        self.registration: _Registration | None = None
+        self.lock = threading.Lock()
         _pool_files.add(self)
 
     def view_privately(self) -> None:
@@ -175,6 +181,34 @@ class _PoolFile:
         for address, length, offset in _shared_mappings_of(inode):
             _libnuma.remap_private_at(address, length, fd, offset)
 
+    def unpin(self) -> None:
+        """Unregister and unlock (the memory stays mapped and valid); nothing in a
+        forked child, which inherited neither the lock nor the registration."""
+        if not _pid.owns(self.owner_pid):
+            return
+        with self.lock:
+            registration, self.registration = self.registration, None
+            if registration is not None:
+                registration.unregister()
+            if self.locked and self.region is not None:
+                self.locked = False
+                _libnuma.munlock(self.region)
+
+    def release(self) -> None:
+        """Unpin, unmap, close the file: called once no slot is out and no GPU work is
+        in flight, or by a pool that failed to be made. Nothing in a forked child:
+        arrays it inherited may still read its private view, which goes when the child
+        ends."""
+        if not _pid.owns(self.owner_pid):
+            return
+        self.unpin()
+        if self.region is not None:
+            self.region.free()
+        _pool_files.discard(self)
+        fd, self.fd = self.fd, -1  # forgotten before closed: its number may be reused
+        if fd >= 0:
+            os.close(fd)
+
 
 def _shared_mappings_of(inode: int) -> list[tuple[int, int, int]]:
     """``(address, length, file offset)`` of each shared mapping of the memfd ``inode``
@@ -187,47 +221,6 @@ def _shared_mappings_of(inode: int) -> list[tuple[int, int, int]]:
                 low, high = (int(part, 16) for part in fields[0].split(b"-"))
                 found.append((low, high - low, int(fields[2], 16)))
     return found
-
-
-class _Resources:
-    """What a pool must give back, in this order, each step exactly once: the CUDA
-    registration, the page lock, the mapping and its file. Kept apart from the pool
-    object so that the slots, which outlive a closed pool, hold no reference to it."""
-
-    def __init__(self, file: _PoolFile, region: _libnuma.MappedBuffer) -> None:
-        self.owner_pid = _pid.pid
-        self.file = file
-        self.region = region
-        self.fd = file.fd
-        self.locked = False
-        self.registration: _Registration | None = None
-        self.lock = threading.Lock()
-
-    def unpin(self) -> None:
-        """Unregister and unlock (the memory stays mapped and valid); nothing in a
-        forked child, which inherited neither the lock nor the registration."""
-        if not _pid.owns(self.owner_pid):
-            return
-        with self.lock:
-            registration, self.registration = self.registration, None
-            if registration is not None:
-                registration.unregister()
-            if self.locked:
-                self.locked = False
-                _libnuma.munlock(self.region)
-
-    def release(self) -> None:
-        """Unpin, unmap, close the file: called once no slot is out and no GPU work is
-        in flight. Nothing in a forked child: arrays it inherited may still read its
-        private view, which goes when the child ends."""
-        if not _pid.owns(self.owner_pid):
-            return
-        self.unpin()
-        self.region.free()
-        _pool_files.discard(self.file)
-        fd, self.fd, self.file.fd = self.fd, -1, -1  # forgotten before closed: its number may be reused
-        if fd >= 0:
-            os.close(fd)
 
 
 class _StreamFences:
@@ -245,7 +238,7 @@ class _StreamFences:
 
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
-_pool_files: weakref.WeakSet[_PoolFile] = weakref.WeakSet()
+_pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
 """The memory of every pool of this process, from before its file exists until it is
 released: also a pool being made, and one whose PinnedPool is gone while its slots
 are still viewed."""
@@ -375,39 +368,31 @@ class PinnedPool:
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
         # Known to the at-fork handler before the first step that lets go of the GIL
         # (memfd_create): another thread may fork at any of them.
-        file = _PoolFile(self._node)
+        self._resources = resources = _Resources(self._node)
         try:
-            file.fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
+            resources.fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
             # A child forked before the next line finds the mapping in /proc/self/maps.
-            file.region = region = allocate(
+            resources.region = region = allocate(
                 pool_bytes(slot_bytes, slots),
                 node=self._node,
                 hugepages=hugepages,
-                shared_file=file.fd,
+                shared_file=resources.fd,
                 pretouch=prefault,
             )
-        except BaseException:
-            _pool_files.discard(file)
-            fd, file.fd = file.fd, -1
-            if fd >= 0:
-                os.close(fd)
-            raise
-        self._resources = _Resources(file, region)
-        try:
-            self._lock_note = self._lock(lock_mode, on_fault=not prefault)
+            self._lock_note = self._lock(region, lock_mode, on_fault=not prefault)
             self._lock_possible = not self._lock_note
             fence = None
             if registers:
                 from numafast import cuda
 
                 assert self._device is not None
-                self._resources.registration = cuda.Registration(
+                resources.registration = cuda.Registration(
                     region.address, region.size, device=self._device, unit=stride,
                     head=_libnuma.slot_table_bytes(slots),
                 )
                 fence = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
             self._fences = fence
-            self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, self._resources.release)
+            self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, resources.release)
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
             weakref.finalize(self, self._slots.abandon).atexit = False
@@ -416,18 +401,17 @@ class PinnedPool:
             self._faulted: list[int] | None = None if prefault else [0] * slots
             self._slot_bytes = slot_bytes
         except BaseException:
-            self._resources.release()
+            resources.release()
             raise
         _live_pools.add(self)
         if not _exit_hook_installed:
             atexit.register(_close_at_exit)
             _exit_hook_installed = True
 
-    def _lock(self, mode: LockMode, *, on_fault: bool) -> str:
+    def _lock(self, region: _libnuma.MappedBuffer, mode: LockMode, *, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
         if mode is LockMode.OFF:
             return "not asked to lock (lock='off')"
-        region = self._resources.region
         try:
             _libnuma.mlock(region, on_fault)
         except LibnumaError as error:
@@ -484,7 +468,7 @@ class PinnedPool:
             end = whole_pages(nbytes)  # a slot's stride is whole pages too
             self._faulted[index] = end
             start = self._slots.table.offset(index)
-            with memoryview(self._resources.region) as whole, whole[start + done : start + end] as part:
+            with memoryview(self._slots.table.region) as whole, whole[start + done : start + end] as part:
                 fault_in(part)
 
     def _slot_bytes_of(self, nbytes: int | None) -> int:
@@ -530,7 +514,7 @@ class PinnedPool:
             owner_pid=self._resources.owner_pid,
             fd=self._resources.fd,
             inode=os.fstat(self._resources.fd).st_ino,
-            nbytes=self._resources.region.size,
+            nbytes=self._slots.table.region.size,
             node=self._node,
             slot_bytes=self._slot_bytes,
         )
@@ -579,7 +563,7 @@ class PinnedPool:
         """The pool's counters now (see :class:`PoolStats`)."""
         self._check(closed_ok=True)
         slots = self._slots
-        region = self._resources.region
+        region = slots.table.region
         return PoolStats(
             node=self._node,
             slots=slots.count,
@@ -757,33 +741,28 @@ def _warn_unlocked_once(message: str) -> None:
         warnings.warn(f"{message}. Pools go on with unlocked memory (this is said once)", MemlockWarning, stacklevel=4)
 
 
-def _locking_state() -> tuple[dict[str, str], bool]:
-    """/proc/self/status's fields, and whether this process has CAP_IPC_LOCK (which
-    lifts RLIMIT_MEMLOCK)."""
+def _memlock_limits() -> tuple[int, int, str, bool]:
+    """RLIMIT_MEMLOCK (soft, hard), what this process locks already (/proc/self/status's
+    VmLck, "unknown" without it), and whether it has CAP_IPC_LOCK (which lifts the limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     status = read_fields(Path("/proc/self/status")) or {}
-    return status, bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
+    capable = bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
+    return soft, hard, status.get("VmLck", "unknown"), capable
 
 
 def memlock_room() -> int | None:
     """Bytes this process may still page-lock: None when unlimited (RLIMIT_MEMLOCK is, or
     the process has CAP_IPC_LOCK)."""
-    import resource
-
-    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-    status, capable = _locking_state()
+    soft, _hard, locked, capable = _memlock_limits()
     if soft == resource.RLIM_INFINITY or capable:
         return None
-    locked_kib = int(status.get("VmLck", "0 kB").split()[0])
+    locked_kib = int(locked.split()[0]) if locked != "unknown" else 0
     return max(soft - locked_kib * 1024, 0)
 
 
 def _memlock_message(nbytes: int, node: int, error: LibnumaError, otherwise: str) -> str:
     """Why locking ``nbytes`` failed, the limit, how to raise it, and ``otherwise``."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    status, capable = _locking_state()
-    locked = status.get("VmLck", "unknown")
+    soft, hard, locked, capable = _memlock_limits()
     need_kib = -(-nbytes // 1024)
     why = f"mlock: {os.strerror(error.errno or 0)}"
 

@@ -224,14 +224,16 @@ class BoardReader:
             return False
         return True
 
-    def _read(self) -> tuple[int, list[PoolHandle]]:
-        """The board's version and, when it is not this reader's, the entries it lists
-        (one whole write of the owner's: see :class:`PoolBoard`); OSError when the owner
-        stays in the middle of a write for _BOARD_WAIT_S."""
+    def _read(self, known: int | None = None) -> tuple[int, list[PoolHandle] | None]:
+        """The board's version and, unless it is still ``known`` (default: this reader's
+        version), the entries it lists (one whole write of the owner's: see
+        :class:`PoolBoard`); OSError when the owner stays in the middle of a write for
+        _BOARD_WAIT_S."""
+        known = self.version if known is None else known
         deadline = None
         while True:
             try:
-                version, payload = _libnuma.seqlock_read(self.memory, _PAYLOAD_BYTES, self.version)
+                version, payload = _libnuma.seqlock_read(self.memory, _PAYLOAD_BYTES, known)
             except BlockingIOError:
                 now = time.monotonic()
                 deadline = deadline or now + _BOARD_WAIT_S
@@ -241,7 +243,7 @@ class BoardReader:
                 time.sleep(0.0001)
                 continue
             if payload is None:
-                return version, []
+                return version, None
             count = min(_COUNT.unpack_from(payload)[0], BOARD_ENTRIES)
             return version, [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
 
@@ -250,17 +252,13 @@ class BoardReader:
         owner let go after listing it, replaced on the board since, is read again.)"""
         while True:
             version, entries = self._read()
-            if version == self.version:
+            if entries is None:
                 return self.views
             known = {view.handle: view for view in self.views}
             try:
                 views = [known.get(entry) or PoolView(entry) for entry in entries]
             except OSError:
-                try:
-                    published = _libnuma.seqlock_read(self.memory, 0, version)[1] is not None
-                except BlockingIOError:
-                    published = True  # being published
-                if published:
+                if self._read(version)[0] != version:
                     continue  # maybe listed no more: the owner let it go and published since
                 raise
             self.views = views
@@ -293,13 +291,10 @@ class PoolView:
         """Per slot, what a filler keeps over its memory from batch to batch (a worker's
         tensors to collate into): it lives as long as this view's mapping."""
 
-    def lease(self, timeout: float = 0.0) -> tuple[int, int] | None:
+    def lease(self) -> tuple[int, int] | None:
         """A free slot leased to this process now, ``(index, generation)``; None when every
         slot is taken. It never waits: a worker asks the owner for room instead
-        (:meth:`BoardReader.ask`). ``timeout`` must be 0: it stays only for callers
-        that still pass it (numafast.torch.collate)."""
-        if timeout:
-            raise ValueError(f"PoolView.lease() does not wait (timeout={timeout!r}): lease again, or ask for room")
+        (:meth:`BoardReader.ask`)."""
         lease: tuple[int, int] | None = self.table.claim(_pid.started())
         return lease
 

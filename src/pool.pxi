@@ -79,47 +79,41 @@ def mlock(buf, bint on_fault=False) -> None:
     way. Locking does not stop the kernel from migrating a page to another frame; a
     page pinned for DMA (cudaHostRegister) cannot move at all.
     """
-    cdef Py_buffer view
-    cdef char *first
-    cdef size_t pages
-    cdef int rc, err
-    _hold(buf, &view, False)
-    try:
-        pages = _pages_of(&view, False, &first)
-        with nogil:  # locking faults in any missing page: it can take a while
-            libc_errno.errno = 0
-            rc = -1
-            err = libc_errno.ENOSYS
-            if on_fault and numa_api.SYS_mlock2 >= 0:
-                rc = numa_api.syscall(numa_api.SYS_mlock2, first, pages * _PAGE, numa_api.MLOCK_ONFAULT)
-                err = libc_errno.errno
-            if rc != 0 and err in (libc_errno.ENOSYS, libc_errno.EINVAL):  # no mlock2 (or no ONFAULT) here
-                libc_errno.errno = 0
-                rc = numa_api.mlock(first, pages * _PAGE)
-                err = libc_errno.errno
-        if rc != 0:
-            _fail("mlock", err, f"{pages * _PAGE} bytes at {<uintptr_t>first:#x}")
-    finally:
-        PyBuffer_Release(&view)
+    _lock_pages(buf, True, on_fault)
 
 
 def munlock(buf) -> None:
     """munlock(2): let every page ``buf`` touches be swapped again."""
+    _lock_pages(buf, False, False)
+
+
+cdef int _lock_pages(object buf, bint lock, bint on_fault) except -1:
+    """mlock (mlock2 with MLOCK_ONFAULT where asked and known) or munlock every page ``buf`` touches."""
     cdef Py_buffer view
     cdef char *first
-    cdef size_t pages
-    cdef int rc, err
+    cdef size_t length
+    cdef int rc = -1
+    cdef int err = libc_errno.ENOSYS
     _hold(buf, &view, False)
     try:
-        pages = _pages_of(&view, False, &first)
-        with nogil:
+        length = _pages_of(&view, False, &first) * _PAGE
+        with nogil:  # locking faults in any missing page: it can take a while
             libc_errno.errno = 0
-            rc = numa_api.munlock(first, pages * _PAGE)
-            err = libc_errno.errno
+            if not lock:
+                rc = numa_api.munlock(first, length)
+                err = libc_errno.errno
+            elif on_fault and numa_api.SYS_mlock2 >= 0:
+                rc = numa_api.syscall(numa_api.SYS_mlock2, first, length, numa_api.MLOCK_ONFAULT)
+                err = libc_errno.errno
+            if lock and rc != 0 and err in (libc_errno.ENOSYS, libc_errno.EINVAL):  # no mlock2 (or no ONFAULT) here
+                libc_errno.errno = 0
+                rc = numa_api.mlock(first, length)
+                err = libc_errno.errno
         if rc != 0:
-            _fail("munlock", err, f"{pages * _PAGE} bytes at {<uintptr_t>first:#x}")
+            _fail("mlock" if lock else "munlock", err, f"{length} bytes at {<uintptr_t>first:#x}")
     finally:
         PyBuffer_Release(&view)
+    return 0
 
 
 def remap_private_at(uintptr_t address, size_t length, int fd, size_t offset) -> None:
@@ -498,17 +492,13 @@ cdef class SlotPool:
         When none is free: wait up to ``timeout`` seconds (< 0: as long as it takes) for
         one to come back, then TimeoutError; RuntimeError once the pool is closed.
         """
-        cdef Py_ssize_t index = -1
-        cdef uint64_t generation = 0
+        cdef Py_ssize_t index
         self._check_owner()
         if nbytes > self.slot_bytes:
             raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
-        if not self.closed:
-            index = self.table._claim(_HELD, <uint64_t>self.owner_pid, 0, &generation)
+        index = -1 if self.closed else self._take()
         if index < 0:
             index = self._wait_for_slot(timeout)
-        else:
-            self._count_out()
         return Slot._wrap(self, index, nbytes)
 
     def adopt(self, Py_ssize_t index, uint64_t generation, size_t nbytes) -> Slot:
@@ -537,6 +527,14 @@ cdef class SlotPool:
             self.settle()
         return True
 
+    cdef Py_ssize_t _take(self) noexcept:
+        """Claim the lowest free slot for this process and count it out; -1 when none is free."""
+        cdef uint64_t generation = 0
+        cdef Py_ssize_t index = self.table._claim(_HELD, <uint64_t>self.owner_pid, 0, &generation)
+        if index >= 0:
+            self._count_out()
+        return index
+
     cdef inline void _count_out(self) noexcept:
         self.in_use += 1
         self.acquired += 1
@@ -547,8 +545,7 @@ cdef class SlotPool:
         cdef double start = _monotonic()
         cdef double remaining, step
         cdef timespec deadline
-        cdef Py_ssize_t index = -1
-        cdef uint64_t generation = 0
+        cdef Py_ssize_t index
         cdef bint counted = False
         try:
             while True:
@@ -556,9 +553,8 @@ cdef class SlotPool:
                     self._reap_fences(timeout < 0)
                 if self.closed:
                     raise RuntimeError("the pool was closed while waiting for a slot")
-                index = self.table._claim(_HELD, <uint64_t>self.owner_pid, 0, &generation)
+                index = self._take()
                 if index >= 0:
-                    self._count_out()
                     return index
                 if not counted:
                     counted = True
@@ -690,16 +686,6 @@ cdef class SlotPool:
                 self.fence_order.append(index)
         return 0
 
-    cdef int _drain(self) except -1:
-        cdef object on_drained = self.on_drained
-        if self.is_drained:
-            return 0
-        self.is_drained = True
-        self.on_drained = None
-        if on_drained is not None:
-            on_drained()
-        return 0
-
     def settle(self) -> bool:
         """Record the fences of the slots given back since the last look (see the top of
         this file). For a closed pool then: wait for the GPU work on fenced slots,
@@ -716,7 +702,7 @@ cdef class SlotPool:
         cdef uint64_t word
         cdef bint retired = True
         cdef uint64_t state
-        cdef object fence
+        cdef object fence, on_drained
         if self.is_drained or not self._owned():
             return self.is_drained
         self._fence_returned()
@@ -736,7 +722,10 @@ cdef class SlotPool:
                     break
             retired = retired and _state(nf_load64(self.table._slot_word(index))) == _LOST
         if retired:
-            self._drain()
+            self.is_drained = True  # before on_drained runs: it is called once, even if it raises
+            on_drained, self.on_drained = self.on_drained, None
+            if on_drained is not None:
+                on_drained()
         return self.is_drained
 
     def close(self) -> None:
@@ -744,16 +733,9 @@ cdef class SlotPool:
         the GPU work on fenced slots, and call on_drained now if no slot is out, else
         when the last one comes back (slots leased by workers count as out: see
         :meth:`settle`). In a forked child, only marks this copy closed."""
-        if self.closed:
-            return
-        if not self._owned():
-            self.closed = True  # no waiter of this copy exists to wake, and the mutex is not the child's
-            return
-        pthread_mutex_lock(&self.mutex)
-        self.closed = True
-        pthread_cond_broadcast(&self.returned)
-        pthread_mutex_unlock(&self.mutex)
-        self.settle()
+        if not self.closed:
+            self._shut()
+            self.settle()
 
     def abandon(self) -> None:
         """What the pool's owner calls as it is dropped (a finalizer, in whichever thread
@@ -761,15 +743,21 @@ cdef class SlotPool:
         workers' leases or not (nobody is left to adopt their batches; a worker's own
         mapping keeps what it writes valid). Waits for nothing: the settling is left
         to the main thread's next Python instruction, as a returned slot's is."""
+        if self._owned():
+            self.abandoned = True
+            self._shut()
+            self._settle_soon()
+
+    cdef void _shut(self) noexcept:
+        """Mark the pool closed and wake every waiter: under the mutex, so that no waiter
+        goes to sleep between its look at ``closed`` and the broadcast."""
         if not self._owned():
+            self.closed = True  # no waiter of this copy exists to wake, and the mutex is not the child's
             return
-        self.abandoned = True
-        if not self.closed:
-            pthread_mutex_lock(&self.mutex)
-            self.closed = True
-            pthread_cond_broadcast(&self.returned)
-            pthread_mutex_unlock(&self.mutex)
-        self._settle_soon()
+        pthread_mutex_lock(&self.mutex)
+        self.closed = True
+        pthread_cond_broadcast(&self.returned)
+        pthread_mutex_unlock(&self.mutex)
 
     @property
     def drained(self) -> bool:

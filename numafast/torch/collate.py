@@ -250,7 +250,7 @@ def _free_slot(views: list[PoolView], needed: int) -> tuple[PoolView, int, int] 
     """A free slot of ``needed`` bytes or more, leased now, in one of ``views``."""
     for view in views:
         if view.handle.slot_bytes >= needed:
-            lease = view.lease(0.0)
+            lease = view.lease()
             if lease is not None:
                 return view, lease[0], lease[1]
     return None
