@@ -116,7 +116,7 @@ def positive_int(value: object, what: str, *, minimum: int = 1, or_none: bool = 
     InvalidSizeError naming ``what`` and the value (``or_none``: the caller also takes None)."""
     number = integer(value)
     if number is None or number < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer of at least {minimum}")
         raise InvalidSizeError(f"{what} must be {kind}{' or None' if or_none else ''}, not {value!r}")
     return number
 

@@ -41,12 +41,11 @@ from typing import Any, NoReturn, Protocol
 
 from numafast import _libnuma, _pid
 from numafast._buffers import PAGE_SIZE
-from numafast._validate import allowed_cpus, check_node, cpus_near
+from numafast._validate import allowed_cpus, check_node, cpus_near, positive_int
 from numafast.errors import (
     CudaUnavailable,
     InvalidGpuError,
     InvalidNodeError,
-    InvalidSizeError,
     LibnumaError,
     MemlockError,
     MemlockWarning,
@@ -299,12 +298,6 @@ def parse_mode(value: object, enum: type[LockMode] | type[RegisterMode], name: s
         raise ValueError(f"{name}={value!r}: choose one of {choices}, True or False") from None
 
 
-def _positive_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidSizeError(f"{what} must be a positive integer, not {value!r}")
-    return value
-
-
 _WAIT = object()  # acquire()'s default: the pool's own timeout
 
 
@@ -352,8 +345,8 @@ class PinnedPool:
     ) -> None:
         global _exit_hook_installed
         self._node = check_node(node)
-        slot_bytes = _positive_int(slot_bytes, "slot_bytes")
-        slots = _positive_int(slots, "slots")
+        slot_bytes = positive_int(slot_bytes, "slot_bytes")
+        slots = positive_int(slots, "slots")
         lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
         register_mode: RegisterMode = parse_mode(register, RegisterMode, "register")
         self._wait = _wait_of(timeout)
@@ -475,8 +468,7 @@ class PinnedPool:
         slot_bytes = self._slot_bytes
         if nbytes is None:
             return slot_bytes
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise InvalidSizeError(f"nbytes must be a non-negative integer, not {nbytes!r}")
+        nbytes = positive_int(nbytes, "nbytes", minimum=0)
         if nbytes > slot_bytes:
             raise SlotTooSmallError(f"{nbytes} bytes asked for, but a slot of this pool holds {slot_bytes} bytes")
         return nbytes
@@ -683,7 +675,7 @@ def _wait_of(timeout: object) -> float:
     as it takes), or a ValueError naming it."""
     if timeout is None:
         return -1.0
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0 or timeout != timeout:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout < 0 or timeout != timeout:
         raise ValueError(f"timeout must be None (wait as long as it takes) or seconds >= 0, not {timeout!r}")
     return float(timeout)
 

@@ -68,6 +68,11 @@ CASES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("numafast.empty(0)", "InvalidSizeError", ("shape 0 holds no element",)),
     ("numafast.empty(16, 'flaot32')", "TypeError", ("dtype 'flaot32' is not a NumPy data type", "'float32', 'uint8'")),
     ("numafast.empty(16, object)", "TypeError", ("holds Python objects", "give a numeric dtype")),
+    # pinned pools: NumPy integers are sizes
+    (f"numafast.PinnedPool({NODE}, np.int64(4096), np.int32(2), timeout=np.int64(1)).acquire(np.int64(100)).nbytes",
+     None, ()),
+    (f"numafast.PinnedPool({NODE}, 4096.0, 2)", "InvalidSizeError", ("slot_bytes must be a positive integer, not 4096.0",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).acquire(-1)", "InvalidSizeError", ("nbytes must be a non-negative integer, not -1",)),
     # buffers
     ("numafast.page_nodes(1)", "InvalidBufferError", ("a int does not expose its memory",)),
     (f"numafast.mbind(np.ones(1 << 16)[::2], {NODE})", "InvalidBufferError", ("not C-contiguous", "numpy.ascontiguousarray")),

@@ -128,7 +128,10 @@ class SlotCollate:
         whose slots hold ``needed`` bytes; when every slot is held, more slots are asked
         for at once. A Fallback (``reason``, else why no slot came) when none came,
         None when the batch does not fit the slot."""
-        lease = _lease(reader, needed, 0.0)
+        try:
+            lease = _free_slot(reader.pools(), needed)
+        except OSError:  # a pool listed cannot be mapped here: the next batch's look at the board says why
+            lease = None
         refused = False
         if lease is None:  # the consumer keeps more batches than there are slots
             lease, refused = self._more_slots(reader, needed)
@@ -224,26 +227,6 @@ class SlotCollate:
 
 # In a worker: the board of each loader it serves, mapped once.
 _readers: dict[BoardHandle, BoardReader] = {}
-
-
-def _lease(reader: BoardReader, needed: int, wait_s: float) -> tuple[PoolView, int, int] | None:
-    """A free slot of ``needed`` bytes or more in one of the pools listed on the board
-    (read again while waiting: the owner may publish new ones), waiting up to
-    ``wait_s`` seconds; None when none came, or a pool listed cannot be mapped here
-    (the next batch's look at the board says why)."""
-    deadline = None  # taken when the first look finds no slot: the usual batch finds one
-    try:
-        while True:
-            lease = _free_slot(reader.pools(), needed)
-            if lease is not None:
-                return lease
-            if deadline is None:
-                deadline = time.monotonic() + wait_s
-            elif time.monotonic() >= deadline:
-                return None
-            time.sleep(SLOT_POLL_S)
-    except OSError:
-        return None
 
 
 def _free_slot(views: list[PoolView], needed: int) -> tuple[PoolView, int, int] | None:
