@@ -518,6 +518,11 @@ class PinnedPool:
         self.reclaim_orphans()
         return bool(self._slots.settle())
 
+    def reap(self, *, wait: bool = False) -> None:
+        """Free the slots whose GPU copies are done (workers lease only free slots); with
+        ``wait`` and none free, wait for the oldest copy first. Nothing without CUDA."""
+        self._slots.reap(wait)
+
     def __reduce__(self) -> NoReturn:
         self._slots.__reduce__()  # raises TypeError: why pool memory does not travel, and what to do
         raise AssertionError("unreachable")

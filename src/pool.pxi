@@ -686,9 +686,16 @@ cdef class SlotPool:
                 self.fence_order.append(index)
         return 0
 
+    def reap(self, bint wait=False) -> None:
+        """Record the fences of the slots given back since the last look, and free the
+        fenced slots whose GPU work is done; with ``wait`` and no slot free, wait for the
+        oldest fence first (the GIL released meanwhile)."""
+        if self._owned() and self.fenced:
+            self._reap_fences(wait)
+
     def settle(self) -> bool:
         """Record the fences of the slots given back since the last look (see the top of
-        this file). For a closed pool then: wait for the GPU work on fenced slots,
+        this file), and free the fenced slots whose GPU work is done. For a closed pool then: wait for the GPU work on fenced slots,
         retire the free slots, and release the memory (on_drained) once every slot is
         retired (none held, in flight or leased any more). True once released.
 
@@ -705,9 +712,17 @@ cdef class SlotPool:
         cdef object fence, on_drained
         if self.is_drained or not self._owned():
             return self.is_drained
-        self._fence_returned()
         if not self.closed:
+            # Workers lease only free slots: a fenced one must be freed by this process once
+            # its copy is done, or the workers find every slot taken while the GPU idles.
+            # A fence that cannot be asked (a CUDA error) stays: settle() runs as a pending
+            # call, in whatever code the main thread runs, so acquire() and reap() raise it.
+            try:
+                self._reap_fences(False)
+            except Exception:
+                pass
             return False
+        self._fence_returned()
         for index in list(self.fence_order):
             fence = self.fences[index]
             if fence is not None:

@@ -255,13 +255,43 @@ def test_a_fenced_slot_is_reused_only_once_its_fence_is_done() -> None:
     assert slots.fenced == 0 and drained == [True]
 
 
+def test_an_open_pool_frees_a_fenced_slot_for_workers_once_its_fence_is_done() -> None:
+    """Workers lease only free slots and never look at fences: the owner frees a fenced
+    slot whose copy is done at its next settle (a slot given back queues one) or reap,
+    else workers of a loader with a GPU find every slot taken after the first pass."""
+    fences: list[Fence] = []
+
+    def fence(index: int) -> Fence:
+        fences.append(Fence())
+        return fences[-1]
+
+    region = _libnuma.mmap_anonymous(_libnuma.slot_table_bytes(1) + PAGE_SIZE)
+    slots = _libnuma.SlotPool(region, PAGE_SIZE, 1, fence)
+    started = numafast._pid.started()
+    slots.acquire(PAGE_SIZE)  # dropped at once: a batch dropped while its copy to the GPU still runs
+    slots.settle()
+    assert slots.fenced == 1 and slots.table.claim(started) is None  # the worker waits for the copy
+    fences[0].done.set()
+    slots.settle()  # what the next slot given back runs
+    lease = slots.table.claim(started)
+    assert lease is not None and lease[0] == 0 and slots.fenced == 0
+    assert slots.reclaim(*lease, os.getpid())
+    slots.adopt(*slots.table.claim(started), PAGE_SIZE)  # a worker's batch, adopted and dropped: fenced again
+    threading.Timer(0.1, lambda: fences[-1].done.set()).start()  # its fence is recorded by reap() below
+    slots.reap(True)  # the serving thread, asked for more slots: waits for the oldest copy
+    assert slots.table.claim(started) is not None and len(fences) == 2 and fences[1].done.is_set()
+    slots.close()
+
+
 def test_a_failing_fence_surfaces_from_acquire_and_leaves_the_pool_usable() -> None:
     class Broken(Fence):
-        calls = 0
+        """Fails every query until mended: CUDA's errors are sticky. (A failure met by
+        the settle a slot given back queues is left for acquire to raise.)"""
+
+        broken = True
 
         def query(self) -> bool:
-            Broken.calls += 1
-            if Broken.calls == 1:
+            if Broken.broken:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
             return True
 
@@ -273,6 +303,7 @@ def test_a_failing_fence_surfaces_from_acquire_and_leaves_the_pool_usable() -> N
     slots.acquire(PAGE_SIZE, 0)  # handed out and given back at once: fenced
     with pytest.raises(RuntimeError, match="illegal memory access"):
         slots.acquire(PAGE_SIZE, 0)
+    Broken.broken = False
     again = slots.acquire(PAGE_SIZE, 0)  # the next look finds it done
     assert again.index == 0 and slots.fenced == 0 and slots.in_use == 1
 
