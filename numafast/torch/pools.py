@@ -29,11 +29,10 @@ Every change is published on a :class:`~numafast.pool_share.PoolBoard` that the
 workers read before each batch, so running workers start filling new pools at once.
 
 Pools outlive their loader: when the last collate function using a NodePools is
-gone, it waits, idle, for the next loader on the same node (:func:`node_pools`).
-Frameworks re-create loaders (every epoch with Lightning's reload, once in
-Accelerate's or Ray's ``prepare``), and a validation loader is often made per pass:
-each then starts on warm, placed, locked pools. A new pool costs nothing up front:
-its slots are faulted in (placed, locked) as they are first used.
+gone, it waits, idle, for the next loader on the same node (:func:`node_pools`, and
+:mod:`numafast.torch.process_pools`). A new pool costs nothing up front: its slots are
+faulted in (placed, locked) as they are first used. How large pools and slots are is
+:mod:`numafast.torch.sizing`'s arithmetic.
 """
 
 from __future__ import annotations
@@ -45,42 +44,35 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-from numafast import _libnuma, _pid
-from numafast._validate import integer
-from numafast.errors import InvalidSizeError, PoolClosedError, PoolExhaustedError
-from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode, pool_bytes, whole_pages
+from numafast import _pid
+from numafast.errors import PoolClosedError, PoolExhaustedError
+from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
+from numafast.torch import process_pools
 from numafast.torch.batch import opaque_leaves, place
 from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
-from numafast.torch.slot import SlotFull, fill, layout, placeable, tensor_kind
+from numafast.torch.process_pools import close_idle_pools, pinned_bytes
+from numafast.torch.sizing import (
+    check_max_pinned_bytes, default_max_pinned_bytes, grown_slot_bytes, slot_bytes_for, slots_within,
+)
+from numafast.torch.slot import SlotFull, placeable, tensor_kind
 
 __all__ = ["LoaderStats", "NodePools", "close_idle_pools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
 
 Batch = TypeVar("Batch")
 
-# Slots are this much larger than the batch that sized them, rounded up to SLOT_GRAIN.
-HEADROOM = 1.25
-SLOT_GRAIN = 1 << 16
-# The default max_pinned_bytes: this share of the node's memory.
-PINNED_SHARE_OF_NODE = 4
 # A grown pool found wholly free is released when the batches a loader received reach
-# a multiple of this (every loader's pools: see _shrink_all), and at stats(), iter()
-# and when its loader is gone: a look at each pool's counters.
+# a multiple of this (every loader's pools: see process_pools.shrink_all), and at
+# stats(), iter() and when its loader is gone: a look at each pool's counters.
 SHRINK_EVERY = 8
-# A pool added for more slots has smaller slots than the first pool's when the batches
-# landed lately need this many times less.
-_GROWN_SMALLER = 4
 
 _owner_ids = itertools.count(1)
-# NodePools no loader uses any more, by (node, lock, register): the next loader's.
-_idle: dict[tuple[int, LockMode, RegisterMode], NodePools] = {}
-_idle_mutex = threading.Lock()
 
 _FIXES = {
     FallbackReason.NO_FREE_SLOT: "every slot was held and the loader's pool thread did not answer a worker's "
@@ -182,7 +174,9 @@ class NodePools:
         else the making thread's current device (for the serving thread, device 0)."""
         self.board = PoolBoard()
         self.owner_id = next(_owner_ids)
+        self.owner_pid = _pid.pid
         self.users = 0
+        """The loaders landing their batches here (see :mod:`~numafast.torch.process_pools`)."""
         self.closed = False
         self.taken_over = False
         """Made for another loader, gone since: its first batches may need larger slots."""
@@ -195,36 +189,20 @@ class NodePools:
         held only for bookkeeping, never while a pool is faulted in or registered."""
         self._making = threading.Lock()
         """One pool is made at a time (by the serving thread or a copy in this one)."""
-        self._owner_pid = _pid.pid
         receivers[self.owner_id] = self
-        _all_pools.add(self)
+        process_pools.every.add(self)
 
     def attach(self, user: object) -> None:
         """``user`` (a loader's collate function) lands its batches here: these pools stay
         while it lives, and go idle (for the next loader on the node) once none is left."""
-        with _idle_mutex:
-            self.users += 1
-        # Not under _idle_mutex: Thread.start() waits for the new thread, in which the
-        # garbage collector may run a gone loader's _detach, which takes that mutex.
+        process_pools.use(self)
+        # Not under process_pools' mutex: Thread.start() waits for the new thread, in which
+        # the garbage collector may run a gone loader's let_go, which takes that mutex.
         with self._server_mutex:
             if self._server is None:
                 self._server = self.board.serve_requests(_make_room_in(weakref.ref(self)), f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
-        weakref.finalize(user, self._detach).atexit = False
-
-    def _detach(self) -> None:
-        if _pid.pid != self._owner_pid:
-            return  # a forked child's copy: the pools are the parent's
-        with _idle_mutex:
-            self.users -= 1
-            if self.users or self.closed:
-                return
-            key = (self.node, self.lock, self.register)
-            replaced = _idle.get(key)
-            _idle[key] = self
-        if replaced is not None and replaced is not self:
-            replaced.close()
-        self.shrink()  # idle with its first pool only, where the consumer let its kept batches go already
+        weakref.finalize(user, process_pools.let_go, self).atexit = False
 
     def use_device(self, index: int) -> None:
         """Register the pools made from now on through CUDA device ``index`` (the loader's,
@@ -282,7 +260,7 @@ class NodePools:
         if self._kept_grew and "kept" not in self.warned:
             self._warn_kept()
         if not (self.landed + self.copied + self.unpinned) % SHRINK_EVERY:
-            _shrink_all()  # this loader's pools, and those of loaders not iterated now (an eval loader, idle ones)
+            process_pools.shrink_all()  # this loader's pools, and those of loaders not iterated now (an eval loader, idle ones)
         if self.retired:
             self._settle_retired()
 
@@ -372,10 +350,10 @@ class NodePools:
                 resize = not self.pools or nbytes > self.pools[0].slot_bytes
                 if not resize and (not more or self._slot_free_soon(nbytes)):
                     return True
-                slot_bytes = _slot_bytes_for(nbytes) if resize else self._grown_slot_bytes(nbytes)
+                slot_bytes = slot_bytes_for(nbytes) if resize else self._grown_slot_bytes(nbytes)
                 wanted = self.slots if resize else max(self.slots, sum(pool.slots for pool in self.pools))
                 room = self.max_pinned_bytes - pinned_bytes()
-                count = min(wanted, _slots_within(slot_bytes, room))
+                count = min(wanted, slots_within(slot_bytes, room))
                 if not resize and len(self.pools) >= BOARD_ENTRIES:
                     return self._refuse(
                         f"these pools are {len(self.pools)}, as many as a loader's pool board lists (BOARD_ENTRIES), "
@@ -461,13 +439,8 @@ class NodePools:
         return len(gone)
 
     def _grown_slot_bytes(self, nbytes: int) -> int:
-        """The slots of a pool added for more: as large as the first pool's, or as the
-        batches landed lately need where they need far less. Pools taken over from an
-        earlier loader keep its slot size; a consumer keeping small batches would
-        otherwise grow pools of that size until max_pinned_bytes refused more."""
-        largest = self.pools[0].slot_bytes
-        needed = _slot_bytes_for(max(nbytes, self.largest_landed))
-        return needed if needed * _GROWN_SMALLER <= largest else largest
+        """The slots of a pool added for more (see :func:`~numafast.torch.sizing.grown_slot_bytes`)."""
+        return grown_slot_bytes(self.pools[0].slot_bytes, max(nbytes, self.largest_landed))
 
     def _slot_free_soon(self, nbytes: int) -> bool:
         """A slot of ``nbytes`` or more is free, or only in flight (a GPU copy still reads
@@ -631,64 +604,6 @@ class _NoRoom(PoolExhaustedError):
 # are taken by workers first.
 _ACQUIRE_ATTEMPTS = 4
 
-# Every NodePools of this process: what max_pinned_bytes bounds together.
-_all_pools: weakref.WeakSet[NodePools] = weakref.WeakSet()
-
-
-def _shrink_all() -> None:
-    """Release the grown pools found wholly free in every NodePools of this process (see
-    :meth:`NodePools.shrink`), not only those of the loader whose batch arrives: an
-    eval loader's consumer drops the labels it kept and training goes on with another
-    loader, or the loader is gone and its pools wait idle; nothing then asks those
-    pools for a batch or for stats() until the next pass. A look at the counters of
-    the pools of those with more than one."""
-    for pools in list(_all_pools):
-        if pools._owner_pid == _pid.pid and len(pools.pools) > 1 and not pools.closed:
-            pools.shrink()
-
-
-def pinned_bytes() -> int:
-    """Bytes mapped now by the pools of every loader (and pin_memory hook) of this
-    process, page-locked or not: those in use, those retiring until their last slot is
-    back, and idle ones kept for the next loader."""
-    total = 0
-    for pools in list(_all_pools):
-        if pools._owner_pid == _pid.pid:
-            total += sum(pool.stats().bytes_mapped for pool in [*pools.pools, *pools.retired])
-    return total
-
-
-def default_max_pinned_bytes(node: int) -> int:
-    """The default bound on the loader pools' bytes: a quarter of ``node``'s memory.
-    (RLIMIT_MEMLOCK bounds the locked part already, where it is finite and the process
-    lacks CAP_IPC_LOCK: past it the kernel refuses to lock, and ``lock='auto'`` goes on
-    unlocked, with a MemlockWarning.)"""
-    return max(_libnuma.node_size64(node)[0] // PINNED_SHARE_OF_NODE, SLOT_GRAIN)
-
-
-def check_max_pinned_bytes(value: object) -> int | None:
-    """``max_pinned_bytes`` checked: a positive int, or None for the default."""
-    if value is None:
-        return None
-    number = integer(value)  # NumPy's integers too
-    if number is None or number < 1:
-        raise InvalidSizeError(f"max_pinned_bytes must be a positive number of bytes or None, not {value!r}")
-    return number
-
-
-def _slots_within(slot_bytes: int, room: int) -> int:
-    """How many slots of ``slot_bytes`` a pool mapping at most ``room`` bytes holds."""
-    count = max(room, 0) // whole_pages(slot_bytes)
-    while count and pool_bytes(slot_bytes, count) > room:
-        count -= 1
-    return count
-
-
-def _slot_bytes_for(nbytes: int) -> int:
-    """The slot size of a pool made for batches of ``nbytes``: HEADROOM more, in SLOT_GRAINs."""
-    return -(-int(nbytes * HEADROOM) // SLOT_GRAIN) * SLOT_GRAIN
-
-
 def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
     """``make_room`` of the pools, for their serving thread, which must neither keep them
     alive nor die of a pool that cannot be made: the worker that asked then times out
@@ -715,8 +630,7 @@ def node_pools(
     ``slots`` slots each, else new ones."""
     cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
-    with _idle_mutex:
-        idle = _idle.pop(key, None)
+    idle = cast("NodePools | None", process_pools.take_idle(key))  # as NodePools put it there
     if idle is not None and idle.slots < slots:  # the new loader keeps more batches in flight
         idle.close()
         idle = None
@@ -726,14 +640,3 @@ def node_pools(
     idle.max_pinned_bytes = cap or default_max_pinned_bytes(node)
     idle.in_flight = max(slots - 2, 0)
     return idle
-
-
-def close_idle_pools() -> int:
-    """Release the pools no loader uses any more (they are kept for the next loader on
-    their node); returns how many sets of pools were closed."""
-    with _idle_mutex:
-        idle = list(_idle.values())
-        _idle.clear()
-    for pools in idle:
-        pools.close()
-    return len(idle)
