@@ -246,7 +246,8 @@ class NodePools:
         if self._kept_grew and "kept" not in self.warned:
             self._warn_kept()
         if not self.received() % SHRINK_EVERY:
-            process_pools.shrink_all()  # this loader's pools, and those of loaders not iterated now (an eval loader, idle ones)
+            # This loader's pools, and those of loaders not iterated now (an eval loader, idle ones).
+            process_pools.shrink_all()
         self._settle_retired()
 
     def copy_in(self, fallback: Fallback) -> Any:
@@ -309,6 +310,8 @@ class NodePools:
         return batch
 
     def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
+        """``batch`` copied into a slot here, counted by ``reason`` (None: no fallback) and
+        warned about once; handed over unpinned when there is no room for it."""
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
         try:
