@@ -429,9 +429,9 @@ class NodePools:
             pool.reclaim_orphans()
         return [(pool, pool.stats()) for pool in list(self.pools) if pool.slot_bytes >= nbytes]
 
-    def _held(self, pools: Iterable[PoolStats]) -> int:
-        """Slots the consumer holds now (see :attr:`LoaderStats.held`)."""
-        return max(sum(stats.in_use for stats in pools) - self.in_flight, 0)
+    def _held(self, counters: Iterable[PoolStats]) -> int:
+        """Slots the consumer holds now, by the pools' ``counters`` (see :attr:`LoaderStats.held`)."""
+        return max(sum(stats.in_use for stats in counters) - self.in_flight, 0)
 
     def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
         """A pool of ``slots`` slots of ``slot_bytes``."""
