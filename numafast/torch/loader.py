@@ -49,7 +49,8 @@ from numafast.pool import LockMode, memlock_room, parse_mode
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
-from numafast.torch.pools import LoaderStats, NodePools, check_max_pinned_bytes, node_pools
+from numafast.torch.pools import LoaderStats, NodePools, node_pools
+from numafast.torch.sizing import check_max_pinned_bytes
 from numafast.torch.workers import watch_starts
 
 # What the loader's dataset yields: NumaLoader[T] reads like DataLoader[T].

@@ -1,86 +1,67 @@
 """The owner's side of a batch's path: NodePools, the pinned pools of one node that a
-loader's batches land in, sized by the batches themselves, and the receiver that
-turns each worker's message (:mod:`numafast.torch.message`) back into the batch,
-with tensors over the slot, when the message is unpickled in this process.
+loader's batches land in, and the receiver that turns each worker's message
+(:mod:`numafast.torch.message`) back into its batch, with tensors over the slot, as
+the message is unpickled in this process.
 
 A loader cannot know its batch size in bytes before the first batch, nor how many
-batches its consumer keeps. So the workers ask (:meth:`NodePools.make_room`, from
-a thread that serves the board's requests): the first batch's worker measures its
-batch before collating, and the pool is made with slots that size (with headroom
-for the batches that vary); a batch that outgrows them gets a pool with bigger
-slots (the old pools close and are released as their slots come back); and when
-every slot is held by batches the consumer still keeps, another pool of the same
-size is added at once, as large as all the pools before it together (so that a
-consumer keeping every batch of an epoch needs few pools), rather than waiting for
-a slot that would never come back. A slot that is only in flight (a GPU copy still
-reading it) is waited for instead: it is free soon. The main process makes the same
+batches its consumer keeps. So the workers ask for room (:meth:`NodePools.make_room`,
+answered by a thread that serves the board's requests): the first batch's worker
+measures its batch before collating and the first pool is sized by it, a batch that
+outgrows the slots gets a pool with bigger ones, and when every slot is held by
+batches the consumer keeps, another pool is added at once rather than waiting for a
+slot that would never come back; all within ``max_pinned_bytes`` for the whole
+process, past which batches reach the consumer unpinned. Every change is published on
+a :class:`~numafast.pool_share.PoolBoard` that the workers read before each batch, so
+running workers start filling new pools at once. The main process makes the same
 choices for a batch it copies in.
 
-Pinned memory is bounded: the pools of every loader of this process together never
-map more than ``max_pinned_bytes`` (default: a quarter of the node's memory). A
-request past it is refused at once, and so is one past the board's
-:data:`~numafast.pool_share.BOARD_ENTRIES` pools; the worker then sends its batch as
-torch would, and it reaches the consumer unpinned, counted (``unpinned``) and warned
-about once, naming the limit. Pools grown for a burst of kept batches are released
-once all their slots are free again (checked as batches of any loader of the
-process arrive, at ``stats()``, at each ``iter()``, and when the loader goes idle).
-
-Every change is published on a :class:`~numafast.pool_share.PoolBoard` that the
-workers read before each batch, so running workers start filling new pools at once.
-
-Pools outlive their loader: when the last collate function using a NodePools is
-gone, it waits, idle, for the next loader on the same node (:func:`node_pools`).
-Frameworks re-create loaders (every epoch with Lightning's reload, once in
-Accelerate's or Ray's ``prepare``), and a validation loader is often made per pass:
-each then starts on warm, placed, locked pools. A new pool costs nothing up front:
-its slots are faulted in (placed, locked) as they are first used.
+Pools outlive their loader: idle, they wait for the next loader on the node
+(:mod:`numafast.torch.process_pools`). A new pool costs nothing up front: its slots
+are faulted in (placed, locked) as they are first used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-from numafast import _libnuma, _pid
-from numafast._validate import integer
-from numafast.errors import InvalidSizeError, PoolClosedError, PoolExhaustedError
-from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode, pool_bytes, whole_pages
+from numafast import _pid
+from numafast.errors import PoolClosedError, PoolExhaustedError
+from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
+from numafast.torch import process_pools
 from numafast.torch.batch import opaque_leaves, place
 from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
-from numafast.torch.slot import SlotFull, fill, layout, placeable, tensor_kind
+from numafast.torch.process_pools import close_idle_pools, pinned_bytes
+from numafast.torch.sizing import (
+    check_max_pinned_bytes, default_max_pinned_bytes, grown_slot_bytes, slot_bytes_for, slots_within,
+)
+from numafast.torch.slot import SlotFull, placeable, tensor_kind
 
 __all__ = ["LoaderStats", "NodePools", "close_idle_pools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
 
 Batch = TypeVar("Batch")
 
-# Slots are this much larger than the batch that sized them, rounded up to SLOT_GRAIN.
-HEADROOM = 1.25
-SLOT_GRAIN = 1 << 16
-# The default max_pinned_bytes: this share of the node's memory.
-PINNED_SHARE_OF_NODE = 4
 # A grown pool found wholly free is released when the batches a loader received reach
-# a multiple of this (every loader's pools: see _shrink_all), and at stats(), iter()
-# and when its loader is gone: a look at each pool's counters.
+# a multiple of this (every loader's pools: see process_pools.shrink_all), and at
+# stats(), iter() and when its loader is gone: a look at each pool's counters.
 SHRINK_EVERY = 8
-# A pool added for more slots has smaller slots than the first pool's when the batches
-# landed lately need this many times less.
-_GROWN_SMALLER = 4
+# How often a copy in this process tries for a slot when the new ones it made room for
+# are taken by workers first.
+_ACQUIRE_ATTEMPTS = 4
 
 _owner_ids = itertools.count(1)
-# NodePools no loader uses any more, by (node, lock, register): the next loader's.
-_idle: dict[tuple[int, LockMode, RegisterMode], NodePools] = {}
-_idle_mutex = threading.Lock()
 
 _FIXES = {
     FallbackReason.NO_FREE_SLOT: "every slot was held and the loader's pool thread did not answer a worker's "
@@ -92,6 +73,14 @@ _FIXES = {
     "start method, or let the workers read the main process's /proc/PID/fd",
     FallbackReason.BYPASSED: "{detail}",
 }
+_NOT_PLACED = (
+    "batch leaves of kind {} are not pinned (numafast places dense CPU tensors and NumPy arrays): they reach the "
+    "consumer as the collate function made them"
+)
+_OPAQUE = (
+    "batch leaves of type {} are not pinned: numafast places tensors and NumPy arrays inside dicts, lists, tuples, "
+    "namedtuples and dataclasses"
+)
 
 
 class Collating(Protocol):
@@ -150,42 +139,24 @@ class NodePools:
     ) -> None:
         self.node = node
         self.slots = slots
-        self.max_pinned_bytes = check_max_pinned_bytes(max_pinned_bytes) or default_max_pinned_bytes(node)
-        self.in_flight = max(slots - 2, 0)
-        """Batches the DataLoader may hold unread (received, not yet yielded): what
-        ``held`` leaves out. The loader sets it (``prefetch_factor`` x ``num_workers``)."""
-        self.unpinned = 0
-        self.refused = ""
-        """Why the last request for more room was refused (empty: none was)."""
-        self._kept_grew = False
-        """Pools were added because every slot was held: the consumer keeps batches."""
         # Checked now, not at the first batch that makes a pool.
         self.lock: LockMode = parse_mode(lock, LockMode, "lock")
         self.register: RegisterMode = parse_mode(register, RegisterMode, "register")
+        self._start(slots, check_max_pinned_bytes(max_pinned_bytes), taken_over=False)
         self.pools: list[PinnedPool] = []
         self.retired: list[PinnedPool] = []
         self.grown = 0
         self.resized = 0
-        self.landed = 0
-        self.largest_landed = 0
-        """The most bytes a batch that landed in a worker took of its slot (since the
-        counters were reset): what a pool added for more slots is sized by."""
-        self.copied = 0
-        self.bytes_copied = 0
-        self.fallbacks: Counter[str] = Counter()
-        self.warned: set[str] = set()
-        self.before_receive: Callable[[], None] | None = None
-        """Called before each batch is received (the hook binds PyTorch's pin thread)."""
         self.device: int | None = None
         """The CUDA device new pools register through (:meth:`use_device`); None: this
         rank's GPU where that is certain (see :func:`~numafast.torch.device.settled_gpu`),
         else the making thread's current device (for the serving thread, device 0)."""
         self.board = PoolBoard()
         self.owner_id = next(_owner_ids)
+        self.owner_pid = _pid.pid
         self.users = 0
+        """The loaders landing their batches here (see :mod:`~numafast.torch.process_pools`)."""
         self.closed = False
-        self.taken_over = False
-        """Made for another loader, gone since: its first batches may need larger slots."""
         self._by_inode: dict[int, PinnedPool] = {}
         self._server: threading.Thread | None = None
         """Makes the pools the workers ask for (started with the first user)."""
@@ -195,53 +166,48 @@ class NodePools:
         held only for bookkeeping, never while a pool is faulted in or registered."""
         self._making = threading.Lock()
         """One pool is made at a time (by the serving thread or a copy in this one)."""
-        self._owner_pid = _pid.pid
         receivers[self.owner_id] = self
-        _all_pools.add(self)
+        process_pools.every.add(self)
+
+    def _start(self, slots: int, max_pinned_bytes: int | None, *, taken_over: bool) -> None:
+        """The settings and counters of a loader starting on these pools (new, or idle ones
+        ``taken_over`` from a loader gone since)."""
+        self.max_pinned_bytes = max_pinned_bytes or default_max_pinned_bytes(self.node)
+        self.in_flight = max(slots - 2, 0)
+        """Batches the DataLoader may hold unread (received, not yet yielded): what
+        ``held`` leaves out. The loader sets it (``prefetch_factor`` x ``num_workers``)."""
+        self.landed = self.copied = self.bytes_copied = self.unpinned = 0
+        self.largest_landed = 0
+        """The most bytes a batch that landed in a worker took of its slot (since the
+        counters were reset): what a pool added for more slots is sized by."""
+        self.fallbacks: Counter[str] = Counter()
+        self.warned: set[str] = set()
+        self.refused = ""
+        """Why the last request for more room was refused (empty: none was)."""
+        self._kept_grew = False
+        """Pools were added because every slot was held: the consumer keeps batches."""
+        self.before_receive: Callable[[], None] | None = None
+        """Called before each batch is received (the hook binds PyTorch's pin thread)."""
+        self.taken_over = taken_over
+        """Made for another loader, gone since: its first batches may need larger slots."""
 
     def attach(self, user: object) -> None:
         """``user`` (a loader's collate function) lands its batches here: these pools stay
         while it lives, and go idle (for the next loader on the node) once none is left."""
-        with _idle_mutex:
-            self.users += 1
-        # Not under _idle_mutex: Thread.start() waits for the new thread, in which the
-        # garbage collector may run a gone loader's _detach, which takes that mutex.
+        process_pools.use(self)
+        # Not under process_pools' mutex: Thread.start() waits for the new thread, in which
+        # the garbage collector may run a gone loader's let_go, which takes that mutex.
         with self._server_mutex:
             if self._server is None:
                 self._server = self.board.serve_requests(_make_room_in(weakref.ref(self)), f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
-        weakref.finalize(user, self._detach).atexit = False
-
-    def _detach(self) -> None:
-        if _pid.pid != self._owner_pid:
-            return  # a forked child's copy: the pools are the parent's
-        with _idle_mutex:
-            self.users -= 1
-            if self.users or self.closed:
-                return
-            key = (self.node, self.lock, self.register)
-            replaced = _idle.get(key)
-            _idle[key] = self
-        if replaced is not None and replaced is not self:
-            replaced.close()
-        self.shrink()  # idle with its first pool only, where the consumer let its kept batches go already
+        weakref.finalize(user, process_pools.let_go, self).atexit = False
 
     def use_device(self, index: int) -> None:
         """Register the pools made from now on through CUDA device ``index`` (the loader's,
         decided in the thread that iterates). Pools made before stay as they are: their
         registration is portable, good for copies to any device."""
         self.device = index
-
-    def reset_counters(self) -> None:
-        """Start the batch counters afresh (a new loader taking idle pools)."""
-        with self._mutex:
-            self.landed = self.largest_landed = self.copied = self.bytes_copied = self.unpinned = 0
-            self.refused = ""
-            self._kept_grew = False
-            self.fallbacks.clear()
-            self.warned.clear()
-            self.before_receive = None
-            self.taken_over = True
 
     # ------------------------------------------------------------ batches arriving
 
@@ -269,9 +235,7 @@ class NodePools:
                 raise
             self.landed += 1
             self.largest_landed = max(self.largest_landed, message.nbytes)
-        if message.unpinned:
-            for kind in message.unpinned:
-                self._warn_unpinned(kind)
+        self._warn_unpinned(message.unpinned)
         self._after_batch()
         return unpack(message.payload, slot)
 
@@ -281,22 +245,22 @@ class NodePools:
         retired pools settled, and now and then grown pools that are free released."""
         if self._kept_grew and "kept" not in self.warned:
             self._warn_kept()
-        if not (self.landed + self.copied + self.unpinned) % SHRINK_EVERY:
-            _shrink_all()  # this loader's pools, and those of loaders not iterated now (an eval loader, idle ones)
-        if self.retired:
-            self._settle_retired()
+        if not self.received() % SHRINK_EVERY:
+            # This loader's pools, and those of loaders not iterated now (an eval loader, idle ones).
+            process_pools.shrink_all()
+        self._settle_retired()
 
     def copy_in(self, fallback: Fallback) -> Any:
         """A batch that came the copying way, copied into a slot here."""
         if self.before_receive is not None:
             self.before_receive()
-        # A shortage that has passed was an iterator that is gone (iter() called again with
-        # batches unread: its workers' leases, its queued batches), not the consumer
-        # holding batches: counted, but no warning.
         if fallback.reason is FallbackReason.NO_ROOM:  # refused by make_room: no slot to copy into either
             return self._unpinned(fallback.batch)
-        warn = fallback.reason is not FallbackReason.NO_FREE_SLOT or not self._shortage_passed()
-        return self._copy(fallback.batch, fallback.reason, fallback.detail, warn=warn)
+        # A shortage that has passed (a slot is free now) was an iterator that is gone
+        # (iter() called again with batches unread: its workers' leases, its queued
+        # batches), not the consumer holding batches: counted, but no warning.
+        passed = fallback.reason is FallbackReason.NO_FREE_SLOT and any(stats.free for _, stats in self._counted())
+        return self._copy(fallback.batch, fallback.reason, fallback.detail, warn=not passed)
 
     def _unpinned(self, batch: Batch) -> Batch:
         """``batch`` handed over as it is: no room for more pinned slots (counted, and
@@ -308,11 +272,6 @@ class NodePools:
                         f"it: {why}")  # fmt: skip
         self._after_batch()
         return batch
-
-    def _shortage_passed(self) -> bool:
-        """Whether a slot is free now, once the leases of workers that are gone are ended."""
-        self.reclaim_orphans()
-        return any(pool.stats().free for pool in self.pools)
 
     def holds(self, address: int) -> bool:
         """Whether ``address`` lies in a slot of one of these pools."""
@@ -350,6 +309,27 @@ class NodePools:
         self._after_batch()
         return batch
 
+    def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
+        """``batch`` copied into a slot here, counted by ``reason`` (None: no fallback) and
+        warned about once; handed over unpinned when there is no room for it."""
+        if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
+            reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
+        try:
+            pinned = self.pin(batch)
+        except _NoRoom:
+            return self._unpinned(batch)
+        if reason is not None:
+            self.fallbacks[reason.value] += 1
+            if warn and reason is not FallbackReason.FIRST_BATCHES:
+                slot_bytes = self.pools[0].slot_bytes if self.pools else 0
+                fix = _FIXES[reason].format(slot_bytes=slot_bytes, detail=detail)
+                self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
+        self.copied += 1
+        self._after_batch()
+        return pinned
+
+    # ------------------------------------------------------------ room for batches
+
     def make_room(self, nbytes: int, more: bool) -> bool:
         """Pools whose slots hold ``nbytes``, and ``more`` slots when every one is held by
         batches: the workers' requests (a batch fits no pool listed, or none is yet; no
@@ -360,7 +340,8 @@ class NodePools:
         sees that sends its batch the copying way without waiting.
 
         A pool added for more slots has as many as all the pools before it (at least
-        ``slots``), as far as ``max_pinned_bytes`` allows. The new pool is made outside
+        ``slots``: a consumer keeping every batch of an epoch needs few pools), as far as
+        ``max_pinned_bytes`` allows. The new pool is made outside
         the mutex that every batch's receive takes (a registered pool is faulted in
         whole and pinned: seconds per GiB), then swapped in; the decision is made
         again once the pool making is this thread's, since another thread may have
@@ -370,17 +351,22 @@ class NodePools:
                 if self.closed:
                     return False
                 resize = not self.pools or nbytes > self.pools[0].slot_bytes
-                if not resize and (not more or self._slot_free_soon(nbytes)):
+                # A slot only in flight (a GPU copy still reads it) is free soon: waited for.
+                if not resize and (not more or any(stats.free or stats.in_flight for _, stats in self._counted(nbytes))):
                     return True
-                slot_bytes = _slot_bytes_for(nbytes) if resize else self._grown_slot_bytes(nbytes)
-                wanted = self.slots if resize else max(self.slots, sum(pool.slots for pool in self.pools))
-                room = self.max_pinned_bytes - pinned_bytes()
-                count = min(wanted, _slots_within(slot_bytes, room))
+                slots_now = sum(pool.slots for pool in self.pools)
                 if not resize and len(self.pools) >= BOARD_ENTRIES:
                     return self._refuse(
                         f"these pools are {len(self.pools)}, as many as a loader's pool board lists (BOARD_ENTRIES), "
-                        f"holding {sum(pool.slots for pool in self.pools)} slots, every one held"
+                        f"holding {slots_now} slots, every one held"
                     )
+                if resize:
+                    slot_bytes, wanted = slot_bytes_for(nbytes), self.slots
+                else:
+                    slot_bytes = grown_slot_bytes(self.pools[0].slot_bytes, max(nbytes, self.largest_landed))
+                    wanted = max(self.slots, slots_now)
+                room = self.max_pinned_bytes - pinned_bytes()
+                count = min(wanted, slots_within(slot_bytes, room))
                 if count < 1:
                     return self._refuse(
                         f"max_pinned_bytes is {self.max_pinned_bytes} bytes and this process's loader pools map "
@@ -394,12 +380,13 @@ class NodePools:
                     pool.close()
                     return False
                 self._by_inode[pool.share().inode] = pool
-                if resize:
-                    self._swap_in(pool)
+                if resize:  # the pools in use close, and are released as their slots come back
+                    if self.pools:
+                        self.resized += 1
+                    self._publish([pool], retiring=self.pools)
                 else:
                     self.grown += 1
-                    self.pools.append(pool)
-                    self._publish()
+                    self._publish([*self.pools, pool])
         return True
 
     def _refuse(self, why: str) -> bool:
@@ -411,27 +398,8 @@ class NodePools:
             f"quarter of the node's memory); if the consumer keeps batches, .clone() what it keeps "
             f"(targets.append(y.clone())) so that their slots come back"
         )
-        self._publish()
+        self._publish(self.pools)
         return False
-
-    def held(self) -> int:
-        """Slots the consumer holds now (see :attr:`LoaderStats.held`)."""
-        in_use = sum(pool.stats().in_use for pool in list(self.pools))
-        return max(in_use - self.in_flight, 0)
-
-    def _warn_kept(self) -> None:
-        held = self.held()
-        if held < 2:  # only the batch being worked on: a framework reading ahead, not kept batches
-            self._kept_grew = False  # looked at again after the next pool added
-            return
-        slot_bytes = self.pools[0].slot_bytes if self.pools else 0
-        self._warn_once("kept", (
-            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, list(loader), "
-            f"a cache): a tensor over a slot keeps the whole page-locked slot ({slot_bytes} bytes), so pools were "
-            f"added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which batches arrive "
-            f"unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, and so "
-            f"does the memory of the pools added for them"
-        ))  # fmt: skip
 
     def shrink(self) -> int:
         """Release the pools added for more slots that are wholly free again, as long as
@@ -442,75 +410,68 @@ class NodePools:
         gone: list[PinnedPool] = []
         with self._mutex:
             if not self.closed and len(self.pools) > 1:
-                self.reclaim_orphans()
-                free = {id(pool): pool.stats().free for pool in self.pools}
-                spare = sum(free.values())
-                for pool in reversed(self.pools[1:]):  # the newest, largest first
-                    if free[id(pool)] == pool.slots and spare - pool.slots >= self.slots:
+                counted = self._counted()
+                spare = sum(stats.free for _, stats in counted)
+                for pool, stats in reversed(counted[1:]):  # the newest, largest first
+                    if stats.free == pool.slots and spare - pool.slots >= self.slots:
                         gone.append(pool)
                         spare -= pool.slots
             if gone:
-                self.pools = [pool for pool in self.pools if pool not in gone]
-                self._publish()  # first: no worker leases a slot of a pool the board no longer lists (see settle)
-                for pool in gone:
-                    pool.close()
-                self.retired.extend(gone)
+                self._publish([pool for pool in self.pools if pool not in gone], retiring=gone)
                 self.refused = ""
-        if self.retired:
-            self._settle_retired()
+        self._settle_retired()
         return len(gone)
 
-    def _grown_slot_bytes(self, nbytes: int) -> int:
-        """The slots of a pool added for more: as large as the first pool's, or as the
-        batches landed lately need where they need far less. Pools taken over from an
-        earlier loader keep its slot size; a consumer keeping small batches would
-        otherwise grow pools of that size until max_pinned_bytes refused more."""
-        largest = self.pools[0].slot_bytes
-        needed = _slot_bytes_for(max(nbytes, self.largest_landed))
-        return needed if needed * _GROWN_SMALLER <= largest else largest
+    def _counted(self, nbytes: int = 0) -> list[tuple[PinnedPool, PoolStats]]:
+        """The pools in use whose slots hold ``nbytes``, with their counters, read once
+        the leases of workers that are gone are ended (see PinnedPool.reclaim_orphans)."""
+        for pool in [*self.pools, *self.retired]:
+            pool.reclaim_orphans()
+        return [(pool, pool.stats()) for pool in list(self.pools) if pool.slot_bytes >= nbytes]
 
-    def _slot_free_soon(self, nbytes: int) -> bool:
-        """A slot of ``nbytes`` or more is free, or only in flight (a GPU copy still reads
-        it: free soon), once the leases of workers that are gone are ended."""
-        self.reclaim_orphans()
-        return any(
-            stats.free or stats.in_flight for stats in (pool.stats() for pool in self.pools if pool.slot_bytes >= nbytes)
+    def _held(self, counters: Iterable[PoolStats]) -> int:
+        """Slots the consumer holds now, by the pools' ``counters`` (see :attr:`LoaderStats.held`)."""
+        return max(sum(stats.in_use for stats in counters) - self.in_flight, 0)
+
+    def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
+        """A pool of ``slots`` slots of ``slot_bytes``."""
+        # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
+        # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
+        # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
+        # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
+        device = self.device if self.device is not None else settled_gpu(None)
+        return PinnedPool(
+            self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
+            prefault=False, device=device,
         )
 
-    def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
-        if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
-            reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
-        try:
-            pinned = self.pin(batch)
-        except _NoRoom:
-            return self._unpinned(batch)
-        if reason is not None:
-            self.fallbacks[reason.value] += 1
-            if warn and reason is not FallbackReason.FIRST_BATCHES:
-                slot_bytes = self.pools[0].slot_bytes if self.pools else 0
-                fix = _FIXES[reason].format(slots=self.slots, slot_bytes=slot_bytes, detail=detail)
-                self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
-        self.copied += 1
-        self._after_batch()
-        return pinned
+    def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
+        """``pools`` in use from now on, listed on the board, and ``retiring`` (listed no
+        more) closed, released as their slots come back. Called under the mutex."""
+        self.pools = pools
+        # First: a pool the board lists is never one already let go, and no worker leases
+        # a slot of a pool the board no longer lists (see _settle_retired).
+        self.board.publish([pool.share() for pool in pools])
+        for pool in retiring:
+            pool.close()
+        self.retired.extend(retiring)
 
-    def _warn_unpinned(self, kind: str) -> None:
-        self._warn_once(kind, f"batch leaves of kind {kind} are not pinned (numafast places dense CPU tensors and NumPy "
-                        "arrays): they reach the consumer as the collate function made them")
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
-            warnings.warn(f"numafast loader on node {self.node}: {message}", RuntimeWarning, stacklevel=6)
+    def _settle_retired(self) -> None:
+        """Forget the retired pools whose every slot is back (released now)."""
+        if not self.retired:
+            return
+        with self._mutex:
+            for pool in list(self.retired):
+                if pool.settle():
+                    self.retired.remove(pool)
+                    self._by_inode = {inode: known for inode, known in self._by_inode.items() if known is not pool}
 
     # ------------------------------------------------------------ copying
 
     def pin(self, batch: Batch) -> Batch:
         """``batch`` copied into a slot on this node (see :func:`numafast.torch.pin`);
         PoolExhaustedError, saying why, when no slot is free and no room may be made."""
-        for kind in opaque_leaves(batch):
-            self._warn_once(kind, f"batch leaves of type {kind} are not pinned: numafast places tensors and "
-                            "NumPy arrays inside dicts, lists, tuples, namedtuples and dataclasses")
+        self._warn_unpinned(opaque_leaves(batch), _OPAQUE)
         unpinned: set[str] = set()
 
         def keep(leaf: Any) -> bool:
@@ -531,8 +492,7 @@ class NodePools:
         try:
             return place(batch, acquire, keep)
         finally:
-            for kind in sorted(unpinned):
-                self._warn_unpinned(kind)
+            self._warn_unpinned(sorted(unpinned))
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool] | None:
         """A slot of ``nbytes`` for a copy in this process: a free one, else one in flight
@@ -542,73 +502,58 @@ class NodePools:
             with self._mutex:
                 if self.closed:
                     raise PoolClosedError(f"the node-{self.node} pools of this loader are closed")
-                fitting = [pool for pool in self.pools if nbytes <= pool.slot_bytes]
-                for pool in fitting:
-                    try:
-                        return pool.acquire(nbytes, 0), pool
-                    except PoolExhaustedError:
-                        pass
-                self.reclaim_orphans()
-                busy = [pool for pool in fitting if pool.stats().in_flight]
+                for pool in self.pools:
+                    if nbytes <= pool.slot_bytes:
+                        with contextlib.suppress(PoolExhaustedError):
+                            return pool.acquire(nbytes, 0), pool
+                busy = [pool for pool, stats in self._counted(nbytes) if stats.in_flight]
             if busy:
                 return busy[0].acquire(nbytes, None), busy[0]
             if not self.make_room(nbytes, more=True):
                 return None
         return None  # each new slot was taken by a worker before this thread: the batch goes unpinned
 
-    def _swap_in(self, pool: PinnedPool) -> None:
-        """``pool`` (with larger slots) in place of the pools in use, which close and are
-        released as their slots come back."""
-        if self.pools:
-            self.resized += 1
-        old, self.pools = self.pools, [pool]
-        self._publish()  # first: a pool the board lists is never one already let go
-        for retiring in old:
-            retiring.close()
-        self.retired.extend(old)
+    # ------------------------------------------------------------ warnings
 
-    def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
-        """A pool of ``slots`` slots of ``slot_bytes``."""
-        # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
-        # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
-        # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
-        # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
-        device = self.device if self.device is not None else settled_gpu(None)
-        return PinnedPool(
-            self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
-            prefault=False, device=device,
-        )
+    def _warn_kept(self) -> None:
+        held = self._held(stats for _, stats in self._counted())
+        if held < 2:  # only the batch being worked on: a framework reading ahead, not kept batches
+            self._kept_grew = False  # looked at again after the next pool added
+            return
+        slot_bytes = self.pools[0].slot_bytes if self.pools else 0
+        self._warn_once("kept", (
+            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, list(loader), "
+            f"a cache): a tensor over a slot keeps the whole page-locked slot ({slot_bytes} bytes), so pools were "
+            f"added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which batches arrive "
+            f"unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, and so "
+            f"does the memory of the pools added for them"
+        ))  # fmt: skip
 
-    def _publish(self) -> None:
-        self.board.publish([pool.share() for pool in self.pools])
+    def _warn_unpinned(self, kinds: Iterable[str], text: str = _NOT_PLACED) -> None:
+        """Once per kind of leaf: ``kinds`` of leaves stay where they are, unpinned."""
+        for kind in kinds:
+            self._warn_once(kind, text.format(kind))
 
-    def _settle_retired(self) -> None:
-        with self._mutex:
-            for pool in list(self.retired):
-                if pool.settle():
-                    self.retired.remove(pool)
-                    self._by_inode = {inode: known for inode, known in self._by_inode.items() if known is not pool}
-
-    def reclaim_orphans(self) -> int:
-        """Free the slots leased to workers that are gone (see PinnedPool.reclaim_orphans)."""
-        return sum(pool.reclaim_orphans() for pool in [*self.pools, *self.retired])
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(f"numafast loader on node {self.node}: {message}", RuntimeWarning, stacklevel=6)
 
     # ------------------------------------------------------------ state
 
     def stats(self) -> LoaderStats:
-        self.reclaim_orphans()
         self.shrink()
-        pools = [pool.stats() for pool in list(self.pools)]
+        pools = [stats for _, stats in self._counted()]
         return LoaderStats(
             node=self.node,
-            batches=self.landed + self.copied + self.unpinned,
+            batches=self.received(),
             landed=self.landed,
             copied=self.copied,
             bytes_copied=self.bytes_copied,
             fallbacks=dict(self.fallbacks),
             pools=pools,
             unpinned=self.unpinned,
-            held=max(sum(pool.in_use for pool in pools) - self.in_flight, 0),
+            held=self._held(pools),
             pinned_bytes=pinned_bytes(),
             max_pinned_bytes=self.max_pinned_bytes,
         )
@@ -625,68 +570,6 @@ class NodePools:
 class _NoRoom(PoolExhaustedError):
     """No slot for a copy, and no room for another pool (past ``max_pinned_bytes``, or
     the board's limit on pools): a loader's batch then goes unpinned."""
-
-
-# How often a copy in this process tries for a slot when the new ones it made room for
-# are taken by workers first.
-_ACQUIRE_ATTEMPTS = 4
-
-# Every NodePools of this process: what max_pinned_bytes bounds together.
-_all_pools: weakref.WeakSet[NodePools] = weakref.WeakSet()
-
-
-def _shrink_all() -> None:
-    """Release the grown pools found wholly free in every NodePools of this process (see
-    :meth:`NodePools.shrink`), not only those of the loader whose batch arrives: an
-    eval loader's consumer drops the labels it kept and training goes on with another
-    loader, or the loader is gone and its pools wait idle; nothing then asks those
-    pools for a batch or for stats() until the next pass. A look at the counters of
-    the pools of those with more than one."""
-    for pools in list(_all_pools):
-        if pools._owner_pid == _pid.pid and len(pools.pools) > 1 and not pools.closed:
-            pools.shrink()
-
-
-def pinned_bytes() -> int:
-    """Bytes mapped now by the pools of every loader (and pin_memory hook) of this
-    process, page-locked or not: those in use, those retiring until their last slot is
-    back, and idle ones kept for the next loader."""
-    total = 0
-    for pools in list(_all_pools):
-        if pools._owner_pid == _pid.pid:
-            total += sum(pool.stats().bytes_mapped for pool in [*pools.pools, *pools.retired])
-    return total
-
-
-def default_max_pinned_bytes(node: int) -> int:
-    """The default bound on the loader pools' bytes: a quarter of ``node``'s memory.
-    (RLIMIT_MEMLOCK bounds the locked part already, where it is finite and the process
-    lacks CAP_IPC_LOCK: past it the kernel refuses to lock, and ``lock='auto'`` goes on
-    unlocked, with a MemlockWarning.)"""
-    return max(_libnuma.node_size64(node)[0] // PINNED_SHARE_OF_NODE, SLOT_GRAIN)
-
-
-def check_max_pinned_bytes(value: object) -> int | None:
-    """``max_pinned_bytes`` checked: a positive int, or None for the default."""
-    if value is None:
-        return None
-    number = integer(value)  # NumPy's integers too
-    if number is None or number < 1:
-        raise InvalidSizeError(f"max_pinned_bytes must be a positive number of bytes or None, not {value!r}")
-    return number
-
-
-def _slots_within(slot_bytes: int, room: int) -> int:
-    """How many slots of ``slot_bytes`` a pool mapping at most ``room`` bytes holds."""
-    count = max(room, 0) // whole_pages(slot_bytes)
-    while count and pool_bytes(slot_bytes, count) > room:
-        count -= 1
-    return count
-
-
-def _slot_bytes_for(nbytes: int) -> int:
-    """The slot size of a pool made for batches of ``nbytes``: HEADROOM more, in SLOT_GRAINs."""
-    return -(-int(nbytes * HEADROOM) // SLOT_GRAIN) * SLOT_GRAIN
 
 
 def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
@@ -715,25 +598,12 @@ def node_pools(
     ``slots`` slots each, else new ones."""
     cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
-    with _idle_mutex:
-        idle = _idle.pop(key, None)
+    idle = cast("NodePools | None", process_pools.take_idle(key))  # as NodePools put it there
     if idle is not None and idle.slots < slots:  # the new loader keeps more batches in flight
         idle.close()
         idle = None
     if idle is None:
         return NodePools(node, slots, lock=key[1], register=key[2], max_pinned_bytes=cap)
-    idle.reset_counters()
-    idle.max_pinned_bytes = cap or default_max_pinned_bytes(node)
-    idle.in_flight = max(slots - 2, 0)
+    with idle._mutex:
+        idle._start(slots, cap, taken_over=True)
     return idle
-
-
-def close_idle_pools() -> int:
-    """Release the pools no loader uses any more (they are kept for the next loader on
-    their node); returns how many sets of pools were closed."""
-    with _idle_mutex:
-        idle = list(_idle.values())
-        _idle.clear()
-    for pools in idle:
-        pools.close()
-    return len(idle)

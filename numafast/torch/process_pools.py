@@ -1,0 +1,112 @@
+"""This process's loader pools as a whole: every :class:`~numafast.torch.pools.NodePools`
+(what ``max_pinned_bytes`` bounds together, and what is shrunk together), and the idle
+ones, which no loader uses any more, kept for the next loader on their node.
+
+Frameworks re-create loaders (every epoch with Lightning's reload, once in
+Accelerate's or Ray's ``prepare``), and a validation loader is often made per pass:
+each then starts on warm, placed, locked pools (see :func:`~numafast.torch.pools.node_pools`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Protocol
+
+from numafast import _pid
+from numafast.pool import LockMode, PinnedPool, RegisterMode
+
+__all__ = ["close_idle_pools", "pinned_bytes"]
+
+
+class NodePools(Protocol):
+    """What this module uses of a :class:`numafast.torch.pools.NodePools` (which imports
+    this module: the owner's side uses the registry, not the other way)."""
+
+    node: int
+    lock: LockMode
+    register: RegisterMode
+    owner_pid: int
+    users: int
+    closed: bool
+    pools: list[PinnedPool]
+    retired: list[PinnedPool]
+
+    def shrink(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+IdleKey = tuple[int, LockMode, RegisterMode]
+"""Which idle pools a loader may take: (node, lock, register)."""
+
+# Every NodePools of this process (each adds itself): what max_pinned_bytes bounds together.
+every: weakref.WeakSet[NodePools] = weakref.WeakSet()
+# NodePools no loader uses any more, by IdleKey: the next loader's.
+_idle: dict[IdleKey, NodePools] = {}
+_idle_mutex = threading.Lock()
+"""Guards _idle and every NodePools' ``users``."""
+
+
+def _ours() -> list[NodePools]:
+    """The NodePools this process owns (a forked child inherits its parent's registry)."""
+    return [pools for pools in list(every) if pools.owner_pid == _pid.pid]
+
+
+def pinned_bytes() -> int:
+    """Bytes mapped now by the pools of every loader (and pin_memory hook) of this
+    process, page-locked or not: those in use, those retiring until their last slot is
+    back, and idle ones kept for the next loader."""
+    return sum(pool.stats().bytes_mapped for pools in _ours() for pool in [*pools.pools, *pools.retired])
+
+
+def shrink_all() -> None:
+    """Release the grown pools found wholly free in every NodePools of this process (see
+    :meth:`NodePools.shrink`), not only those of the loader whose batch arrives: an
+    eval loader's consumer drops the labels it kept and training goes on with another
+    loader, or the loader is gone and its pools wait idle; nothing then asks those
+    pools for a batch or for stats() until the next pass. A look at the counters of
+    the pools of those with more than one."""
+    for pools in _ours():
+        if len(pools.pools) > 1 and not pools.closed:
+            pools.shrink()
+
+
+def use(pools: NodePools) -> None:
+    """One more loader lands its batches in ``pools``."""
+    with _idle_mutex:
+        pools.users += 1
+
+
+def let_go(pools: NodePools) -> None:
+    """One loader fewer uses ``pools``: with none left, they wait idle for the next loader
+    on their node, in place of idle ones there (closed)."""
+    if _pid.pid != pools.owner_pid:
+        return  # a forked child's copy: the pools are the parent's
+    with _idle_mutex:
+        pools.users -= 1
+        if pools.users or pools.closed:
+            return
+        key = (pools.node, pools.lock, pools.register)
+        replaced = _idle.get(key)
+        _idle[key] = pools
+    if replaced is not None and replaced is not pools:
+        replaced.close()
+    pools.shrink()  # idle with its first pool only, where the consumer let its kept batches go already
+
+
+def take_idle(key: IdleKey) -> NodePools | None:
+    """The idle pools for ``key``, no longer idle (None: there are none)."""
+    with _idle_mutex:
+        return _idle.pop(key, None)
+
+
+def close_idle_pools() -> int:
+    """Release the pools no loader uses any more (they are kept for the next loader on
+    their node); returns how many sets of pools were closed."""
+    with _idle_mutex:
+        idle = list(_idle.values())
+        _idle.clear()
+    for pools in idle:
+        pools.close()
+    return len(idle)

@@ -1,0 +1,60 @@
+"""How large a loader's pools are: slots sized by the batches they hold (with headroom
+for batches that vary), how many slots fit in the bytes left under
+``max_pinned_bytes``, and that bound itself (checked, or its default). Arithmetic
+only: :class:`~numafast.torch.pools.NodePools` decides when to ask."""
+
+from __future__ import annotations
+
+from numafast import _libnuma
+from numafast._validate import integer
+from numafast.errors import InvalidSizeError
+from numafast.pool import pool_bytes, whole_pages
+
+# Slots are this much larger than the batch that sized them, rounded up to SLOT_GRAIN.
+HEADROOM = 1.25
+SLOT_GRAIN = 1 << 16
+# The default max_pinned_bytes: this share of the node's memory.
+PINNED_SHARE_OF_NODE = 4
+# A pool added for more slots has smaller slots than the first pool's when the batches
+# landed lately need this many times less.
+GROWN_SMALLER = 4
+
+
+def slot_bytes_for(nbytes: int) -> int:
+    """The slot size of a pool made for batches of ``nbytes``: HEADROOM more, in SLOT_GRAINs."""
+    return -(-int(nbytes * HEADROOM) // SLOT_GRAIN) * SLOT_GRAIN
+
+
+def grown_slot_bytes(first_slot_bytes: int, largest_batch: int) -> int:
+    """The slots of a pool added for more: as large as the first pool's, or as the
+    batches landed lately need (``largest_batch``) where they need far less. Pools
+    taken over from an earlier loader keep its slot size; a consumer keeping small
+    batches would otherwise grow pools of that size until max_pinned_bytes refused more."""
+    needed = slot_bytes_for(largest_batch)
+    return needed if needed * GROWN_SMALLER <= first_slot_bytes else first_slot_bytes
+
+
+def slots_within(slot_bytes: int, room: int) -> int:
+    """How many slots of ``slot_bytes`` a pool mapping at most ``room`` bytes holds."""
+    count = max(room, 0) // whole_pages(slot_bytes)
+    while count and pool_bytes(slot_bytes, count) > room:
+        count -= 1
+    return count
+
+
+def default_max_pinned_bytes(node: int) -> int:
+    """The default bound on the loader pools' bytes: a quarter of ``node``'s memory.
+    (RLIMIT_MEMLOCK bounds the locked part already, where it is finite and the process
+    lacks CAP_IPC_LOCK: past it the kernel refuses to lock, and ``lock='auto'`` goes on
+    unlocked, with a MemlockWarning.)"""
+    return max(_libnuma.node_size64(node)[0] // PINNED_SHARE_OF_NODE, SLOT_GRAIN)
+
+
+def check_max_pinned_bytes(value: object) -> int | None:
+    """``max_pinned_bytes`` checked: a positive int, or None for the default."""
+    if value is None:
+        return None
+    number = integer(value)  # NumPy's integers too
+    if number is None or number < 1:
+        raise InvalidSizeError(f"max_pinned_bytes must be a positive number of bytes or None, not {value!r}")
+    return number
