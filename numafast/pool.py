@@ -520,7 +520,8 @@ class PinnedPool:
 
     def reap(self, *, wait: bool = False) -> None:
         """Free the slots whose GPU copies are done (workers lease only free slots); with
-        ``wait`` and none free, wait for the oldest copy first. Nothing without CUDA."""
+        ``wait`` and none free, wait for the oldest copy first. From any thread (it
+        records no fence); nothing without CUDA."""
         self._slots.reap(wait)
 
     def __reduce__(self) -> NoReturn:

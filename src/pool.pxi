@@ -576,13 +576,15 @@ cdef class SlotPool:
             if counted:
                 self.waited_seconds += _monotonic() - start
 
-    cdef int _reap_fences(self, bint block_on_oldest) except -1:
-        """Free the fenced slots whose GPU work is done; with ``block_on_oldest`` and
-        none free, wait for the oldest first (the fence releases the GIL meanwhile,
-        so another thread may reap the same slots: each is freed by one of them)."""
+    cdef int _reap_fences(self, bint block_on_oldest, bint record=True) except -1:
+        """Free the fenced slots whose GPU work is done (with ``record``, after recording
+        the fences of the slots returned); with ``block_on_oldest`` and none free, wait
+        for the oldest first (the fence releases the GIL meanwhile, so another thread
+        may reap the same slots: each is freed by one of them)."""
         cdef Py_ssize_t index
         cdef object fence
-        self._fence_returned()
+        if record:
+            self._fence_returned()
         if block_on_oldest and self.fence_order and _FREE not in self.table.states():
             fence = self.fences[self.fence_order[0]]
             if fence is not None:
@@ -687,11 +689,12 @@ cdef class SlotPool:
         return 0
 
     def reap(self, bint wait=False) -> None:
-        """Record the fences of the slots given back since the last look, and free the
-        fenced slots whose GPU work is done; with ``wait`` and no slot free, wait for the
-        oldest fence first (the GIL released meanwhile)."""
+        """Free the fenced slots whose GPU work is done; with ``wait`` and no slot free,
+        wait for the oldest fence first (the GIL released meanwhile). Records no fence:
+        a fence is recorded on the current stream of the thread that records it, which
+        must be the main thread (settle), not the one that calls this."""
         if self._owned() and self.fenced:
-            self._reap_fences(wait)
+            self._reap_fences(wait, False)
 
     def settle(self) -> bool:
         """Record the fences of the slots given back since the last look (see the top of

@@ -125,6 +125,29 @@ def test_numa_loader_copies_batches_to_the_device_on_a_side_stream() -> None:
     assert stats.landed > 0  # the workers collated into registered slots
 
 
+class ManyImages(Images):
+    def __len__(self) -> int:
+        return 400
+
+
+def test_workers_keep_landing_batches_once_every_slot_has_been_fenced() -> None:
+    """With CUDA, a slot given back is fenced until the copies reading it are done, and
+    workers lease only free slots: the owner must free fenced slots as their copies end
+    (settle, reap), or after one pass over the slots every batch waits a second for room
+    and is copied by the main process. 100 batches, each consumed and dropped."""
+    loader = numafast.torch.NumaLoader(
+        torch.utils.data.DataLoader(ManyImages(), batch_size=4, num_workers=2), device="cuda:0"
+    )
+    started = time.monotonic()
+    for batch in loader:
+        torch.cuda.current_stream().synchronize()  # the consumer's step
+        del batch
+    took = time.monotonic() - started
+    stats = loader.stats()
+    assert stats.batches == 100 and stats.fallbacks.get("no free slot", 0) == 0, (stats, took)
+    assert stats.landed >= 95 and sum(pool.slots for pool in stats.pools) <= 2 * loader.pools.slots, stats
+
+
 def test_the_hook_pins_in_pytorchs_own_pin_thread() -> None:
     loader = torch.utils.data.DataLoader(Images(), batch_size=4, num_workers=2, pin_memory=True)
     hook = numafast.torch.pin_memory_hook(loader)

@@ -347,6 +347,9 @@ class NodePools:
         again once the pool making is this thread's, since another thread may have
         made room meanwhile."""
         with self._making:
+            if more:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
+                for pool in list(self.pools):
+                    pool.reap(wait=True)
             with self._mutex:
                 if self.closed:
                     return False
