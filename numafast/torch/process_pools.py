@@ -19,9 +19,9 @@ from numafast.pool import LockMode, PinnedPool, RegisterMode
 __all__ = ["close_idle_pools", "pinned_bytes"]
 
 
-class NodePools(Protocol):
+class LoaderPools(Protocol):
     """What this module uses of a :class:`numafast.torch.pools.NodePools` (which imports
-    this module: the owner's side uses the registry, not the other way)."""
+    this module: the owner's side uses the registry, not the other way round)."""
 
     node: int
     lock: LockMode
@@ -41,14 +41,14 @@ IdleKey = tuple[int, LockMode, RegisterMode]
 """Which idle pools a loader may take: (node, lock, register)."""
 
 # Every NodePools of this process (each adds itself): what max_pinned_bytes bounds together.
-every: weakref.WeakSet[NodePools] = weakref.WeakSet()
+every: weakref.WeakSet[LoaderPools] = weakref.WeakSet()
 # NodePools no loader uses any more, by IdleKey: the next loader's.
-_idle: dict[IdleKey, NodePools] = {}
+_idle: dict[IdleKey, LoaderPools] = {}
 _idle_mutex = threading.Lock()
 """Guards _idle and every NodePools' ``users``."""
 
 
-def _ours() -> list[NodePools]:
+def _ours() -> list[LoaderPools]:
     """The NodePools this process owns (a forked child inherits its parent's registry)."""
     return [pools for pools in list(every) if pools.owner_pid == _pid.pid]
 
@@ -72,13 +72,13 @@ def shrink_all() -> None:
             pools.shrink()
 
 
-def use(pools: NodePools) -> None:
+def use(pools: LoaderPools) -> None:
     """One more loader lands its batches in ``pools``."""
     with _idle_mutex:
         pools.users += 1
 
 
-def let_go(pools: NodePools) -> None:
+def let_go(pools: LoaderPools) -> None:
     """One loader fewer uses ``pools``: with none left, they wait idle for the next loader
     on their node, in place of idle ones there (closed)."""
     if _pid.pid != pools.owner_pid:
@@ -95,7 +95,7 @@ def let_go(pools: NodePools) -> None:
     pools.shrink()  # idle with its first pool only, where the consumer let its kept batches go already
 
 
-def take_idle(key: IdleKey) -> NodePools | None:
+def take_idle(key: IdleKey) -> LoaderPools | None:
     """The idle pools for ``key``, no longer idle (None: there are none)."""
     with _idle_mutex:
         return _idle.pop(key, None)
