@@ -126,6 +126,7 @@ def test_a_kept_batchs_slot_is_counted_and_warned_about_once(workers: int) -> No
             targets.append(labels)  # a view of the slot: it keeps the whole slot
         del images, labels
         said = numafast_warnings(caught)
+        where = {warning.filename for warning in caught if "numafast loader" in str(warning.message)}
     stats = loader.stats()
     in_use = sum(pool.in_use for pool in stats.pools)
     assert in_use == len(targets) == 24 and stats.unpinned == 0, stats  # every kept label holds its slot
@@ -133,6 +134,7 @@ def test_a_kept_batchs_slot_is_counted_and_warned_about_once(workers: int) -> No
     assert stats.held == (24 if workers == 0 else 24 - 2 * workers), stats
     assert len(said) == 1 and "keeps tensors of" in said[0] and ".clone()" in said[0], said
     assert "slots=" not in said[0]  # the cause and its fix, not a setting that only hides it
+    assert where == {__file__}, where  # the user's loop, not torch's queue that unpickled the batch
     del targets
     after = loader.stats()
     assert after.held == 0 and sum(pool.in_use for pool in after.pools) == 0, after

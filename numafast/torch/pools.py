@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import multiprocessing
+import os
+import queue
+import sys
 import threading
 import warnings
 import weakref
@@ -34,6 +38,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
+import numafast
 from numafast import _pid
 from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
@@ -540,7 +545,7 @@ class NodePools:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(f"numafast loader on node {self.node}: {message}", RuntimeWarning, stacklevel=6)
+            warnings.warn(f"numafast loader on node {self.node}: {message}", RuntimeWarning, stacklevel=_user_level())
 
     # ------------------------------------------------------------ state
 
@@ -573,6 +578,27 @@ class NodePools:
 class _NoRoom(PoolExhaustedError):
     """No slot for a copy, and no room for another pool (past ``max_pinned_bytes``, or
     the board's limit on pools): a loader's batch then goes unpinned."""
+
+
+# Where a loader's warnings are said from, not pointed at: numafast, torch (the DataLoader
+# unpickles a worker's message, which becomes the batch, inside its queue's get), and the
+# queue and threading machinery between them.
+_LIBRARY_FILES = tuple(
+    os.path.dirname(module.__file__ or "") + os.sep for module in (numafast, torch, multiprocessing)
+) + (queue.__file__, threading.__file__)
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first caller outside :data:`_LIBRARY_FILES`, so that a
+    warning points at the line that asked for the batch (``for x, y in loader``); 2
+    (numafast's own line) where none is (PyTorch's pin thread)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_LIBRARY_FILES):
+            return level
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return 2
 
 
 def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
