@@ -149,9 +149,10 @@ def test_leaves_pin_cannot_see_into_are_named_once(pool: Any) -> None:
         def __init__(self) -> None:
             self.tensor = torch.ones(3)
 
-    with pytest.warns(RuntimeWarning, match=r"pin\(\) leaves .*Opaque where they are"):
+    with pytest.warns(RuntimeWarning, match=r"pin\(\) leaves .*Opaque where they are") as said:
         pinned = numafast.torch.pin({"x": torch.ones(2), "other": Opaque()}, pool)
-    assert pool.contains(pinned["x"].data_ptr())
+    assert pool.contains(pinned["x"].data_ptr()) and pinned["other"] is not None
+    assert [warning.filename for warning in said] == [__file__]  # the caller's line
 
 
 def test_pin_refuses_what_is_not_a_pool() -> None:

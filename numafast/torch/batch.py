@@ -25,18 +25,22 @@ from numafast.errors import SlotTooSmallError
 from numafast.pool import PinnedPool, Slot, pool_of
 from numafast.torch.slot import ALIGNMENT, fill, layout, plain_array
 
-__all__ = ["flatten", "opaque_leaves", "pin", "record_stream"]
+__all__ = ["flatten", "pin", "record_stream"]
 
 Batch = TypeVar("Batch")
 # Leaves that are values, not buffers: kept as they are without a word.
 PLAIN_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), np.generic, torch.dtype, torch.device)
 
 
-def flatten(batch: Batch, *, arrays: bool = False) -> tuple[list[Any], Callable[[Sequence[Any]], Batch]]:
+def flatten(
+    batch: Batch, *, arrays: bool = False, opaque: set[str] | None = None
+) -> tuple[list[Any], Callable[[Sequence[Any]], Batch]]:
     """The distinct tensors of ``batch`` (with ``arrays``, its NumPy arrays of plain
     numbers too) in a fixed order, and a function that rebuilds the same structure
     with other values in their places (a leaf that appears twice is one entry, and
-    its replacement appears twice)."""
+    its replacement appears twice). ``opaque``, when given, receives the type names
+    of the leaves the walk cannot see into: not a tensor, array, container it walks,
+    or plain value."""
     leaves: list[Any] = []
     positions: dict[int, int] = {}
     # A walk with a stack, not a recursive closure: a closure that calls itself is a
@@ -50,7 +54,10 @@ def flatten(batch: Batch, *, arrays: bool = False) -> tuple[list[Any], Callable[
                 positions[id(item)] = len(leaves)
                 leaves.append(item)
             continue
-        pending.extend(reversed(list(_children(item))))
+        children = list(_children(item))
+        if opaque is not None and not children and _opaque(item):
+            opaque.add(f"{type(item).__module__}.{type(item).__qualname__}")
+        pending.extend(reversed(children))
 
     def rebuild(replacements: Sequence[Any]) -> Batch:
         if len(replacements) != len(leaves):
@@ -60,21 +67,11 @@ def flatten(batch: Batch, *, arrays: bool = False) -> tuple[list[Any], Callable[
     return leaves, rebuild
 
 
-def opaque_leaves(batch: object) -> set[str]:
-    """The type names of the leaves of ``batch`` that pin cannot see into: not a
-    tensor, array, container pin walks, or plain value."""
-    found: set[str] = set()
-    pending = [batch]  # a stack, not a recursive closure (a reference cycle: see flatten)
-    while pending:
-        item = pending.pop()
-        if isinstance(item, (torch.Tensor, np.ndarray, *PLAIN_LEAVES)):
-            continue
-        children = list(_children(item))
-        if children or isinstance(item, (Mapping, Sequence)) or dataclasses.is_dataclass(item):
-            pending.extend(children)
-        else:
-            found.add(f"{type(item).__module__}.{type(item).__qualname__}")
-    return found
+def _opaque(item: object) -> bool:
+    """A leaf with no parts that is neither a buffer, a value, nor an (empty) container."""
+    return not (
+        isinstance(item, (torch.Tensor, np.ndarray, Mapping, Sequence, *PLAIN_LEAVES)) or dataclasses.is_dataclass(item)
+    )
 
 
 def _children(item: Any) -> Iterator[Any]:
@@ -145,11 +142,10 @@ def pin(batch: Batch, pool: PinnedPool, *, threads: int | None = None, timeout: 
             f"pin() copies into a numafast.PinnedPool, not a {type(pool).__name__}: make one with "
             "numafast.PinnedPool(node, slot_bytes, slots)"
         )
-    opaque = opaque_leaves(batch)
-    if opaque:
+    def warn(opaque: set[str]) -> None:
         warnings.warn(
             f"pin() leaves {', '.join(sorted(opaque))} where they are: it places tensors and NumPy arrays inside "
-            "dicts, lists, tuples, namedtuples and dataclasses", RuntimeWarning, stacklevel=2,
+            "dicts, lists, tuples, namedtuples and dataclasses", RuntimeWarning, stacklevel=4,  # pin's caller
         )
 
     def acquire(nbytes: int, leaves: int) -> tuple[Slot, Sequence[int]]:
@@ -160,19 +156,24 @@ def pin(batch: Batch, pool: PinnedPool, *, threads: int | None = None, timeout: 
             )
         return (pool.acquire(nbytes) if timeout is None else pool.acquire(nbytes, timeout)), pool.cpus
 
-    return place(batch, acquire, threads=threads)
+    return place(batch, acquire, warn, threads=threads)
 
 
 def place(
     batch: Batch,
     acquire: Callable[[int, int], tuple[Slot, Sequence[int]]],
+    warn: Callable[[set[str]], None],
     keep: Callable[[Any], bool] = lambda leaf: False,
     threads: int | None = None,
 ) -> Batch:
     """The steps of every pin: ``batch`` with its tensors and arrays (those ``keep`` does
     not keep where they are) laid out in the slot that ``acquire(bytes, leaves)`` gives
-    (with the CPUs to copy on), copied in and put back in the same structure."""
-    leaves, rebuild = flatten(batch, arrays=True)
+    (with the CPUs to copy on), copied in and put back in the same structure; first
+    ``warn(kinds)`` with the leaves of kinds it cannot see into, if any."""
+    opaque: set[str] = set()
+    leaves, rebuild = flatten(batch, arrays=True, opaque=opaque)
+    if opaque:
+        warn(opaque)
     placed = [leaf for leaf in leaves if not keep(leaf)]
     if not placed:
         return batch

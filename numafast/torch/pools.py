@@ -44,7 +44,7 @@ from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch import process_pools
-from numafast.torch.batch import opaque_leaves, place
+from numafast.torch.batch import place
 from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
@@ -479,7 +479,6 @@ class NodePools:
     def pin(self, batch: Batch) -> Batch:
         """``batch`` copied into a slot on this node (see :func:`numafast.torch.pin`);
         PoolExhaustedError, saying why, when no slot is free and no room may be made."""
-        self._warn_unpinned(opaque_leaves(batch), _OPAQUE)
         unpinned: set[str] = set()
 
         def keep(leaf: Any) -> bool:
@@ -498,7 +497,7 @@ class NodePools:
             return acquired[0], acquired[1].cpus
 
         try:
-            return place(batch, acquire, keep)
+            return place(batch, acquire, lambda opaque: self._warn_unpinned(sorted(opaque), _OPAQUE), keep)
         finally:
             self._warn_unpinned(sorted(unpinned))
 
