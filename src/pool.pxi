@@ -698,9 +698,10 @@ cdef class SlotPool:
 
     def settle(self) -> bool:
         """Record the fences of the slots given back since the last look (see the top of
-        this file), and free the fenced slots whose GPU work is done. For a closed pool then: wait for the GPU work on fenced slots,
-        retire the free slots, and release the memory (on_drained) once every slot is
-        retired (none held, in flight or leased any more). True once released.
+        this file), and free the fenced slots whose GPU work is done. For a closed pool
+        instead: wait for the GPU work on fenced slots, retire the free slots, and
+        release the memory (on_drained) once every slot is retired (none held, in
+        flight or leased any more). True once released.
 
         Other processes lease slots on their own (a worker whose view of the board is
         a batch old): a slot that is free can be leased at any moment, even after
