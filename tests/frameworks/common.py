@@ -73,7 +73,9 @@ def _record_worker(records: str) -> None:
     info = {"pid": pid, "ppid": os.getppid(), "cpus": sorted(os.sched_getaffinity(0)), "policy_mode": mode,
             "policy_nodes": list(nodes), "worker_id": torch.utils.data.get_worker_info().id}
     path = Path(records, f"worker-{os.getppid()}-{pid}.json")
-    path.write_text(json.dumps(info))
+    partial = path.with_name(f".{path.name}.partial")  # renamed whole: the rank may read the records at any time
+    partial.write_text(json.dumps(info))
+    os.replace(partial, path)
 
 
 def make_loader(records: str | None, **options: Any) -> DataLoader:  # type: ignore[type-arg]
