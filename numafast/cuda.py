@@ -162,19 +162,25 @@ class Registration:
 
 
 class _Fence:
-    """Events recorded on every stream that may still read a slot."""
+    """Events recorded on every stream that may still read a slot, asked under the
+    pool's ``device``: a fence is also asked from the thread that makes room for
+    workers, whose current device is 0, where an unguarded CUDA call would make a
+    context on a GPU that rank does not use."""
 
-    __slots__ = ("events",)
+    __slots__ = ("device", "events")
 
-    def __init__(self, events: list[Any]) -> None:
+    def __init__(self, events: list[Any], device: int) -> None:
         self.events = events
+        self.device = device
 
     def query(self) -> bool:
-        return all(event.query() for event in self.events)
+        with on_device(self.device):
+            return all(event.query() for event in self.events)
 
     def synchronize(self) -> None:
-        for event in self.events:  # waits with the GIL released
-            event.synchronize()
+        with on_device(self.device):
+            for event in self.events:  # waits with the GIL released
+                event.synchronize()
 
 
 class SlotEvents:
@@ -207,7 +213,7 @@ class SlotEvents:
                 event = owned[key] = _Event()
             event.record(stream)
             events.append(event)
-        return _Fence(events)
+        return _Fence(events, self.device)
 
 
 class CopyStream:

@@ -102,3 +102,29 @@ def test_unregistering_goes_last_first_once() -> None:
     assert runtime.calls[2][1] > runtime.calls[3][1]
     # Each call on the pool's device, whichever thread makes it: never a thread's default device 0.
     assert runtime.devices == [1] * 4 and runtime.current is None
+
+
+def test_a_fence_is_asked_under_its_pools_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread that makes room for workers asks fences too, and its current device is
+    0: every question goes under the pool's device (events that record what they were
+    asked; no GPU is involved or pretended)."""
+    entered: list[int] = []
+
+    @contextmanager
+    def on_device(index: int) -> Iterator[None]:
+        entered.append(index)
+        yield
+
+    class Event:
+        def query(self) -> bool:
+            assert entered, "asked outside the device guard"
+            return True
+
+        def synchronize(self) -> None:
+            assert entered, "waited on outside the device guard"
+
+    monkeypatch.setattr(cuda, "on_device", on_device)
+    fence = cuda._Fence([Event(), Event()], 3)
+    assert fence.query()
+    fence.synchronize()
+    assert entered == [3, 3]
