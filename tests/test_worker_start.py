@@ -385,3 +385,31 @@ def test_the_watch_ends_once_every_worker_started() -> None:
     assert not any(thread.name == "numafast worker start" for thread in threading.enumerate())
     assert not workers._open_tokens
     assert firsts(iterator) == expected()
+
+
+def test_a_worker_the_watch_kills_is_not_taken_for_one_that_died_even_while_torch_shuts_down() -> None:
+    """torch's SIGCHLD handler raises "killed by signal" in the consumer for any
+    registered worker killed, also inside the joins of its own shutdown (seen once in CI:
+    a replacement killed because the epoch had ended as it was forked). The watch's kill
+    takes the worker out of the registered ones first, or, once the iterator is shutting
+    down, waits until torch has let them all go."""
+    iterator = iter(torch.utils.data.DataLoader(dataset(), batch_size=2, num_workers=2))
+    first, second = iterator._workers
+    try:
+        workers._end(iterator, first)  # iterating: first leaves the registered workers
+        time.sleep(0.5)  # the handler runs in this thread, here, if it finds a worker killed
+        assert not first.is_alive()
+
+        iterator._shutdown = True  # torch's shutdown, begun: its joins come before its finally
+        ending = threading.Thread(target=workers._end, args=(iterator, second))
+        ending.start()
+        time.sleep(0.5)
+        assert second.is_alive()  # the kill waits for torch's finally
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(iterator))  # that finally
+        iterator._worker_pids_set = False
+        ending.join(10)
+        assert not ending.is_alive() and not second.is_alive()
+        time.sleep(0.5)
+    finally:
+        iterator._shutdown = False
+        iterator._shutdown_workers()

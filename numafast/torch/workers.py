@@ -61,6 +61,7 @@ MAX_RESTARTS = 3
 """Workers forked in the place of one stuck before the loader gives up with an error."""
 POLL_S = 0.02
 """How often the watch looks at the tokens (the first looks come sooner)."""
+_SHUTDOWN_WAIT_S = 30.0  # torch's shutdown joins each worker for up to 5 s before it lets them go
 
 _STARTED = b"s"  # a token's one byte: whoever reads it decides whether the worker started
 
@@ -227,7 +228,7 @@ class _StartWatch:
                 if worker.started_at is None and worker.token is not None:
                     _claim(worker.token.read)
             for doomed in self.doomed:
-                _kill(doomed.process)
+                _end(iterator, doomed.process)
             return False
         now = time.monotonic()
         pending = [worker for worker in self.workers if worker.started_at is None]
@@ -287,8 +288,7 @@ class _StartWatch:
         if run is None:
             return "its fork did not come from a multiprocessing Process's start() (a Python numafast does not know)"
         target, args, kwargs, name, daemon = run
-        pids = _worker_pids(iterator)
-        if pids is None:
+        if _worker_pids(iterator) is None:
             return f"torch's signal handling has no _set_worker_pids and _remove_worker_pids ({_UNKNOWN_TORCH})"
         if worker.restarts >= MAX_RESTARTS:
             return f"the {MAX_RESTARTS} workers forked in its place did not start either"
@@ -304,8 +304,7 @@ class _StartWatch:
         finally:
             _local.watch = outer
         processes[worker.index] = replacement
-        pids(tuple(process.pid for process in processes))  # before the kill: torch's SIGCHLD check ignores the old one
-        _kill(old)
+        _end(iterator, old)
         global _replaced
         _replaced += 1
         worker.pid, worker.restarts = replacement.pid, worker.restarts + 1
@@ -316,7 +315,7 @@ class _StartWatch:
         if worker.token is not None:
             worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
         if getattr(iterator, "_shutdown", False):
-            _kill(replacement)  # the iteration ended meanwhile
+            _end(iterator, replacement)  # the iteration ended meanwhile
         return None
 
     def _fail(self, iterator: Any, worker: _Worker, message: str) -> None:
@@ -342,11 +341,7 @@ class _StartWatch:
         received = getattr(iterator, "_rcvd_idx", None)
         for doomed in list(self.doomed):
             if not isinstance(received, int) or received > doomed.task:
-                pids = _worker_pids(iterator)
-                if pids is not None:
-                    processes = getattr(iterator, "_workers", [])
-                    pids(tuple(process.pid for process in processes if process is not doomed.process))
-                _kill(doomed.process)
+                _end(iterator, doomed.process)
                 self.doomed.remove(doomed)
 
 
@@ -516,6 +511,22 @@ def _queue_error(iterator: Any, task: int, index: int, message: str) -> bool:
     except Exception:  # noqa: BLE001 - then the worker is killed: torch's own check ends the iteration
         return False
     return True
+
+
+def _end(iterator: Any, process: Any) -> None:
+    """Kill ``process``, one of ``iterator``'s workers or one just taken out of them,
+    without torch taking it for a worker that died: torch's SIGCHLD handler raises "killed
+    by signal" in the consumer for any registered worker killed, even inside the joins of
+    its own shutdown. So the process leaves the registered workers first; once the
+    iterator is shutting down (torch unregisters them all at its end), the kill waits for
+    that instead, up to ``_SHUTDOWN_WAIT_S``."""
+    if iterator is not None and getattr(iterator, "_shutdown", False):
+        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+        while getattr(iterator, "_worker_pids_set", False) is True and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+    elif iterator is not None and (pids := _worker_pids(iterator)) is not None:
+        pids(tuple(worker.pid for worker in getattr(iterator, "_workers", []) if worker is not process))
+    _kill(process)
 
 
 def _kill(process: Any) -> None:
