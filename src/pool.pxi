@@ -1,24 +1,19 @@
 # Pinned pools: page locking (mlock, munlock), and the slot bookkeeping of a pool:
-# one shared mapping cut into equal slots after a table of one word per slot, a free
-# slot claimed with one compare-and-swap by the main process or by a DataLoader
-# worker that maps the same file, and a slot given back by the extension itself
-# when the last object viewing it in the main process is gone.
+# one shared mapping cut into equal slots after a table of one word per slot. A free
+# slot is claimed with one compare-and-swap, by the main process or by a DataLoader
+# worker that maps the same file.
 #
-# Why the Slot object, not the count of buffer exports, decides when a slot is free:
-# a NumPy array or memoryview holds a buffer export of the Slot, and an export holds
-# a reference to it; torch.frombuffer releases its export at once and keeps only a
-# reference. Both keep the Slot alive, so its tp_dealloc (run by the interpreter when
-# the last reference goes, with no finalizer ordering to guess) is the moment that
-# no array or tensor views the slot any more. The exports are still counted, for
-# repr and for the tests.
-#
-# That deallocator runs in whichever thread drops the last reference (a pin thread,
-# the cycle collector in any thread), so it only changes the slot's word and the
-# pool's counters: it never calls Python, waits on a GPU event or warns. A slot
-# that needs more (a CUDA fence recorded, or a closed pool's memory released) is
-# marked returned, and SlotPool.settle() does the rest: at the main thread's next
-# Python instruction (a CPython pending call) or at the next acquire(), settle() or
-# close(), whichever comes first.
+# A slot comes back when its Slot object is deallocated: every array, memoryview or
+# tensor over the slot keeps the Slot alive (a buffer export holds a reference;
+# torch.frombuffer keeps one), so its tp_dealloc is the moment nothing views the
+# slot any more. That deallocator runs in whichever thread drops the last reference
+# (a pin thread, the cycle collector), so it only changes the slot's word and the
+# pool's counters: it never calls Python, waits on a GPU event or warns. A slot that
+# needs more (a CUDA fence recorded, or a closed pool's memory released) is marked
+# returned, and SlotPool.settle() does the rest: at the main thread's next Python
+# instruction (a CPython pending call) or at the next acquire(), settle() or close().
+# The cycle collector clears neither a Slot nor its pool (no_gc_clear): the Slot's
+# deallocator needs its pool whole.
 
 cimport cython
 from libc.stdint cimport int64_t
@@ -68,16 +63,14 @@ if nf_track_pid() != 0:
 
 
 def mlock(buf, bint on_fault=False) -> None:
-    """mlock(2): keep every page ``buf`` touches resident (never swapped out), faulting
-    in any that is not yet there. With ``on_fault``, mlock2(2) with MLOCK_ONFAULT: the
-    pages there now are locked, the others as they are first touched, so locking
-    costs nothing up front (a kernel before 4.4 has no mlock2: every page is faulted
-    in and locked now, as without it).
+    """mlock(2): keep every page ``buf`` touches resident, faulting in any that is not
+    yet there. With ``on_fault``, mlock2(2) with MLOCK_ONFAULT: each page is locked as
+    it is first touched, so locking costs nothing up front (a kernel without mlock2,
+    before 4.4, locks them all now).
 
-    Fails with ENOMEM (or EPERM when the limit is 0) beyond RLIMIT_MEMLOCK unless the
-    process has CAP_IPC_LOCK; the whole range counts against the limit at once either
-    way. Locking does not stop the kernel from migrating a page to another frame; a
-    page pinned for DMA (cudaHostRegister) cannot move at all.
+    Beyond RLIMIT_MEMLOCK, without CAP_IPC_LOCK: ENOMEM (EPERM when the limit is 0);
+    the whole range counts against the limit either way. A locked page may still
+    migrate to another frame; one pinned for DMA (cudaHostRegister) cannot.
     """
     _lock_pages(buf, True, on_fault)
 
@@ -118,10 +111,9 @@ cdef int _lock_pages(object buf, bint lock, bint on_fault) except -1:
 
 def remap_private_at(uintptr_t address, size_t length, int fd, size_t offset) -> None:
     """mmap(2) ``length`` bytes of file ``fd`` from ``offset``, private and read-write,
-    at ``address`` (MAP_FIXED: whatever was mapped there is replaced). What a forked
-    child does with a shared mapping of a pool that it found in /proc/self/maps but
-    holds no object for (a pool its parent was making when it forked). The range must
-    be one the caller read there: any other is replaced all the same."""
+    at ``address``, replacing whatever is mapped there (MAP_FIXED): what a forked child
+    does with a pool's shared mapping that it found in /proc/self/maps but holds no
+    object for (a pool its parent was making when it forked)."""
     cdef void *start
     cdef int err = 0
     if address % _PAGE or length % _PAGE or offset % _PAGE or length == 0:
@@ -141,25 +133,18 @@ cdef double _monotonic() noexcept nogil:
     return now.tv_sec + now.tv_nsec * 1e-9
 
 
-cdef timespec _deadline_in(double seconds) noexcept nogil:
-    cdef double at = _monotonic() + seconds
-    cdef timespec deadline
-    deadline.tv_sec = <time_t>at
-    deadline.tv_nsec = <long>((at - deadline.tv_sec) * 1e9)
-    return deadline
-
-
 # How long one wait for a returned slot lasts before the waiter looks at signals
 # (Ctrl-C) and at fences again.
 cdef double _WAIT_STEP_S = 0.05
 cdef double _FENCE_POLL_S = 0.0005
 
 # The slot table at the start of a pool's mapping: a header, then one 64-bit word per
-# slot, ``generation << 40 | state << 32 | pid``, then one more word per slot that says
-# which process leased it, ``generation << 40 | start time`` (see below). The
-# generation grows each time a slot becomes free, so a stale message about a slot
-# (from a worker that died, or a batch dropped unread) can never be mistaken for its
-# next use.
+# slot, ``generation << 40 | state << 32 | pid``, then one per slot saying which
+# process leased it, ``generation << 40 | start time`` (clock ticks after boot, as
+# /proc/PID/stat gives it: a pid alone cannot tell a live worker from a later process
+# given the same pid). The generation grows each time a slot becomes free, so a stale
+# message about a slot (from a worker that died, or a batch dropped unread) can
+# never be mistaken for its next use.
 #
 # Memory order, which x86 gives for free and Arm does not: every change of a slot's
 # word is a compare-and-swap with acquire and release order, and every read of it an
@@ -180,11 +165,11 @@ cdef enum _SlotState:
     _FREE = 0
     _HELD = 1      # held by the owner: a Slot object exists for it
     _FENCED = 2    # given back while GPU work queued on it may still run
-    _LOST = 3      # given back, but no fence could be recorded: never reused
+    _RETIRED = 3   # never reused: no fence could be recorded for it, or its pool is closed
     _LEASED = 4    # claimed by another process (a worker) that fills it
     _RETURNED = 5  # given back (its Slot object died), its fence not recorded yet
 
-SLOT_STATES = {"free": _FREE, "held": _HELD, "fenced": _FENCED, "retired": _LOST, "leased": _LEASED,
+SLOT_STATES = {"free": _FREE, "held": _HELD, "fenced": _FENCED, "retired": _RETIRED, "leased": _LEASED,
                "returned": _RETURNED}
 
 
@@ -274,14 +259,6 @@ cdef class SlotTable:
         return &self.words[_TABLE_HEADER_WORDS + index]
 
     cdef inline uint64_t *_leaser_word(self, Py_ssize_t index) noexcept nogil:
-        """Who leased slot ``index``: ``generation << 40 | start time`` of the process.
-
-        A pid alone cannot tell a live worker from a later process given the same pid
-        (the kernel reuses them), so a lease also records its process's start time
-        (clock ticks after boot, /proc/PID/stat), which two processes with one pid
-        never share. The leaser stores it right after the compare-and-swap that
-        leased the slot, both in one C call: until then (a few instructions) the
-        word still holds an older generation, and the lease is taken for its pid's."""
         return &self.words[_TABLE_HEADER_WORDS + self.count + index]
 
     cdef inline bint _unmapped(self) noexcept:
@@ -291,12 +268,12 @@ cdef class SlotTable:
     cdef Py_ssize_t _claim(self, uint64_t state, uint64_t pid, uint64_t started,
                            uint64_t *generation) noexcept nogil:
         """Take a free slot for ``state``/``pid`` (a lease records ``started``, the
-        process's start time); its index (and generation), or -1.
+        process's start time, right after its compare-and-swap); its index (and
+        generation), or -1.
 
-        The lowest free index first: the slots in use stay as few as the consumer
-        allows, and a slot that just came back, whose lines are likely still in the
-        CPU's caches, is the next one filled (a round-robin walk keeps every slot of
-        the pool cold: writing a batch into one was 1.5x slower here)."""
+        The lowest free index first: a slot that just came back, whose lines are likely
+        still in the CPU's caches, is the next one filled (a round-robin walk keeps
+        every slot cold: writing a batch into one was 1.5x slower here)."""
         cdef Py_ssize_t index
         cdef uint64_t word
         for index in range(self.count):
@@ -378,30 +355,26 @@ cdef class SlotTable:
         return 0
 
 
+@cython.no_gc_clear  # a Slot's deallocator uses its pool (see the top of this file)
 @cython.auto_pickle(False)
 cdef class SlotPool:
     """``count`` equal slots of ``slot_bytes`` each in ``region``, after its slot table.
 
-    :meth:`acquire` hands out a free slot in O(slots) atomic reads as a :class:`Slot`,
-    which exports the slot's memory; the slot comes back when that Slot object is
-    gone (see the top of this file). A slot that a worker process leased and filled
-    becomes a Slot of this process with :meth:`adopt`. ``fence``, when given, is
-    called as ``fence(index)`` as a slot comes back and returns an object with
-    ``query()`` and ``synchronize()`` (CUDA events on the streams that read the
-    slot): the slot is reused only once it is done. ``on_drained()`` is called
-    exactly once, when the pool is closed and no slot is out any more (none held, in
-    flight or leased): that is when the memory may be released. Both are called by
-    :meth:`settle` (and what calls it), never by a Slot's deallocator (see the top of
-    this file); a SlotPool collected unclosed calls neither (PinnedPool closes its
-    own when it is dropped).
+    :meth:`acquire` hands out a free slot as a :class:`Slot`, which exports the slot's
+    memory, and :meth:`adopt` makes a slot that a worker process leased and filled a
+    Slot of this process; the slot comes back when its Slot is gone. ``fence``, when
+    given, is called as ``fence(index)`` as a slot comes back and returns an object
+    with ``query()`` and ``synchronize()`` (CUDA events on the streams that read the
+    slot): the slot is reused only once it is done. ``on_drained()`` is called once,
+    when the pool is closed and no slot is out (held, in flight or leased): the memory
+    may go then. :meth:`settle` calls both, never a deallocator; a SlotPool dropped
+    unclosed calls neither (PinnedPool closes its own when it is dropped).
 
-    The mutex only guards the condition that in-process waiters sleep on (with the
-    GIL released); the slots themselves change by compare-and-swap. After fork(),
-    the child's copy of a pool refuses to hand out slots, and never touches the
-    mutex or the condition variable: they are the owner's threads', copied in
-    whatever state fork() found them (a mutex another thread held then stays held
-    for good in the child, and glibc's pthread_cond_destroy waits for the waiters
-    that were inside pthread_cond_wait then, which never leave).
+    The mutex only guards the condition that :meth:`acquire`'s waiters sleep on (the GIL
+    released); the slots change by compare-and-swap. A forked child's copy hands out
+    no slot and never touches the mutex or the condition: they are copied in whatever
+    state fork() found them (a mutex another thread held stays held for good, and
+    glibc's pthread_cond_destroy would wait forever for the waiters copied with it).
     """
 
     cdef readonly SlotTable table
@@ -411,51 +384,46 @@ cdef class SlotPool:
     cdef readonly Py_ssize_t count
     cdef readonly Py_ssize_t in_use
     cdef readonly Py_ssize_t peak
-    cdef readonly Py_ssize_t fenced  # in flight: fenced, or returned and not fenced yet
-    cdef Py_ssize_t to_fence  # returned, not fenced yet
-    cdef readonly Py_ssize_t lost
+    cdef readonly Py_ssize_t fenced  # in flight: returned, being fenced, or in fences
+    cdef readonly Py_ssize_t lost  # retired because no fence could be recorded
     cdef readonly unsigned long long acquired
     cdef readonly unsigned long long adopted
     cdef readonly unsigned long long reclaimed
     cdef readonly unsigned long long waits
     cdef readonly double waited_seconds
     cdef object fence
-    cdef list fences
-    cdef list fence_order
+    cdef dict fences  # index: the fence recorded for it, oldest first
     cdef object on_drained
     cdef readonly pid_t owner_pid
     cdef readonly bint closed
-    cdef bint is_drained
+    cdef readonly bint drained  # on_drained has run
     cdef bint settle_queued
     cdef bint abandoned
-    cdef bint sync_ready
     cdef pthread_mutex_t mutex
     cdef pthread_cond_t returned
 
     def __cinit__(self, MappedBuffer region not None, size_t slot_bytes, Py_ssize_t count,
                   fence=None, on_drained=None):
         cdef pthread_condattr_t attributes
+        pthread_mutex_init(&self.mutex, NULL)
+        pthread_condattr_init(&attributes)
+        pthread_condattr_setclock(&attributes, CLOCK_MONOTONIC)
+        pthread_cond_init(&self.returned, &attributes)
+        pthread_condattr_destroy(&attributes)
+        self.owner_pid = nf_pid()  # from here on, __dealloc__ destroys the two
         self.table = SlotTable.create(region, slot_bytes, count)
         self.base = region.address + self.table.header_bytes
         self.slot_bytes = slot_bytes
         self.stride = self.table.stride
         self.count = count
         self.fence = fence
-        self.fences = [None] * count if fence is not None else []
-        self.fence_order = []
+        self.fences = {}
         self.on_drained = on_drained
-        self.owner_pid = nf_pid()
-        pthread_mutex_init(&self.mutex, NULL)
-        pthread_condattr_init(&attributes)
-        pthread_condattr_setclock(&attributes, CLOCK_MONOTONIC)
-        pthread_cond_init(&self.returned, &attributes)
-        pthread_condattr_destroy(&attributes)
-        self.sync_ready = True
 
     def __dealloc__(self):
-        # No Slot is out (each holds a reference), and no settle is queued (it holds one
-        # too). Fences and on_drained are settle()'s: nothing here calls Python.
-        if self.sync_ready and self._owned():  # a forked child's copy leaves them as they are (see the class)
+        # No Slot is out and no settle is queued: each holds a reference. owner_pid is
+        # still 0 when __cinit__ did not run; a forked child's copy leaves the two alone.
+        if self._owned():
             pthread_cond_destroy(&self.returned)
             pthread_mutex_destroy(&self.mutex)
 
@@ -475,8 +443,7 @@ cdef class SlotPool:
         return self.table.states().count(_LEASED)
 
     cdef inline bint _owned(self) noexcept:
-        """Whether this process made the pool (not a forked child's copy): the one check
-        before anything of the owner's alone (the slot bookkeeping, the mutex)."""
+        """Whether this process made the pool (not a forked child's copy)."""
         return self.owner_pid == nf_pid()
 
     cdef int _check_owner(self) except -1:
@@ -543,7 +510,7 @@ cdef class SlotPool:
 
     cdef Py_ssize_t _wait_for_slot(self, double timeout) except -1:
         cdef double start = _monotonic()
-        cdef double remaining, step
+        cdef double remaining, wake_at
         cdef timespec deadline
         cdef Py_ssize_t index
         cdef bint counted = False
@@ -563,11 +530,12 @@ cdef class SlotPool:
                 if remaining <= 0:
                     raise TimeoutError(f"all {self.count} slots in use ({self.in_use} held, "
                                        f"{self.fenced} in flight) after {timeout:g} s")
-                step = min(remaining, _FENCE_POLL_S if self.fenced else _WAIT_STEP_S)
+                wake_at = _monotonic() + min(remaining, _FENCE_POLL_S if self.fenced else _WAIT_STEP_S)
+                deadline.tv_sec = <time_t>wake_at
+                deadline.tv_nsec = <long>((wake_at - deadline.tv_sec) * 1e9)
                 with nogil:
                     pthread_mutex_lock(&self.mutex)
                     if not self.closed:
-                        deadline = _deadline_in(step)
                         pthread_cond_timedwait(&self.returned, &self.mutex, &deadline)
                     # Let go of the mutex before taking the GIL back.
                     pthread_mutex_unlock(&self.mutex)
@@ -582,33 +550,26 @@ cdef class SlotPool:
         for the oldest first (the fence releases the GIL meanwhile, so another thread
         may reap the same slots: each is freed by one of them)."""
         cdef Py_ssize_t index
-        cdef object fence
         if record:
             self._fence_returned()
-        if block_on_oldest and self.fence_order and _FREE not in self.table.states():
-            fence = self.fences[self.fence_order[0]]
-            if fence is not None:
-                fence.synchronize()
-        for index in list(self.fence_order):
-            fence = self.fences[index]
-            if fence is not None and fence.query():
+        if block_on_oldest and self.fences and _FREE not in self.table.states():
+            next(iter(self.fences.values())).synchronize()
+        for index, fence in list(self.fences.items()):
+            if fence.query():
                 self._unfence(index, fence)
         return 0
 
     cdef void _unfence(self, Py_ssize_t index, object fence):
         """Free a fenced slot whose fence is done, unless another thread just did."""
-        cdef uint64_t word
-        if self.fences[index] is fence:
-            self.fences[index] = None
-            self.fence_order.remove(index)
-            word = nf_load64(self.table._slot_word(index))
+        if self.fences.get(index) is fence:
+            del self.fences[index]
             self.fenced -= 1
-            self._make_free(index, word, _FENCED)
+            self._make_free(index, nf_load64(self.table._slot_word(index)), _FENCED)
 
     cdef void _make_free(self, Py_ssize_t index, uint64_t word, uint64_t state) noexcept:
         # A closed pool's slot is retired, not freed: a worker must never lease it again.
         self.table._change(index, _generation(word), state, <uint64_t>self.owner_pid,
-                           _LOST if self.closed else _FREE, 0, True)
+                           _RETIRED if self.closed else _FREE, 0, True)
         self._signal()
 
     cdef void _signal(self) noexcept:
@@ -623,8 +584,8 @@ cdef class SlotPool:
 
     cdef void _give_back(self, Py_ssize_t index) noexcept:
         """A Slot object died (its deallocator, GIL held): without a fence, its slot is
-        free now; with one, it is marked returned, and settle() records the fence
-        (Python and CUDA, which a deallocator must not call). Flags and counters only."""
+        free now; with one, it is marked returned for settle() to fence. Flags and
+        counters only (see the top of this file)."""
         cdef uint64_t word
         if not self._owned():
             return  # a forked child's copy: nothing of the parent's to give back
@@ -636,7 +597,6 @@ cdef class SlotPool:
             self.table._change(index, _generation(word), _HELD, <uint64_t>self.owner_pid, _RETURNED,
                                <uint64_t>self.owner_pid, False)
             self.fenced += 1
-            self.to_fence += 1
             self._signal()  # a waiter fences it and looks again
         if self.closed or self.fence is not None:
             self._settle_soon()
@@ -662,18 +622,19 @@ cdef class SlotPool:
         cdef uint64_t word
         cdef object fence
         cdef uint64_t owner = <uint64_t>self.owner_pid
-        for index in range(self.count if self.to_fence else 0):
+        if self.fenced == len(self.fences):
+            return 0  # none returned since the last look
+        for index in range(self.count):
             word = nf_load64(self.table._slot_word(index))
             if _state(word) != _RETURNED or not self.table._change(index, _generation(word), _RETURNED, owner,
                                                                    _FENCED, owner, False):
                 continue  # not returned, or another thread (while a fence let go of the GIL) took it
-            self.to_fence -= 1
             try:
                 fence = self.fence(index)
                 if self.closed:
                     fence.synchronize()
             except BaseException as error:
-                self.table._change(index, _generation(word), _FENCED, owner, _LOST, 0, False)
+                self.table._change(index, _generation(word), _FENCED, owner, _RETIRED, 0, False)
                 self.fenced -= 1
                 self.lost += 1
                 import warnings
@@ -685,7 +646,6 @@ cdef class SlotPool:
                 self._make_free(index, word, _FENCED)
             else:
                 self.fences[index] = fence
-                self.fence_order.append(index)
         return 0
 
     def reap(self, bint wait=False) -> None:
@@ -697,25 +657,21 @@ cdef class SlotPool:
             self._reap_fences(wait, False)
 
     def settle(self) -> bool:
-        """Record the fences of the slots given back since the last look (see the top of
-        this file), and free the fenced slots whose GPU work is done. For a closed pool
-        instead: wait for the GPU work on fenced slots, retire the free slots, and
-        release the memory (on_drained) once every slot is retired (none held, in
-        flight or leased any more). True once released.
+        """Record the fences of the slots given back since the last look, and free the
+        fenced slots whose GPU work is done. A closed pool instead waits for the GPU
+        work on its fenced slots, retires its free slots, and calls on_drained once
+        every slot is retired (none held, in flight or leased). True once drained.
 
-        Other processes lease slots on their own (a worker whose view of the board is
-        a batch old): a slot that is free can be leased at any moment, even after
-        close. So every free slot is retired first, with a compare-and-swap that fails
-        if a worker leased it meanwhile, and the memory goes only when every slot is
-        retired, a state no process leaves: no worker can fill a slot of a pool that
-        its owner has let go."""
+        A worker may lease a free slot at any moment, even after close: each free slot
+        is retired with a compare-and-swap that fails if a worker leased it meanwhile,
+        and the memory goes only once every slot is retired, a state no process leaves."""
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef bint retired = True
         cdef uint64_t state
-        cdef object fence, on_drained
-        if self.is_drained or not self._owned():
-            return self.is_drained
+        cdef object on_drained
+        if self.drained or not self._owned():
+            return self.drained
         if not self.closed:
             # Workers lease only free slots: a fenced one must be freed by this process once
             # its copy is done, or the workers find every slot taken while the GPU idles.
@@ -727,25 +683,23 @@ cdef class SlotPool:
                 pass
             return False
         self._fence_returned()
-        for index in list(self.fence_order):
-            fence = self.fences[index]
-            if fence is not None:
-                fence.synchronize()
-                self._unfence(index, fence)
-        for index in range(self.table.count):
+        for index, fence in list(self.fences.items()):
+            fence.synchronize()
+            self._unfence(index, fence)
+        for index in range(self.count):
             while True:
                 word = nf_load64(self.table._slot_word(index))
                 state = _state(word)
                 if not (state == _FREE or state == _LEASED and self.abandoned) or self.table._change(
-                        index, _generation(word), state, _PID_BITS, _LOST, 0, False):
+                        index, _generation(word), state, _PID_BITS, _RETIRED, 0, False):
                     break
-            retired = retired and _state(nf_load64(self.table._slot_word(index))) == _LOST
+            retired = retired and _state(nf_load64(self.table._slot_word(index))) == _RETIRED
         if retired:
-            self.is_drained = True  # before on_drained runs: it is called once, even if it raises
+            self.drained = True  # before on_drained runs: it is called once, even if it raises
             on_drained, self.on_drained = self.on_drained, None
             if on_drained is not None:
                 on_drained()
-        return self.is_drained
+        return self.drained
 
     def close(self) -> None:
         """Hand out no more slots; wake every waiter (it raises); then settle(): wait for
@@ -778,11 +732,6 @@ cdef class SlotPool:
         pthread_cond_broadcast(&self.returned)
         pthread_mutex_unlock(&self.mutex)
 
-    @property
-    def drained(self) -> bool:
-        """True once on_drained has run."""
-        return self.is_drained
-
     def index_of(self, uintptr_t address) -> int:
         """The slot holding ``address``, or -1 when it is outside every slot."""
         cdef uintptr_t start = <uintptr_t>self.base
@@ -799,15 +748,11 @@ cdef class SlotPool:
 
 
 cdef int _settle_pending(void *pool) noexcept with gil:
-    """SlotPool._settle_soon's pending call: the main thread, between two Python
-    instructions, outside any deallocator.
-
-    settle() may run Python (on_drained, a fence), and a signal's handler runs in
-    whatever Python code the main thread runs when the signal comes: Ctrl-C's
-    KeyboardInterrupt, or the RuntimeError of PyTorch's SIGCHLD handler for a dead
-    DataLoader worker, may be raised inside settle(). It must not be lost: it is
-    left set and -1 returned, so CPython raises it in the main thread's code, as it
-    raises a signal handler's own. (The pool settles again at its next look.)"""
+    """SlotPool._settle_soon's pending call: settle() in the main thread, between two
+    Python instructions, outside any deallocator. An exception raised in it, a signal
+    handler's too (Ctrl-C, PyTorch's SIGCHLD handler for a dead worker), is left set
+    and -1 returned: CPython raises it in the main thread's code, not lost. (The pool
+    settles again at its next look.)"""
     cdef SlotPool slots = <SlotPool>pool
     Py_DECREF(slots)  # the reference _settle_soon took (the local holds one until the end)
     slots.settle_queued = False
@@ -925,6 +870,7 @@ _NOT_PICKLED = (
 
 
 @cython.freelist(64)
+@cython.no_gc_clear  # its deallocator gives the slot back to its pool (see the top of this file)
 @cython.auto_pickle(False)
 cdef class Slot:
     """One slot of a :class:`SlotPool`, handed out by ``acquire()`` or ``adopt()``: its
@@ -980,8 +926,7 @@ cdef class Slot:
         self.exports -= 1
 
     def __dealloc__(self):
-        # Flags and counters only: see SlotPool._give_back.
-        if self.pool is not None:
+        if self.pool is not None:  # None in a Slot that _wrap did not make (Slot() raises after allocating it)
             self.pool._give_back(self.index)
 
     def __reduce__(self):
