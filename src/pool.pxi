@@ -12,8 +12,8 @@
 # needs more (a CUDA fence recorded, or a closed pool's memory released) is marked
 # returned, and SlotPool.settle() does the rest: at the main thread's next Python
 # instruction (a CPython pending call) or at the next acquire(), settle() or close().
-# The cycle collector clears neither a Slot nor its pool (no_gc_clear): the Slot's
-# deallocator needs its pool whole.
+# The cycle collector clears neither a Slot, nor its pool, nor the pool's table (which
+# holds the mapping) (no_gc_clear): the Slot's deallocator needs them whole.
 
 cimport cython
 from libc.stdint cimport int64_t
@@ -191,6 +191,7 @@ def slot_table_bytes(Py_ssize_t count) -> int:
 
 
 @cython.auto_pickle(False)
+@cython.no_gc_clear  # a Slot's deallocator writes its word (see the top of this file)
 cdef class SlotTable:
     """The table of a pool's mapping, as one process sees it (``region`` maps the
     pool's file). :meth:`create` writes it, :meth:`attach` reads one another process

@@ -363,6 +363,34 @@ def test_a_slot_dropped_in_another_thread_runs_no_python_in_its_deallocator() ->
     assert slots.drained and slots.in_use == 0 and slots.fenced == 0
 
 
+def test_a_slot_in_a_reference_cycle_comes_back_and_never_reads_a_cleared_pool() -> None:
+    """The cycle collector clears the objects of a cycle in no set order, and a Slot's
+    deallocator needs its pool: neither may be cleared before it runs. A slot kept by a
+    cycle (a traceback holding a batch) is given back when the cycle goes; a pool in a
+    cycle with its own slot does not crash the collector."""
+    region = _libnuma.mmap_anonymous(_libnuma.slot_table_bytes(2) + 2 * PAGE_SIZE)
+    slots = _libnuma.SlotPool(region, PAGE_SIZE, 2)
+    slot = slots.acquire(10)
+    gc.collect()  # the slot now in an older generation than the cycle that will hold it
+    cycle: dict[str, Any] = {"slot": slot}
+    cycle["self"] = cycle
+    del slot, cycle
+    gc.collect()
+    assert slots.in_use == 0 and slots.free_slots == 2  # was: the slot never came back
+    pool_in_a_cycle = """
+import gc
+from numafast import _libnuma
+box = {}
+slots = _libnuma.SlotPool(_libnuma.mmap_anonymous(4096 * 4), 4096, 2, None, box.get)
+box["slot"] = slots.acquire(10)
+del slots, box
+gc.collect()
+print("collected")
+"""
+    run = subprocess.run([sys.executable, "-c", pool_in_a_cycle], capture_output=True, text=True, cwd=TESTS.parent, timeout=60)
+    assert run.returncode == 0 and run.stdout == "collected\n", (run.returncode, run.stdout, run.stderr)  # was: SIGSEGV
+
+
 def test_ctrl_c_that_comes_while_the_main_thread_settles_a_pool_is_raised_there() -> None:
     """The settling a returned slot leaves to the main thread runs Python (on_drained):
     a signal whose handler raises there (Ctrl-C; PyTorch's SIGCHLD handler for a dead
