@@ -180,6 +180,29 @@ class _Resources:
         for address, length, offset in _shared_mappings_of(inode):
             _libnuma.remap_private_at(address, length, fd, offset)
 
+    def lock_pages(self, mode: LockMode, *, on_fault: bool) -> str:
+        """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
+        region = self.region
+        assert region is not None
+        if mode is LockMode.OFF:
+            return "not asked to lock (lock='off')"
+        try:
+            _libnuma.mlock(region, on_fault)
+        except LibnumaError as error:
+            if error.errno not in LOCK_REFUSALS:
+                raise
+            try:  # mlock may have locked a part before it gave up: never a half-locked pool
+                _libnuma.munlock(region)
+            except LibnumaError:
+                pass
+            if mode is LockMode.REQUIRED:
+                raise MemlockError(_memlock_message(region.size, self.node, error, "or pass lock='best-effort' to "
+                                                    "go on unlocked")) from error  # fmt: skip
+            _warn_unlocked_once(_memlock_message(region.size, self.node, error, "or pass lock='off' not to lock"))
+            return str(error)
+        self.locked = True
+        return ""
+
     def unpin(self) -> None:
         """Unregister and unlock (the memory stays mapped and valid); nothing in a
         forked child, which inherited neither the lock nor the registration."""
@@ -372,8 +395,7 @@ class PinnedPool:
                 shared_file=resources.fd,
                 pretouch=prefault,
             )
-            self._lock_note = self._lock(region, lock_mode, on_fault=not prefault)
-            self._lock_possible = not self._lock_note
+            self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
             fence = None
             if registers:
                 from numafast import cuda
@@ -400,27 +422,6 @@ class PinnedPool:
         if not _exit_hook_installed:
             atexit.register(_close_at_exit)
             _exit_hook_installed = True
-
-    def _lock(self, region: _libnuma.MappedBuffer, mode: LockMode, *, on_fault: bool) -> str:
-        """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
-        if mode is LockMode.OFF:
-            return "not asked to lock (lock='off')"
-        try:
-            _libnuma.mlock(region, on_fault)
-        except LibnumaError as error:
-            if error.errno not in LOCK_REFUSALS:
-                raise
-            try:  # mlock may have locked a part before it gave up: never a half-locked pool
-                _libnuma.munlock(region)
-            except LibnumaError:
-                pass
-            if mode is LockMode.REQUIRED:
-                raise MemlockError(_memlock_message(region.size, self._node, error, "or pass lock='best-effort' to "
-                                                    "go on unlocked")) from error  # fmt: skip
-            _warn_unlocked_once(_memlock_message(region.size, self._node, error, "or pass lock='off' not to lock"))
-            return str(error)
-        self._resources.locked = True
-        return ""
 
     # ------------------------------------------------------------ use
 
@@ -580,7 +581,7 @@ class PinnedPool:
             bytes_mapped=0 if region.freed else region.size,
             bytes_locked=region.size if self._resources.locked else 0,
             bytes_registered=region.size if self._resources.registration is not None else 0,
-            lock_possible=self._lock_possible,
+            lock_possible=not self._lock_note,
             lock_note=self._lock_note,
             closed=slots.closed,
         )
