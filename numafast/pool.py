@@ -380,7 +380,6 @@ class PinnedPool:
         registers = _registers(register_mode)
         self._device: int | None = _registering_device(device) if registers else None
         prefault = prefault or registers
-        stride = whole_pages(slot_bytes)
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
         # Known to the at-fork handler before the first step that lets go of the GIL
         # (memfd_create): another thread may fork at any of them.
@@ -396,18 +395,16 @@ class PinnedPool:
                 pretouch=prefault,
             )
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
-            fence = None
-            if registers:
+            self._fences: _StreamFences | None = None
+            if self._device is not None:  # it registers
                 from numafast import cuda
 
-                assert self._device is not None
                 resources.registration = cuda.Registration(
-                    region.address, region.size, device=self._device, unit=stride,
+                    region.address, region.size, device=self._device, unit=whole_pages(slot_bytes),
                     head=_libnuma.slot_table_bytes(slots),
                 )
-                fence = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
-            self._fences = fence
-            self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, resources.release)
+                self._fences = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
+            self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
             weakref.finalize(self, self._slots.abandon).atexit = False
@@ -432,11 +429,15 @@ class PinnedPool:
         (``numpy.asarray(slot)``, ``torch.frombuffer(slot, dtype=...)``). ``timeout``
         overrides the pool's own (see the class); O(1), no allocation.
         """
-        if nbytes is None and timeout is _WAIT:  # the hot path: no checks to make
-            size, wait = self._slot_bytes, self._wait
-        else:
-            size = self._slot_bytes_of(nbytes)
-            wait = self._wait if timeout is _WAIT else _wait_of(timeout)
+        size, wait = self._slot_bytes, self._wait
+        if nbytes is not None:
+            size = positive_int(nbytes, "nbytes", minimum=0)
+            if size > self._slot_bytes:
+                raise SlotTooSmallError(
+                    f"{size} bytes asked for, but a slot of this pool holds {self._slot_bytes} bytes"
+                )
+        if timeout is not _WAIT:
+            wait = _wait_of(timeout)
         try:
             slot: Slot = self._acquire_slot(size, wait)
         except TimeoutError:
@@ -464,15 +465,6 @@ class PinnedPool:
             start = self._slots.table.offset(index)
             with memoryview(self._slots.table.region) as whole, whole[start + done : start + end] as part:
                 fault_in(part)
-
-    def _slot_bytes_of(self, nbytes: int | None) -> int:
-        slot_bytes = self._slot_bytes
-        if nbytes is None:
-            return slot_bytes
-        nbytes = positive_int(nbytes, "nbytes", minimum=0)
-        if nbytes > slot_bytes:
-            raise SlotTooSmallError(f"{nbytes} bytes asked for, but a slot of this pool holds {slot_bytes} bytes")
-        return nbytes
 
     def adopt(self, index: int, generation: int, nbytes: int) -> Slot:
         """Slot ``index``, which a worker process leased in ``generation`` (see
@@ -517,7 +509,7 @@ class PinnedPool:
         leased to a worker); True once released. Also records the fences of slots given
         back since the last look (see :meth:`numafast._libnuma.SlotPool.settle`)."""
         self.reclaim_orphans()
-        return bool(self._slots.settle())
+        return self._slots.settle()
 
     def reap(self, *, wait: bool = False) -> None:
         """Free the slots whose GPU copies are done (workers lease only free slots); with
@@ -556,7 +548,7 @@ class PinnedPool:
 
     def contains(self, address: int) -> bool:
         """Whether ``address`` lies inside one of this pool's slots."""
-        return bool(self._slots.index_of(address) >= 0)
+        return self._slots.index_of(address) >= 0
 
     def stats(self) -> PoolStats:
         """The pool's counters now (see :class:`PoolStats`)."""
@@ -612,7 +604,7 @@ class PinnedPool:
 
     @property
     def slots(self) -> int:
-        return int(self._slots.count)
+        return self._slots.count
 
     @property
     def cpus(self) -> tuple[int, ...]:
@@ -626,7 +618,7 @@ class PinnedPool:
 
     @property
     def closed(self) -> bool:
-        return bool(self._slots.closed)
+        return self._slots.closed
 
     @property
     def locked(self) -> bool:
@@ -723,9 +715,9 @@ def _registering_device(device: int | None) -> int:
     if device is None:
         return cuda.current_index()
     count = cuda.device_count()
-    if int(device) >= count:
+    if device >= count:
         raise InvalidGpuError(f"device={device}: this process sees {count} CUDA devices (0 to {count - 1})")
-    return int(device)
+    return device
 
 
 _unlocked_warned = False
