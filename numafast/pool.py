@@ -145,13 +145,11 @@ class _Registration(Protocol):
 
 
 class _Resources:
-    """A pool's memfd, its mapping, and what pins it: known to the at-fork handler from
-    before the file exists until the memory is released, so that a child forked by
-    another thread at any step of a pool's making (each of which lets go of the GIL)
-    turns that pool's mapping private too. Released in this order, each step exactly
-    once: the CUDA registration, the page lock, the mapping and its file. Kept apart
-    from the pool object so that the slots, which outlive a closed pool, hold no
-    reference to it."""
+    """A pool's memfd, its mapping, and what pins it, released once in that reverse
+    order. Known to the at-fork handler from before the file exists: a child forked
+    by another thread at any step of a pool's making (each lets go of the GIL) must
+    turn that mapping private too. Apart from the pool, so that the slots, which
+    outlive a closed pool, hold no reference to it."""
 
     def __init__(self, node: int) -> None:
         self.owner_pid = _pid.pid
@@ -261,9 +259,8 @@ class _StreamFences:
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
 _pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
-"""The memory of every pool of this process, from before its file exists until it is
-released: also a pool being made, and one whose PinnedPool is gone while its slots
-are still viewed."""
+"""Every pool's memory not released yet (see _Resources): also a pool being made, and
+one whose PinnedPool is gone while its slots are still viewed."""
 _exit_hook_installed = False
 
 # The exit status of a forked child that cannot make its view of a pool private.
@@ -340,17 +337,12 @@ class PinnedPool:
 
     ``prefault=False`` makes a pool cost nothing until its slots are used: the memory
     is bound and locked (mlock2 MLOCK_ONFAULT: the whole size counts against
-    RLIMIT_MEMLOCK now) but no page is faulted in; each slot is, on the node, the
-    first time this process hands it out, and worker processes fault in the slots
-    they lease (:class:`~numafast.pool_share.PoolView`). A page is locked once it is
-    in this process's mapping: :meth:`adopt` enters a worker's batch there. A pool
-    that registers with CUDA is faulted in at once all the same: registration pins
-    every page.
+    RLIMIT_MEMLOCK now), and each slot is faulted in on the node the first time this
+    process hands it out or adopts it (a worker faults in the slots it leases): a
+    page is locked once it is in this process's mapping. A pool that registers with
+    CUDA is faulted in at once all the same: registration pins every page.
 
-    Use it as a context manager, or call :meth:`close`: the memory is unregistered,
-    unlocked and unmapped exactly once, when the pool is closed and the last slot has
-    come back (or at interpreter exit). Slots still viewed when the pool closes stay
-    valid until they are gone.
+    Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -381,8 +373,7 @@ class PinnedPool:
         self._device: int | None = _registering_device(device) if registers else None
         prefault = prefault or registers
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
-        # Known to the at-fork handler before the first step that lets go of the GIL
-        # (memfd_create): another thread may fork at any of them.
+        # Made before memfd_create, the first step that lets go of the GIL (see _Resources).
         self._resources = resources = _Resources(self._node)
         try:
             resources.fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
