@@ -369,9 +369,8 @@ class PinnedPool:
             device = check_device_index(device)
         if _libnuma.node_size64(self._node)[0] == 0:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
-        registers = _registers(register_mode)
-        self._device: int | None = _registering_device(device) if registers else None
-        prefault = prefault or registers
+        self._device = _registering_device(register_mode, device)
+        prefault = prefault or self._device is not None
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
         # Made before memfd_create, the first step that lets go of the GIL (see _Resources).
         self._resources = resources = _Resources(self._node)
@@ -387,7 +386,7 @@ class PinnedPool:
             )
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
             self._fences: _StreamFences | None = None
-            if self._device is not None:  # it registers
+            if self._device is not None:
                 from numafast import cuda
 
                 resources.registration = cuda.Registration(
@@ -670,23 +669,6 @@ def _wait_of(timeout: object) -> float:
     return float(timeout)
 
 
-def _registers(mode: RegisterMode) -> bool:
-    """Whether this pool registers with CUDA; CudaUnavailable when it must and cannot."""
-    if mode is RegisterMode.OFF:
-        return False
-    if mode is RegisterMode.AUTO and "torch" not in sys.modules:
-        return False
-    try:
-        from numafast import cuda
-    except ImportError as error:
-        raise CudaUnavailable(f"register='required' needs PyTorch with CUDA: {error}") from error
-    if cuda.usable():
-        return True
-    if mode is RegisterMode.REQUIRED:
-        raise CudaUnavailable(f"register='required', but CUDA is not usable here: {cuda.why_not_usable()}")
-    return False
-
-
 def check_device_index(device: object) -> int:
     """``device`` as a CUDA device index (an int or NumPy integer, >= 0), or a TypeError
     / InvalidGpuError naming the value. Whether the device exists is the
@@ -698,11 +680,20 @@ def check_device_index(device: object) -> int:
     return int(device)
 
 
-def _registering_device(device: int | None) -> int:
-    """The device a pool registers through: ``device``, checked against the devices this
-    process sees, else the calling thread's current one."""
-    from numafast import cuda
-
+def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
+    """The device a pool registers through (``device``, checked against the devices this
+    process sees, else the calling thread's current one); None when it does not
+    register. CudaUnavailable when it must and cannot."""
+    if mode is RegisterMode.OFF or mode is RegisterMode.AUTO and "torch" not in sys.modules:
+        return None
+    try:
+        from numafast import cuda
+    except ImportError as error:
+        raise CudaUnavailable(f"register='required' needs PyTorch with CUDA: {error}") from error
+    if not cuda.usable():
+        if mode is RegisterMode.REQUIRED:
+            raise CudaUnavailable(f"register='required', but CUDA is not usable here: {cuda.why_not_usable()}")
+        return None
     if device is None:
         return cuda.current_index()
     count = cuda.device_count()
