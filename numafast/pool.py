@@ -473,7 +473,7 @@ class PinnedPool:
     def reclaim_orphans(self) -> int:
         """End every lease whose worker process is gone (killed, or exited with a batch
         never sent): those slots are free again. Returns how many."""
-        if not _pid.owns(self._slots.owner_pid) or self._slots.drained:
+        if not _pid.owns(self._slots.owner_pid):
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
