@@ -180,6 +180,7 @@ class _Resources:
 
     def lock_pages(self, mode: LockMode, *, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
+        global _unlocked_warned
         region = self.region
         assert region is not None
         if mode is LockMode.OFF:
@@ -196,7 +197,11 @@ class _Resources:
             if mode is LockMode.REQUIRED:
                 raise MemlockError(_memlock_message(region.size, self.node, error, "or pass lock='best-effort' to "
                                                     "go on unlocked")) from error  # fmt: skip
-            _warn_unlocked_once(_memlock_message(region.size, self.node, error, "or pass lock='off' not to lock"))
+            if not _unlocked_warned:  # once per process: a loader's pools, made one by one, are refused alike
+                _unlocked_warned = True
+                message = _memlock_message(region.size, self.node, error, "or pass lock='off' not to lock")
+                warnings.warn(f"{message}. Pools go on with unlocked memory (this is said once)", MemlockWarning,
+                              stacklevel=3)  # fmt: skip
             return str(error)
         self.locked = True
         return ""
@@ -262,6 +267,7 @@ _pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
 """Every pool's memory not released yet (see _Resources): also a pool being made, and
 one whose PinnedPool is gone while its slots are still viewed."""
 _exit_hook_installed = False
+_unlocked_warned = False  # a MemlockWarning was given (see _Resources.lock_pages)
 
 # The exit status of a forked child that cannot make its view of a pool private.
 FORK_REMAP_FAILED_STATUS = 70
@@ -634,7 +640,7 @@ def whole_pages(nbytes: int) -> int:
 def pool_bytes(slot_bytes: int, slots: int) -> int:
     """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then the
     slots, each in whole pages."""
-    return int(_libnuma.slot_table_bytes(slots)) + whole_pages(slot_bytes) * slots
+    return _libnuma.slot_table_bytes(slots) + whole_pages(slot_bytes) * slots
 
 
 def pool_of(address: int) -> PinnedPool | None:
@@ -700,18 +706,6 @@ def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
     if device >= count:
         raise InvalidGpuError(f"device={device}: this process sees {count} CUDA devices (0 to {count - 1})")
     return device
-
-
-_unlocked_warned = False
-
-
-def _warn_unlocked_once(message: str) -> None:
-    """One MemlockWarning per process: a loader's pools are made one by one as batches
-    need them, each refused alike."""
-    global _unlocked_warned
-    if not _unlocked_warned:
-        _unlocked_warned = True
-        warnings.warn(f"{message}. Pools go on with unlocked memory (this is said once)", MemlockWarning, stacklevel=4)
 
 
 def _memlock_limits() -> tuple[int, int, str, bool]:
