@@ -274,14 +274,12 @@ FORK_REMAP_FAILED_STATUS = 70
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker, a subprocess before exec) reads its parent's
-    pools through private views: writing there must never reach a slot the parent may
-    hand out to another batch. Workers that fill slots map the file again, shared.
-
-    A child that cannot make a view private ends here, saying why on its standard
-    error, before any code of its own runs: it would otherwise write into its
-    parent's slots unseen (an exception raised in an at-fork hook is only printed,
-    and the child would go on). A DataLoader then reports its worker's exit."""
+    """A forked child (a DataLoader worker, a subprocess before exec) makes its views of
+    its parent's pools private (see the module doc); workers that fill slots map the
+    file again, shared. A child that cannot ends here, saying why on its standard
+    error, before any code of its own runs: an exception raised in an at-fork hook
+    is only printed, and the child would go on writing into its parent's slots
+    unseen. A DataLoader then reports its worker's exit."""
     for file in list(_pool_files):
         try:
             file.view_privately()
@@ -649,12 +647,11 @@ def pool_of(address: int) -> PinnedPool | None:
 
 
 def _leaser_alive(pid: int, started: int) -> bool:
-    """Whether the process that leased a slot still runs: process ``pid`` runs (a zombie,
-    dead but not yet reaped, does not) and started at ``started`` (clock ticks after
-    boot, modulo 2**40, as the lease recorded it), so it is not a later process that
-    the kernel gave the same pid. ``started`` is -1 for a lease made a few
-    instructions ago, whose process has not recorded it yet: taken for the pid's.
-    Ending a live process's lease would let two batches share a slot; keeping a dead
+    """Whether the process that leased a slot still runs: ``pid`` runs (see
+    :func:`numafast._pid.start_time`) and started at ``started`` (modulo 2**40, as the
+    lease recorded it), so it is not a later process given the same pid. ``started``
+    is -1 while the leaser has not recorded it yet: taken for the pid's, since ending
+    a live process's lease would let two batches share a slot, while keeping a dead
     one's only costs that slot."""
     now = _pid.start_time(pid)
     if now is None:
