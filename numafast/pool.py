@@ -477,7 +477,7 @@ class PinnedPool:
     def reclaim_orphans(self) -> int:
         """End every lease whose worker process is gone (killed, or exited with a batch
         never sent): those slots are free again. Returns how many."""
-        if not _pid.owns(self._slots.owner_pid):
+        if not _pid.owns(self._resources.owner_pid):
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
@@ -518,9 +518,9 @@ class PinnedPool:
     def _check(self, *, closed_ok: bool = False) -> None:
         """PoolForkedError in a forked child (its copy of the pool is a private view);
         PoolClosedError once the pool is closed, unless ``closed_ok``."""
-        if not _pid.owns(self._slots.owner_pid):
+        if not _pid.owns(self._resources.owner_pid):
             raise PoolForkedError(
-                f"this pool was made by process {self._slots.owner_pid}; the forked child {_pid.pid} only "
+                f"this pool was made by process {self._resources.owner_pid}; the forked child {_pid.pid} only "
                 "reads the slots it inherited (a private view: locking and CUDA registration are not "
                 "inherited): make a new pool in the child"
             ) from None
