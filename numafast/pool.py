@@ -145,13 +145,11 @@ class _Registration(Protocol):
 
 
 class _Resources:
-    """A pool's memfd, its mapping, and what pins it: known to the at-fork handler from
-    before the file exists until the memory is released, so that a child forked by
-    another thread at any step of a pool's making (each of which lets go of the GIL)
-    turns that pool's mapping private too. Released in this order, each step exactly
-    once: the CUDA registration, the page lock, the mapping and its file. Kept apart
-    from the pool object so that the slots, which outlive a closed pool, hold no
-    reference to it."""
+    """A pool's memfd, its mapping, and what pins it, released once in that reverse
+    order. Known to the at-fork handler from before the file exists: a child forked
+    by another thread at any step of a pool's making (each lets go of the GIL) must
+    turn that mapping private too. Apart from the pool, so that the slots, which
+    outlive a closed pool, hold no reference to it."""
 
     def __init__(self, node: int) -> None:
         self.owner_pid = _pid.pid
@@ -179,6 +177,34 @@ class _Resources:
         inode = os.fstat(fd).st_ino
         for address, length, offset in _shared_mappings_of(inode):
             _libnuma.remap_private_at(address, length, fd, offset)
+
+    def lock_pages(self, mode: LockMode, *, on_fault: bool) -> str:
+        """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
+        global _unlocked_warned
+        region = self.region
+        assert region is not None
+        if mode is LockMode.OFF:
+            return "not asked to lock (lock='off')"
+        try:
+            _libnuma.mlock(region, on_fault)
+        except LibnumaError as error:
+            if error.errno not in LOCK_REFUSALS:
+                raise
+            try:  # mlock may have locked a part before it gave up: never a half-locked pool
+                _libnuma.munlock(region)
+            except LibnumaError:
+                pass
+            if mode is LockMode.REQUIRED:
+                raise MemlockError(_memlock_message(region.size, self.node, error, "or pass lock='best-effort' to "
+                                                    "go on unlocked")) from error  # fmt: skip
+            if not _unlocked_warned:  # once per process: a loader's pools, made one by one, are refused alike
+                _unlocked_warned = True
+                message = _memlock_message(region.size, self.node, error, "or pass lock='off' not to lock")
+                warnings.warn(f"{message}. Pools go on with unlocked memory (this is said once)", MemlockWarning,
+                              stacklevel=3)  # fmt: skip
+            return str(error)
+        self.locked = True
+        return ""
 
     def unpin(self) -> None:
         """Unregister and unlock (the memory stays mapped and valid); nothing in a
@@ -238,24 +264,22 @@ class _StreamFences:
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
 _pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
-"""The memory of every pool of this process, from before its file exists until it is
-released: also a pool being made, and one whose PinnedPool is gone while its slots
-are still viewed."""
+"""Every pool's memory not released yet (see _Resources): also a pool being made, and
+one whose PinnedPool is gone while its slots are still viewed."""
 _exit_hook_installed = False
+_unlocked_warned = False  # a MemlockWarning was given (see _Resources.lock_pages)
 
 # The exit status of a forked child that cannot make its view of a pool private.
 FORK_REMAP_FAILED_STATUS = 70
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker, a subprocess before exec) reads its parent's
-    pools through private views: writing there must never reach a slot the parent may
-    hand out to another batch. Workers that fill slots map the file again, shared.
-
-    A child that cannot make a view private ends here, saying why on its standard
-    error, before any code of its own runs: it would otherwise write into its
-    parent's slots unseen (an exception raised in an at-fork hook is only printed,
-    and the child would go on). A DataLoader then reports its worker's exit."""
+    """A forked child (a DataLoader worker, a subprocess before exec) makes its views of
+    its parent's pools private (see the module doc); workers that fill slots map the
+    file again, shared. A child that cannot ends here, saying why on its standard
+    error, before any code of its own runs: an exception raised in an at-fork hook
+    is only printed, and the child would go on writing into its parent's slots
+    unseen. A DataLoader then reports its worker's exit."""
     for file in list(_pool_files):
         try:
             file.view_privately()
@@ -317,17 +341,12 @@ class PinnedPool:
 
     ``prefault=False`` makes a pool cost nothing until its slots are used: the memory
     is bound and locked (mlock2 MLOCK_ONFAULT: the whole size counts against
-    RLIMIT_MEMLOCK now) but no page is faulted in; each slot is, on the node, the
-    first time this process hands it out, and worker processes fault in the slots
-    they lease (:class:`~numafast.pool_share.PoolView`). A page is locked once it is
-    in this process's mapping: :meth:`adopt` enters a worker's batch there. A pool
-    that registers with CUDA is faulted in at once all the same: registration pins
-    every page.
+    RLIMIT_MEMLOCK now), and each slot is faulted in on the node the first time this
+    process hands it out or adopts it (a worker faults in the slots it leases): a
+    page is locked once it is in this process's mapping. A pool that registers with
+    CUDA is faulted in at once all the same: registration pins every page.
 
-    Use it as a context manager, or call :meth:`close`: the memory is unregistered,
-    unlocked and unmapped exactly once, when the pool is closed and the last slot has
-    come back (or at interpreter exit). Slots still viewed when the pool closes stay
-    valid until they are gone.
+    Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -354,13 +373,10 @@ class PinnedPool:
             device = check_device_index(device)
         if _libnuma.node_size64(self._node)[0] == 0:
             raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
-        registers = _registers(register_mode)
-        self._device: int | None = _registering_device(device) if registers else None
-        prefault = prefault or registers
-        stride = whole_pages(slot_bytes)
+        self._device = _registering_device(register_mode, device)
+        prefault = prefault or self._device is not None
         self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
-        # Known to the at-fork handler before the first step that lets go of the GIL
-        # (memfd_create): another thread may fork at any of them.
+        # Made before memfd_create, the first step that lets go of the GIL (see _Resources).
         self._resources = resources = _Resources(self._node)
         try:
             resources.fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
@@ -372,20 +388,17 @@ class PinnedPool:
                 shared_file=resources.fd,
                 pretouch=prefault,
             )
-            self._lock_note = self._lock(region, lock_mode, on_fault=not prefault)
-            self._lock_possible = not self._lock_note
-            fence = None
-            if registers:
+            self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
+            self._fences: _StreamFences | None = None
+            if self._device is not None:
                 from numafast import cuda
 
-                assert self._device is not None
                 resources.registration = cuda.Registration(
-                    region.address, region.size, device=self._device, unit=stride,
+                    region.address, region.size, device=self._device, unit=whole_pages(slot_bytes),
                     head=_libnuma.slot_table_bytes(slots),
                 )
-                fence = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
-            self._fences = fence
-            self._slots = _libnuma.SlotPool(region, slot_bytes, slots, fence, resources.release)
+                self._fences = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
+            self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
             weakref.finalize(self, self._slots.abandon).atexit = False
@@ -401,27 +414,6 @@ class PinnedPool:
             atexit.register(_close_at_exit)
             _exit_hook_installed = True
 
-    def _lock(self, region: _libnuma.MappedBuffer, mode: LockMode, *, on_fault: bool) -> str:
-        """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
-        if mode is LockMode.OFF:
-            return "not asked to lock (lock='off')"
-        try:
-            _libnuma.mlock(region, on_fault)
-        except LibnumaError as error:
-            if error.errno not in LOCK_REFUSALS:
-                raise
-            try:  # mlock may have locked a part before it gave up: never a half-locked pool
-                _libnuma.munlock(region)
-            except LibnumaError:
-                pass
-            if mode is LockMode.REQUIRED:
-                raise MemlockError(_memlock_message(region.size, self._node, error, "or pass lock='best-effort' to "
-                                                    "go on unlocked")) from error  # fmt: skip
-            _warn_unlocked_once(_memlock_message(region.size, self._node, error, "or pass lock='off' not to lock"))
-            return str(error)
-        self._resources.locked = True
-        return ""
-
     # ------------------------------------------------------------ use
 
     def acquire(self, nbytes: int | None = None, timeout: float | None | object = _WAIT) -> Slot:
@@ -431,11 +423,15 @@ class PinnedPool:
         (``numpy.asarray(slot)``, ``torch.frombuffer(slot, dtype=...)``). ``timeout``
         overrides the pool's own (see the class); O(1), no allocation.
         """
-        if nbytes is None and timeout is _WAIT:  # the hot path: no checks to make
-            size, wait = self._slot_bytes, self._wait
-        else:
-            size = self._slot_bytes_of(nbytes)
-            wait = self._wait if timeout is _WAIT else _wait_of(timeout)
+        size, wait = self._slot_bytes, self._wait
+        if nbytes is not None:
+            size = positive_int(nbytes, "nbytes", minimum=0)
+            if size > self._slot_bytes:
+                raise SlotTooSmallError(
+                    f"{size} bytes asked for, but a slot of this pool holds {self._slot_bytes} bytes"
+                )
+        if timeout is not _WAIT:
+            wait = _wait_of(timeout)
         try:
             slot: Slot = self._acquire_slot(size, wait)
         except TimeoutError:
@@ -464,15 +460,6 @@ class PinnedPool:
             with memoryview(self._slots.table.region) as whole, whole[start + done : start + end] as part:
                 fault_in(part)
 
-    def _slot_bytes_of(self, nbytes: int | None) -> int:
-        slot_bytes = self._slot_bytes
-        if nbytes is None:
-            return slot_bytes
-        nbytes = positive_int(nbytes, "nbytes", minimum=0)
-        if nbytes > slot_bytes:
-            raise SlotTooSmallError(f"{nbytes} bytes asked for, but a slot of this pool holds {slot_bytes} bytes")
-        return nbytes
-
     def adopt(self, index: int, generation: int, nbytes: int) -> Slot:
         """Slot ``index``, which a worker process leased in ``generation`` (see
         :meth:`share`) and filled with ``nbytes`` bytes, as a slot of this process:
@@ -490,7 +477,7 @@ class PinnedPool:
     def reclaim_orphans(self) -> int:
         """End every lease whose worker process is gone (killed, or exited with a batch
         never sent): those slots are free again. Returns how many."""
-        if not _pid.owns(self._slots.owner_pid) or self._slots.drained:
+        if not _pid.owns(self._resources.owner_pid):
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
@@ -516,7 +503,7 @@ class PinnedPool:
         leased to a worker); True once released. Also records the fences of slots given
         back since the last look (see :meth:`numafast._libnuma.SlotPool.settle`)."""
         self.reclaim_orphans()
-        return bool(self._slots.settle())
+        return self._slots.settle()
 
     def reap(self, *, wait: bool = False) -> None:
         """Free the slots whose GPU copies are done (workers lease only free slots); with
@@ -531,9 +518,9 @@ class PinnedPool:
     def _check(self, *, closed_ok: bool = False) -> None:
         """PoolForkedError in a forked child (its copy of the pool is a private view);
         PoolClosedError once the pool is closed, unless ``closed_ok``."""
-        if not _pid.owns(self._slots.owner_pid):
+        if not _pid.owns(self._resources.owner_pid):
             raise PoolForkedError(
-                f"this pool was made by process {self._slots.owner_pid}; the forked child {_pid.pid} only "
+                f"this pool was made by process {self._resources.owner_pid}; the forked child {_pid.pid} only "
                 "reads the slots it inherited (a private view: locking and CUDA registration are not "
                 "inherited): make a new pool in the child"
             ) from None
@@ -555,7 +542,7 @@ class PinnedPool:
 
     def contains(self, address: int) -> bool:
         """Whether ``address`` lies inside one of this pool's slots."""
-        return bool(self._slots.index_of(address) >= 0)
+        return self._slots.index_of(address) >= 0
 
     def stats(self) -> PoolStats:
         """The pool's counters now (see :class:`PoolStats`)."""
@@ -580,7 +567,7 @@ class PinnedPool:
             bytes_mapped=0 if region.freed else region.size,
             bytes_locked=region.size if self._resources.locked else 0,
             bytes_registered=region.size if self._resources.registration is not None else 0,
-            lock_possible=self._lock_possible,
+            lock_possible=not self._lock_note,
             lock_note=self._lock_note,
             closed=slots.closed,
         )
@@ -611,7 +598,7 @@ class PinnedPool:
 
     @property
     def slots(self) -> int:
-        return int(self._slots.count)
+        return self._slots.count
 
     @property
     def cpus(self) -> tuple[int, ...]:
@@ -625,7 +612,7 @@ class PinnedPool:
 
     @property
     def closed(self) -> bool:
-        return bool(self._slots.closed)
+        return self._slots.closed
 
     @property
     def locked(self) -> bool:
@@ -651,7 +638,7 @@ def whole_pages(nbytes: int) -> int:
 def pool_bytes(slot_bytes: int, slots: int) -> int:
     """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then the
     slots, each in whole pages."""
-    return int(_libnuma.slot_table_bytes(slots)) + whole_pages(slot_bytes) * slots
+    return _libnuma.slot_table_bytes(slots) + whole_pages(slot_bytes) * slots
 
 
 def pool_of(address: int) -> PinnedPool | None:
@@ -660,12 +647,11 @@ def pool_of(address: int) -> PinnedPool | None:
 
 
 def _leaser_alive(pid: int, started: int) -> bool:
-    """Whether the process that leased a slot still runs: process ``pid`` runs (a zombie,
-    dead but not yet reaped, does not) and started at ``started`` (clock ticks after
-    boot, modulo 2**40, as the lease recorded it), so it is not a later process that
-    the kernel gave the same pid. ``started`` is -1 for a lease made a few
-    instructions ago, whose process has not recorded it yet: taken for the pid's.
-    Ending a live process's lease would let two batches share a slot; keeping a dead
+    """Whether the process that leased a slot still runs: ``pid`` runs (see
+    :func:`numafast._pid.start_time`) and started at ``started`` (modulo 2**40, as the
+    lease recorded it), so it is not a later process given the same pid. ``started``
+    is -1 while the leaser has not recorded it yet: taken for the pid's, since ending
+    a live process's lease would let two batches share a slot, while keeping a dead
     one's only costs that slot."""
     now = _pid.start_time(pid)
     if now is None:
@@ -686,23 +672,6 @@ def _wait_of(timeout: object) -> float:
     return float(timeout)
 
 
-def _registers(mode: RegisterMode) -> bool:
-    """Whether this pool registers with CUDA; CudaUnavailable when it must and cannot."""
-    if mode is RegisterMode.OFF:
-        return False
-    if mode is RegisterMode.AUTO and "torch" not in sys.modules:
-        return False
-    try:
-        from numafast import cuda
-    except ImportError as error:
-        raise CudaUnavailable(f"register='required' needs PyTorch with CUDA: {error}") from error
-    if cuda.usable():
-        return True
-    if mode is RegisterMode.REQUIRED:
-        raise CudaUnavailable(f"register='required', but CUDA is not usable here: {cuda.why_not_usable()}")
-    return False
-
-
 def check_device_index(device: object) -> int:
     """``device`` as a CUDA device index (an int or NumPy integer, >= 0), or a TypeError
     / InvalidGpuError naming the value. Whether the device exists is the
@@ -714,29 +683,26 @@ def check_device_index(device: object) -> int:
     return int(device)
 
 
-def _registering_device(device: int | None) -> int:
-    """The device a pool registers through: ``device``, checked against the devices this
-    process sees, else the calling thread's current one."""
-    from numafast import cuda
-
+def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
+    """The device a pool registers through (``device``, checked against the devices this
+    process sees, else the calling thread's current one); None when it does not
+    register. CudaUnavailable when it must and cannot."""
+    if mode is RegisterMode.OFF or mode is RegisterMode.AUTO and "torch" not in sys.modules:
+        return None
+    try:
+        from numafast import cuda
+    except ImportError as error:
+        raise CudaUnavailable(f"register='required' needs PyTorch with CUDA: {error}") from error
+    if not cuda.usable():
+        if mode is RegisterMode.REQUIRED:
+            raise CudaUnavailable(f"register='required', but CUDA is not usable here: {cuda.why_not_usable()}")
+        return None
     if device is None:
         return cuda.current_index()
     count = cuda.device_count()
-    if int(device) >= count:
+    if device >= count:
         raise InvalidGpuError(f"device={device}: this process sees {count} CUDA devices (0 to {count - 1})")
-    return int(device)
-
-
-_unlocked_warned = False
-
-
-def _warn_unlocked_once(message: str) -> None:
-    """One MemlockWarning per process: a loader's pools are made one by one as batches
-    need them, each refused alike."""
-    global _unlocked_warned
-    if not _unlocked_warned:
-        _unlocked_warned = True
-        warnings.warn(f"{message}. Pools go on with unlocked memory (this is said once)", MemlockWarning, stacklevel=4)
+    return device
 
 
 def _memlock_limits() -> tuple[int, int, str, bool]:

@@ -99,10 +99,8 @@ class PoolBoard:
     rewrites whenever its pools change (a first pool, a bigger one, one more) and
     every worker reads before each batch: pools reach workers that were started
     before them, without restarting them. The board is a seqlock (see src/pool.pxi):
-    its version, odd while the owner writes, is stored and loaded with release and
-    acquire order around the entries, so that a reader on any CPU, Arm's included,
-    takes a whole list of one version or reads again, never the new version with
-    entries from before it.
+    a reader on any CPU, Arm's included, takes a whole list of one version or reads
+    again, never the new version with entries from before it.
 
     A worker whose batch fits no pool listed (there is none yet, or the batch grew)
     asks for room through the board's pipe, :meth:`BoardReader.ask`; the owner
@@ -225,10 +223,9 @@ class BoardReader:
         return True
 
     def _read(self, known: int | None = None) -> tuple[int, list[PoolHandle] | None]:
-        """The board's version and, unless it is still ``known`` (default: this reader's
-        version), the entries it lists (one whole write of the owner's: see
-        :class:`PoolBoard`); OSError when the owner stays in the middle of a write for
-        _BOARD_WAIT_S."""
+        """The board's version and, unless it is still ``known`` (default: this reader's),
+        the entries it lists (one whole write of the owner's); OSError when the owner
+        stays in the middle of a write for _BOARD_WAIT_S."""
         known = self.version if known is None else known
         deadline = None
         while True:
@@ -289,14 +286,14 @@ class PoolView:
         """Each slot's memory, made (and faulted in) at its first lease here."""
         self.made: list[dict[Any, Any]] = [{} for _ in range(self.table.count)]
         """Per slot, what a filler keeps over its memory from batch to batch (a worker's
-        tensors to collate into): it lives as long as this view's mapping."""
+        tensors to collate into, as many as the filler's cache policy keeps): it lives
+        as long as this view's mapping."""
 
     def lease(self) -> tuple[int, int] | None:
         """A free slot leased to this process now, ``(index, generation)``; None when every
         slot is taken. It never waits: a worker asks the owner for room instead
         (:meth:`BoardReader.ask`)."""
-        lease: tuple[int, int] | None = self.table.claim(_pid.started())
-        return lease
+        return self.table.claim(_pid.started())
 
     def slot(self, index: int) -> memoryview:
         """The writable memory of slot ``index`` (the same memoryview at every lease)."""
@@ -320,13 +317,12 @@ class PoolView:
 
 
 def fault_in(memory: memoryview) -> None:
-    """Enter every page of ``memory`` (a slot) in this process's page tables now, in
-    one call, faulting in (zeroing, on the node the pool's policy names) any page no
-    process has touched yet. Page tables are per process: without this, a process
-    takes a minor fault on each 4 KiB page of a slot the first time it writes there,
-    ~2,400 per 9 MiB slot, which slowed the epoch after the first by half until every
-    worker had written every slot once. MADV_POPULATE_WRITE needs Linux 5.14; an older
-    kernel refuses it and the pages are mapped as they are written, as before."""
+    """Enter every page of ``memory`` (a slot) in this process's page tables now, in one
+    call, faulting in (zeroing, on the pool's node) any page no process has touched
+    yet. Page tables are per process: without this, each process takes a minor fault
+    per 4 KiB page the first time it writes a slot (~2,400 per 9 MiB slot), which
+    slowed the epoch after the first by half. MADV_POPULATE_WRITE needs Linux 5.14;
+    an older kernel refuses it and the pages are mapped as they are written."""
     try:
         _libnuma.madvise(memory, _libnuma.MADV_POPULATE_WRITE)
     except OSError:
