@@ -99,7 +99,7 @@ class SlotCollate:
             self._batch = (_pid.pid, info.id, number + 1 if pid == _pid.pid else 1)
             return self._in_worker(samples)
         if self.pools is not None and _pid.pid == self.owner_pid:
-            return self.pools.collate_here(samples, self)
+            return self.pools.collate_here(samples, self.collate_fn, self.direct)
         _warn_elsewhere(self.owner_pid)
         return self.collate_fn(samples)
 
@@ -218,11 +218,6 @@ class SlotCollate:
         assert self.node is not None
         bind(self.node, strict=self.strict)
         self._bound_pid = _pid.pid
-
-    def fill(self, packer: SlotPacker, samples: Any) -> Any:
-        """The batch, collated into ``packer``'s slot when the collate function is
-        ``default_collate``, else as the loader's own function makes it."""
-        return packer.collate(samples) if self.direct else self.collate_fn(samples)
 
 
 # In a worker: the board of each loader it serves, mapped once.

@@ -34,7 +34,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -86,16 +86,6 @@ _OPAQUE = (
     "batch leaves of type {} are not pinned: numafast places tensors and NumPy arrays inside dicts, lists, tuples, "
     "namedtuples and dataclasses"
 )
-
-
-class Collating(Protocol):
-    """The collate function that lands batches here, as the owner's side uses it
-    (:class:`numafast.torch.collate.SlotCollate`: the workers' side, which imports this one)."""
-
-    direct: bool
-    collate_fn: Callable[[Any], Any]
-
-    def fill(self, packer: SlotPacker, samples: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -291,23 +281,23 @@ class NodePools:
         once; tensors already on a device stay there)."""
         return self._copy(batch, FallbackReason.BYPASSED, why)
 
-    def collate_here(self, samples: Any, collate: Collating) -> Any:
-        """Collate in this process (a loader without workers): into a slot directly when
-        the collate function is torch's default (the first batch, measured, sizes the
-        pool), else a copy."""
+    def collate_here(self, samples: Any, collate_fn: Callable[[Any], Any], direct: bool) -> Any:
+        """Collate in this process (a loader without workers): into a slot when
+        ``collate_fn`` is torch's default (``direct``; the first batch, measured, sizes
+        the pool), else a copy."""
         first = None if self.pools else FallbackReason.FIRST_BATCHES
-        needed = SlotMeasure().collated(samples) if first and collate.direct else 0
-        if not collate.direct or (first and not needed):  # another collate function, or no bytes to lay out
-            return self._copy(collate.collate_fn(samples), first)
+        needed = SlotMeasure().collated(samples) if first and direct else 0
+        if not direct or (first and not needed):  # another collate function, or no bytes to lay out
+            return self._copy(collate_fn(samples), first)
         acquired = self._acquire(needed or self.pools[0].slot_bytes)
         if acquired is None:  # no room for another pool
-            return self._unpinned(collate.collate_fn(samples))
+            return self._unpinned(collate_fn(samples))
         packer = SlotPacker(memoryview(acquired[0]))
         del acquired  # the batch's tensors hold the slot now: it comes back when the last of them goes
         try:
-            batch = collate.fill(packer, samples)
+            batch = packer.collate(samples)
         except SlotFull:
-            return self._copy(collate.collate_fn(samples), FallbackReason.TOO_LARGE)
+            return self._copy(collate_fn(samples), FallbackReason.TOO_LARGE)
         finally:
             packer.close()
         self.landed += 1
