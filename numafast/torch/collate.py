@@ -77,7 +77,6 @@ class SlotCollate:
         self.strict = strict
         self._bound_pid = 0
         self._packer: SlotPacker | None = None  # a worker's, reused batch after batch
-        self._reader: tuple[int, BoardReader] | None = None  # a worker's (its pid, the board mapped)
         self._batch = (0, -1, 0)
         """In a worker: its pid, its worker id, the number of the batch it collates now
         (1 for its first): what its messages say, for an error met on their arrival."""
@@ -87,14 +86,19 @@ class SlotCollate:
         pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "pools": None, "_packer": None, "_reader": None, "_batch": (0, -1, 0),
+        return {**vars(self), "pools": None, "_packer": None, "_batch": (0, -1, 0),
                 "_refused": (0, -1, 0.0)}  # fmt: skip
 
     def __call__(self, samples: Any) -> Any:
         info = get_worker_info()
         if info is not None:
             if self.node is not None and self._bound_pid != _pid.pid:
-                self._bind_worker()
+                # Here, not in worker_init_fn, so that the loader's own stays the user's
+                # (Lightning seeds workers only where it is None) and a loader a framework
+                # re-creates gets the placement with the collate function. Workers forked
+                # by NumaLoader's iter() start bound already.
+                bind(self.node, strict=self.strict)
+                self._bound_pid = _pid.pid
             pid, _worker, number = self._batch
             self._batch = (_pid.pid, info.id, number + 1 if pid == _pid.pid else 1)
             return self._in_worker(samples)
@@ -191,13 +195,10 @@ class SlotCollate:
 
     def _board_reader(self) -> BoardReader:
         """The board, as this process maps it (one mapping per board and process)."""
-        pid = _pid.pid
-        if self._reader is None or self._reader[0] != pid:
-            reader = _readers.get(self.board)
-            if reader is None:
-                reader = _readers[self.board] = BoardReader(self.board)
-            self._reader = (pid, reader)
-        return self._reader[1]
+        reader = _readers.get(self.board)
+        if reader is None:
+            reader = _readers[self.board] = BoardReader(self.board)
+        return reader
 
     def _measured(self, samples: Any, made: Any) -> int:
         """The bytes of slot the batch needs."""
@@ -208,16 +209,6 @@ class SlotCollate:
         """The batch as torch would send it, for the main process to copy into a slot."""
         batch = self.collate_fn(samples) if made is _UNMADE else made
         return Fallback(self.owner_pid, self.owner_id, batch, reason, detail, self._batch[1], self._batch[2])
-
-    def _bind_worker(self) -> None:
-        """Bind this worker to the node, once: its CPUs, and its memory preferred there
-        (bound, with ``strict``). Here rather than in ``worker_init_fn``, so the loader's
-        own ``worker_init_fn`` stays the user's: Lightning seeds workers only where it
-        is None, and a loader a framework re-creates gets the placement with the collate
-        function. Workers forked by NumaLoader's ``iter()`` start bound already."""
-        assert self.node is not None
-        bind(self.node, strict=self.strict)
-        self._bound_pid = _pid.pid
 
 
 # In a worker: the board of each loader it serves, mapped once.
