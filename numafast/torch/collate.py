@@ -1,27 +1,22 @@
 """The workers' side of a batch's path: the collate function a NumaLoader (or a
-pin_memory_hook) gives the DataLoader, which collates each batch straight into a
-free slot of the loader's shared, node-local, page-locked pool and returns only a
-small message (:mod:`numafast.torch.message`).
-
-In a worker, :class:`SlotCollate` reads the loader's pool board (which pools exist
-now), leases a slot, and then either collates with torch's own ``collate`` and a
-map that stacks every tensor into the slot (the loader's ``collate_fn`` is
-``default_collate``), or calls the loader's own ``collate_fn`` and copies its
-tensors into the slot; the result is a :class:`SlotBatch`. Where no pool fits the
-batch (the loader's first batches, a batch that grew) or every slot stays held,
-the worker measures the batch and asks the owner for room through the board, and
-collates once the owner has published it. A worker that finds no free slot asks at
-once for more (it does not wait for one: a full pool means the consumer keeps its
-batches); the owner adds a pool, or refuses (past ``max_pinned_bytes``) by publishing
-the board again unchanged, and the worker then sends its batch as torch would, in a
-:class:`Fallback` that names the reason, at once: the batch reaches the consumer
-unpinned. When the owner does not answer within a second, the batch goes the same
-way and the main process copies it into a slot: never a stall, never a deadlock. Called in the main process
+pin_memory_hook) gives the DataLoader. In a worker, :class:`SlotCollate` leases a free
+slot of a pool the loader's board lists and collates the batch into it (torch's
+``collate`` stacking each tensor into the slot when the loader's ``collate_fn`` is
+``default_collate``; else the loader's own, its tensors copied in), and returns only a
+small :class:`SlotBatch` (:mod:`numafast.torch.message`). In the main process
 (``num_workers=0``) it collates into a slot there.
 
-The collate function is an ordinary, picklable attribute of the loader: a framework
-that builds a new DataLoader from a NumaLoader's settings (Lightning, Accelerate,
-Ray Train) copies it, and with it numafast.
+Where no pool fits the batch (the first batches, a batch that grew) or no slot is free,
+the worker asks the owner for room through the board. It does not wait for a slot (a
+full pool means the consumer keeps its batches): the owner adds a pool, or refuses
+(past ``max_pinned_bytes``) by publishing the board unchanged, and the batch then goes
+unpinned at once, as torch sends it, in a :class:`Fallback` naming the reason. With no
+answer within POOL_WAIT_S the main process copies it into a slot: never a stall, never
+a deadlock.
+
+The collate function is a picklable attribute of the loader: a framework that builds a
+new DataLoader from a NumaLoader's settings (Lightning, Accelerate, Ray Train) copies
+it, and with it numafast.
 """
 
 from __future__ import annotations
