@@ -81,8 +81,8 @@ class SlotCollate:
         pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "pools": None, "_packer": None, "_batch": (0, -1, 0),
-                "_refused": (0, -1, 0.0)}  # fmt: skip
+        # _batch and _refused name the worker process they were set in: stale elsewhere.
+        return {**vars(self), "pools": None, "_packer": None}
 
     def __call__(self, samples: Any) -> Any:
         info = get_worker_info()
