@@ -329,7 +329,7 @@ class NodePools:
         another thread may have made room meanwhile."""
         with self._making:
             if more:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
-                for pool in list(self.pools):
+                for pool in self.pools:
                     pool.reap(wait=True)
             with self._mutex:
                 if self.closed:
@@ -411,7 +411,7 @@ class NodePools:
         the leases of workers that are gone are ended (see PinnedPool.reclaim_orphans)."""
         for pool in [*self.pools, *self.retired]:
             pool.reclaim_orphans()
-        return [(pool, pool.stats()) for pool in list(self.pools) if pool.slot_bytes >= nbytes]
+        return [(pool, pool.stats()) for pool in self.pools if pool.slot_bytes >= nbytes]
 
     def _held(self, counters: Iterable[PoolStats]) -> int:
         """Slots the consumer holds now, by the pools' ``counters`` (see :attr:`LoaderStats.held`)."""
@@ -586,10 +586,8 @@ def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
     def make_room(nbytes: int, more: bool) -> None:
         target = pools()
         if target is not None:
-            try:
+            with contextlib.suppress(Exception):  # raised again by the copy in the main process
                 target.make_room(nbytes, more)
-            except Exception:  # noqa: BLE001 - raised again by the copy in the main process
-                pass
 
     return make_room
 
