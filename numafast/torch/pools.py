@@ -44,13 +44,13 @@ from numafast.torch.batch import place
 from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
-from numafast.torch.process_pools import close_idle_pools, pinned_bytes
+from numafast.torch.process_pools import pinned_bytes
 from numafast.torch.sizing import (
     check_max_pinned_bytes, default_max_pinned_bytes, grown_slot_bytes, slot_bytes_for, slots_within,
 )
 from numafast.torch.slot import SlotFull, placeable, tensor_kind
 
-__all__ = ["LoaderStats", "NodePools", "close_idle_pools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
+__all__ = ["LoaderStats", "NodePools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
 
 Batch = TypeVar("Batch")
 
