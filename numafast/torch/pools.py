@@ -96,7 +96,7 @@ class LoaderStats:
     """Batches the main process copied into a slot."""
     bytes_copied: int
     fallbacks: dict[str, int] = field(default_factory=dict)
-    """Copied batches by :class:`~numafast.torch.collate.FallbackReason` (its value)."""
+    """Copied batches by :class:`~numafast.torch.message.FallbackReason` (its value)."""
     pools: list[PoolStats] = field(default_factory=list)
     """The counters of the pools in use now (retiring ones not included)."""
     unpinned: int = 0
