@@ -1,27 +1,22 @@
 """The workers' side of a batch's path: the collate function a NumaLoader (or a
-pin_memory_hook) gives the DataLoader, which collates each batch straight into a
-free slot of the loader's shared, node-local, page-locked pool and returns only a
-small message (:mod:`numafast.torch.message`).
-
-In a worker, :class:`SlotCollate` reads the loader's pool board (which pools exist
-now), leases a slot, and then either collates with torch's own ``collate`` and a
-map that stacks every tensor into the slot (the loader's ``collate_fn`` is
-``default_collate``), or calls the loader's own ``collate_fn`` and copies its
-tensors into the slot; the result is a :class:`SlotBatch`. Where no pool fits the
-batch (the loader's first batches, a batch that grew) or every slot stays held,
-the worker measures the batch and asks the owner for room through the board, and
-collates once the owner has published it. A worker that finds no free slot asks at
-once for more (it does not wait for one: a full pool means the consumer keeps its
-batches); the owner adds a pool, or refuses (past ``max_pinned_bytes``) by publishing
-the board again unchanged, and the worker then sends its batch as torch would, in a
-:class:`Fallback` that names the reason, at once: the batch reaches the consumer
-unpinned. When the owner does not answer within a second, the batch goes the same
-way and the main process copies it into a slot: never a stall, never a deadlock. Called in the main process
+pin_memory_hook) gives the DataLoader. In a worker, :class:`SlotCollate` leases a free
+slot of a pool the loader's board lists and collates the batch into it (torch's
+``collate`` stacking each tensor into the slot when the loader's ``collate_fn`` is
+``default_collate``; else the loader's own, its tensors copied in), and returns only a
+small :class:`SlotBatch` (:mod:`numafast.torch.message`). In the main process
 (``num_workers=0``) it collates into a slot there.
 
-The collate function is an ordinary, picklable attribute of the loader: a framework
-that builds a new DataLoader from a NumaLoader's settings (Lightning, Accelerate,
-Ray Train) copies it, and with it numafast.
+Where no pool fits the batch (the first batches, a batch that grew) or no slot is free,
+the worker asks the owner for room through the board. It does not wait for a slot (a
+full pool means the consumer keeps its batches): the owner adds a pool, or refuses
+(past ``max_pinned_bytes``) by publishing the board unchanged, and the batch then goes
+unpinned at once, as torch sends it, in a :class:`Fallback` naming the reason. With no
+answer within POOL_WAIT_S the main process copies it into a slot: never a stall, never
+a deadlock.
+
+The collate function is a picklable attribute of the loader: a framework that builds a
+new DataLoader from a NumaLoader's settings (Lightning, Accelerate, Ray Train) copies
+it, and with it numafast.
 """
 
 from __future__ import annotations
@@ -77,7 +72,6 @@ class SlotCollate:
         self.strict = strict
         self._bound_pid = 0
         self._packer: SlotPacker | None = None  # a worker's, reused batch after batch
-        self._reader: tuple[int, BoardReader] | None = None  # a worker's (its pid, the board mapped)
         self._batch = (0, -1, 0)
         """In a worker: its pid, its worker id, the number of the batch it collates now
         (1 for its first): what its messages say, for an error met on their arrival."""
@@ -87,19 +81,24 @@ class SlotCollate:
         pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**vars(self), "pools": None, "_packer": None, "_reader": None, "_batch": (0, -1, 0),
-                "_refused": (0, -1, 0.0)}  # fmt: skip
+        # _batch and _refused name the worker process they were set in: stale elsewhere.
+        return {**vars(self), "pools": None, "_packer": None}
 
     def __call__(self, samples: Any) -> Any:
         info = get_worker_info()
         if info is not None:
             if self.node is not None and self._bound_pid != _pid.pid:
-                self._bind_worker()
+                # Here, not in worker_init_fn, so that the loader's own stays the user's
+                # (Lightning seeds workers only where it is None) and a loader a framework
+                # re-creates gets the placement with the collate function. Workers forked
+                # by NumaLoader's iter() start bound already.
+                bind(self.node, strict=self.strict)
+                self._bound_pid = _pid.pid
             pid, _worker, number = self._batch
             self._batch = (_pid.pid, info.id, number + 1 if pid == _pid.pid else 1)
             return self._in_worker(samples)
         if self.pools is not None and _pid.pid == self.owner_pid:
-            return self.pools.collate_here(samples, self)
+            return self.pools.collate_here(samples, self.collate_fn, self.direct)
         _warn_elsewhere(self.owner_pid)
         return self.collate_fn(samples)
 
@@ -191,13 +190,10 @@ class SlotCollate:
 
     def _board_reader(self) -> BoardReader:
         """The board, as this process maps it (one mapping per board and process)."""
-        pid = _pid.pid
-        if self._reader is None or self._reader[0] != pid:
-            reader = _readers.get(self.board)
-            if reader is None:
-                reader = _readers[self.board] = BoardReader(self.board)
-            self._reader = (pid, reader)
-        return self._reader[1]
+        reader = _readers.get(self.board)
+        if reader is None:
+            reader = _readers[self.board] = BoardReader(self.board)
+        return reader
 
     def _measured(self, samples: Any, made: Any) -> int:
         """The bytes of slot the batch needs."""
@@ -208,21 +204,6 @@ class SlotCollate:
         """The batch as torch would send it, for the main process to copy into a slot."""
         batch = self.collate_fn(samples) if made is _UNMADE else made
         return Fallback(self.owner_pid, self.owner_id, batch, reason, detail, self._batch[1], self._batch[2])
-
-    def _bind_worker(self) -> None:
-        """Bind this worker to the node, once: its CPUs, and its memory preferred there
-        (bound, with ``strict``). Here rather than in ``worker_init_fn``, so the loader's
-        own ``worker_init_fn`` stays the user's: Lightning seeds workers only where it
-        is None, and a loader a framework re-creates gets the placement with the collate
-        function. Workers forked by NumaLoader's ``iter()`` start bound already."""
-        assert self.node is not None
-        bind(self.node, strict=self.strict)
-        self._bound_pid = _pid.pid
-
-    def fill(self, packer: SlotPacker, samples: Any) -> Any:
-        """The batch, collated into ``packer``'s slot when the collate function is
-        ``default_collate``, else as the loader's own function makes it."""
-        return packer.collate(samples) if self.direct else self.collate_fn(samples)
 
 
 # In a worker: the board of each loader it serves, mapped once.

@@ -1,36 +1,28 @@
 """The message a DataLoader worker sends for each batch, and what it becomes on arrival.
 
-A worker that collated a batch into a pool slot sends a :class:`SlotBatch`: which
-slot of which pool, and the batch's layout. One that could not (no pool yet, no
-free slot, a batch too large) sends a :class:`Fallback` with the batch as torch
-would send it and why. Both travel through the DataLoader's own result queue, and
-both *become the batch* when they are unpickled in the process that owns the pools
-(``__reduce__`` names a function of this module): the DataLoader's iterator, its
-pin thread, or any framework's iterator wrapped around it yields tensors over the
-slot, whoever built the loader. Elsewhere (a process that does not own the pools)
-they stay messages, and can travel on.
+A :class:`SlotBatch` says which slot of which pool holds the batch, and its layout; a
+:class:`Fallback` carries the batch as torch would send it, and why it did not land.
+Both travel through the DataLoader's own result queue and *become the batch* as they
+are unpickled in the process that owns the pools (``__reduce__``): whichever iterator
+takes them (the DataLoader's, its pin thread, a framework's around it) yields tensors
+over the slot. Elsewhere they stay messages, and can travel on. The owner's side
+registers in :data:`receivers`, so this module imports neither side: no import circle.
 
-The owner's side registers here (:data:`receivers`), so this module imports
-neither the workers' side nor the owner's: the batch's path has no import circle.
-
-A message that arrives but cannot become its batch (its pool gone, its lease over,
-the copy failing) becomes what a worker sends for a batch whose collation raised:
-torch's ``ExceptionWrapper``, saying which worker's batch and why. Raising inside
-the unpickling instead would lose the message after the DataLoader took it off its
-queue (its count of batches in flight then never comes right: the next batch is
+A message that cannot become its batch (its pool gone, its lease over, the copy
+failing) becomes torch's ``ExceptionWrapper``, as a worker's failed batch does.
+Raising inside the unpickling would lose the message after the DataLoader took it off
+its queue (its count of batches in flight then never comes right: the next batch is
 waited for forever) and, under the pin_memory hook, end PyTorch's pin thread. So the
-consumer meets the error at that batch, as a worker's own, and the next ``next()``
-goes on with the next batch.
+consumer meets the error at that batch, and the next ``next()`` goes on.
 
-Save one case: a batch whose worker died after sending it (killed, out of memory).
-When the owner saw the death it ended the dead worker's leases, the one of the batch
-still queued too (nothing tells a queued batch from one that was never sent), so the
-batch cannot be read. Then :class:`SenderDied` is raised inside the unpickling, out
-of the DataLoader's ``get``: the DataLoader finds its worker dead and raises its own
-error, ``DataLoader worker (pid(s) ...) exited unexpectedly``, caused by this one, as
-it does for a worker that dies without sending; it stops waiting for that worker's
-batches, so its count of batches in flight does not matter. In PyTorch's pin thread,
-which such an error would end, the batch becomes the wrapped error as above.
+Save one case: :class:`SenderDied`, a batch whose worker died after sending it. The
+owner ended the dead worker's leases when it saw the death, that of a batch still
+queued too (nothing tells it from one never sent), so the batch cannot be read. It is
+raised out of the DataLoader's ``get``: the DataLoader finds its worker dead and raises
+its own ``DataLoader worker (pid(s) ...) exited unexpectedly``, caused by this one, as
+for a worker that dies without sending, and stops waiting for that worker's batches,
+so its count does not matter. In the pin thread, which it would end, the batch becomes
+the wrapped error as above.
 """
 
 from __future__ import annotations
@@ -112,9 +104,6 @@ class _Message:
     def _what(self) -> str:
         raise NotImplementedError
 
-    def _become(self, receiver: Receiver) -> Any:
-        raise NotImplementedError
-
 
 @dataclass(slots=True, eq=False)
 class SlotBatch(_Message):
@@ -139,9 +128,6 @@ class SlotBatch(_Message):
     def _what(self) -> str:
         return f"slot {self.index} of pool file {self.inode}, lease {self.generation}"
 
-    def _become(self, receiver: Receiver) -> Any:
-        return receiver.receive(self)
-
 
 @dataclass(slots=True, eq=False)
 class Fallback(_Message):
@@ -158,11 +144,8 @@ class Fallback(_Message):
     def _what(self) -> str:
         return f"sent to be copied: {self.reason.value}"
 
-    def _become(self, receiver: Receiver) -> Any:
-        return receiver.copy_in(self)
 
-
-def _arrive(kind: type[_Message], *fields: Any) -> Any:
+def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
     """A message unpickled: its batch in its receiver's process (a forked child inherits
     the registry, not the pools), else the message itself, to travel on."""
     message = kind(*fields)
@@ -170,7 +153,7 @@ def _arrive(kind: type[_Message], *fields: Any) -> Any:
     if receiver is None:
         return message
     try:
-        return message._become(receiver)
+        return receiver.receive(message) if isinstance(message, SlotBatch) else receiver.copy_in(message)
     except SenderDied:
         if in_pin_thread():
             return _failed(message.describe())

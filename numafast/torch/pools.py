@@ -1,23 +1,19 @@
-"""The owner's side of a batch's path: NodePools, the pinned pools of one node that a
-loader's batches land in, and the receiver that turns each worker's message
-(:mod:`numafast.torch.message`) back into its batch, with tensors over the slot, as
-the message is unpickled in this process.
+"""The owner's side of a batch's path: NodePools, a loader's pinned pools on one node.
+It sizes them, makes room for the workers' batches, turns each worker's message
+(:mod:`numafast.torch.message`) into its batch over the slot as it is unpickled here,
+and copies in the batches that did not land.
 
-A loader cannot know its batch size in bytes before the first batch, nor how many
-batches its consumer keeps. So the workers ask for room (:meth:`NodePools.make_room`,
-answered by a thread that serves the board's requests): the first batch's worker
-measures its batch before collating and the first pool is sized by it, a batch that
-outgrows the slots gets a pool with bigger ones, and when every slot is held by
-batches the consumer keeps, another pool is added at once rather than waiting for a
-slot that would never come back; all within ``max_pinned_bytes`` for the whole
-process, past which batches reach the consumer unpinned. Every change is published on
-a :class:`~numafast.pool_share.PoolBoard` that the workers read before each batch, so
-running workers start filling new pools at once. The main process makes the same
-choices for a batch it copies in.
+Neither a batch's size nor how many batches the consumer keeps is known before the
+first batch, so workers ask for room (:meth:`NodePools.make_room`, answered by a thread
+serving the board): the first batch sizes the first pool, a batch that outgrows the
+slots gets a pool of bigger ones, and when every slot is held by batches the consumer
+keeps, another pool is added at once rather than waiting for a slot that would never
+come back; all within ``max_pinned_bytes`` for the process, past which batches arrive
+unpinned. Each change is published on a :class:`~numafast.pool_share.PoolBoard` that
+the workers read before each batch.
 
 Pools outlive their loader: idle, they wait for the next loader on the node
-(:mod:`numafast.torch.process_pools`). A new pool costs nothing up front: its slots
-are faulted in (placed, locked) as they are first used.
+(:mod:`numafast.torch.process_pools`).
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -48,13 +44,13 @@ from numafast.torch.batch import place
 from numafast.torch.device import settled_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
-from numafast.torch.process_pools import close_idle_pools, pinned_bytes
+from numafast.torch.process_pools import pinned_bytes
 from numafast.torch.sizing import (
     check_max_pinned_bytes, default_max_pinned_bytes, grown_slot_bytes, slot_bytes_for, slots_within,
 )
 from numafast.torch.slot import SlotFull, placeable, tensor_kind
 
-__all__ = ["LoaderStats", "NodePools", "close_idle_pools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
+__all__ = ["LoaderStats", "NodePools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
 
 Batch = TypeVar("Batch")
 
@@ -88,16 +84,6 @@ _OPAQUE = (
 )
 
 
-class Collating(Protocol):
-    """The collate function that lands batches here, as the owner's side uses it
-    (:class:`numafast.torch.collate.SlotCollate`: the workers' side, which imports this one)."""
-
-    direct: bool
-    collate_fn: Callable[[Any], Any]
-
-    def fill(self, packer: SlotPacker, samples: Any) -> Any: ...
-
-
 @dataclass(frozen=True)
 class LoaderStats:
     """How a loader's batches reached the consumer. ``landed + copied + unpinned == batches``."""
@@ -110,18 +96,16 @@ class LoaderStats:
     """Batches the main process copied into a slot."""
     bytes_copied: int
     fallbacks: dict[str, int] = field(default_factory=dict)
-    """Copied batches by :class:`~numafast.torch.collate.FallbackReason` (its value)."""
+    """Copied batches by :class:`~numafast.torch.message.FallbackReason` (its value)."""
     pools: list[PoolStats] = field(default_factory=list)
     """The counters of the pools in use now (retiring ones not included)."""
     unpinned: int = 0
-    """Batches handed to the consumer as the DataLoader made them, not pinned: no room
-    for more pinned slots (``max_pinned_bytes``, or the board's limit on pools).
-    ``landed + copied + unpinned == batches``."""
+    """Batches handed over as the DataLoader made them: no room for more pinned slots
+    (``max_pinned_bytes``, or the board's limit on pools)."""
     held: int = 0
-    """Slots whose batches the consumer holds now: the one it works on and every earlier
-    one it keeps (``targets.append(y)`` keeps ``y``'s whole slot), counted as the slots
-    in use beyond those of the batches the DataLoader itself may hold unread
-    (``prefetch_factor`` x ``num_workers``): never more than the consumer holds."""
+    """Slots whose batches the consumer holds now (``targets.append(y)`` keeps ``y``'s
+    whole slot): the slots in use beyond those of the batches the DataLoader may hold
+    unread (``prefetch_factor`` x ``num_workers``)."""
     pinned_bytes: int = 0
     """Bytes mapped by the pools of every loader of this process (see :func:`pinned_bytes`)."""
     max_pinned_bytes: int = 0
@@ -153,9 +137,7 @@ class NodePools:
         self.grown = 0
         self.resized = 0
         self.device: int | None = None
-        """The CUDA device new pools register through (:meth:`use_device`); None: this
-        rank's GPU where that is certain (see :func:`~numafast.torch.device.settled_gpu`),
-        else the making thread's current device (for the serving thread, device 0)."""
+        """The CUDA device new pools register through; None: see :meth:`_new_pool`."""
         self.board = PoolBoard()
         self.owner_id = next(_owner_ids)
         self.owner_pid = _pid.pid
@@ -209,9 +191,8 @@ class NodePools:
         weakref.finalize(user, process_pools.let_go, self).atexit = False
 
     def use_device(self, index: int) -> None:
-        """Register the pools made from now on through CUDA device ``index`` (the loader's,
-        decided in the thread that iterates). Pools made before stay as they are: their
-        registration is portable, good for copies to any device."""
+        """Register the pools made from now on through CUDA device ``index``. Pools made
+        before stay as they are: their registration is portable, good for any device."""
         self.device = index
 
     # ------------------------------------------------------------ batches arriving
@@ -291,23 +272,23 @@ class NodePools:
         once; tensors already on a device stay there)."""
         return self._copy(batch, FallbackReason.BYPASSED, why)
 
-    def collate_here(self, samples: Any, collate: Collating) -> Any:
-        """Collate in this process (a loader without workers): into a slot directly when
-        the collate function is torch's default (the first batch, measured, sizes the
-        pool), else a copy."""
+    def collate_here(self, samples: Any, collate_fn: Callable[[Any], Any], direct: bool) -> Any:
+        """Collate in this process (a loader without workers): into a slot when
+        ``collate_fn`` is torch's default (``direct``; the first batch, measured, sizes
+        the pool), else a copy."""
         first = None if self.pools else FallbackReason.FIRST_BATCHES
-        needed = SlotMeasure().collated(samples) if first and collate.direct else 0
-        if not collate.direct or (first and not needed):  # another collate function, or no bytes to lay out
-            return self._copy(collate.collate_fn(samples), first)
+        needed = SlotMeasure().collated(samples) if first and direct else 0
+        if not direct or (first and not needed):  # another collate function, or no bytes to lay out
+            return self._copy(collate_fn(samples), first)
         acquired = self._acquire(needed or self.pools[0].slot_bytes)
         if acquired is None:  # no room for another pool
-            return self._unpinned(collate.collate_fn(samples))
+            return self._unpinned(collate_fn(samples))
         packer = SlotPacker(memoryview(acquired[0]))
         del acquired  # the batch's tensors hold the slot now: it comes back when the last of them goes
         try:
-            batch = collate.fill(packer, samples)
+            batch = packer.collate(samples)
         except SlotFull:
-            return self._copy(collate.collate_fn(samples), FallbackReason.TOO_LARGE)
+            return self._copy(collate_fn(samples), FallbackReason.TOO_LARGE)
         finally:
             packer.close()
         self.landed += 1
@@ -336,40 +317,35 @@ class NodePools:
     # ------------------------------------------------------------ room for batches
 
     def make_room(self, nbytes: int, more: bool) -> bool:
-        """Pools whose slots hold ``nbytes``, and ``more`` slots when every one is held by
-        batches: the workers' requests (a batch fits no pool listed, or none is yet; no
-        slot came free), answered from the serving thread. True when there is room
-        (made now, or a slot is free or free soon); False when it is refused: past
-        ``max_pinned_bytes``, or the board lists as many pools as it can. A refusal is
-        answered at once: the board is published again, unchanged, and the worker that
-        sees that sends its batch the copying way without waiting.
+        """Room for a worker's batch of ``nbytes`` (answered from the serving thread): a
+        pool of larger slots when it fits none (or there is none), and with ``more`` (no
+        slot came free) another pool, of as many slots as all those before it (at least
+        ``slots``), as far as ``max_pinned_bytes`` allows. True when there is room (made
+        now, or a slot is free or free soon); False when refused (past
+        ``max_pinned_bytes``, or the board lists as many pools as it can).
 
-        A pool added for more slots has as many as all the pools before it (at least
-        ``slots``: a consumer keeping every batch of an epoch needs few pools), as far as
-        ``max_pinned_bytes`` allows. The new pool is made outside
-        the mutex that every batch's receive takes (a registered pool is faulted in
-        whole and pinned: seconds per GiB), then swapped in; the decision is made
-        again once the pool making is this thread's, since another thread may have
-        made room meanwhile."""
+        The pool is made outside the mutex every receive takes (a registered pool is
+        faulted in whole: seconds per GiB), under ``_making``, taken before deciding:
+        another thread may have made room meanwhile."""
         with self._making:
             if more:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
-                for pool in list(self.pools):
+                for pool in self.pools:
                     pool.reap(wait=True)
             with self._mutex:
                 if self.closed:
                     return False
                 resize = not self.pools or nbytes > self.pools[0].slot_bytes
-                # A slot only in flight (a GPU copy still reads it) is free soon: waited for.
-                if not resize and (not more or any(stats.free or stats.in_flight for _, stats in self._counted(nbytes))):
-                    return True
                 slots_now = sum(pool.slots for pool in self.pools)
-                if not resize and len(self.pools) >= BOARD_ENTRIES:
+                if resize:
+                    slot_bytes, wanted = slot_bytes_for(nbytes), self.slots
+                # A slot only in flight (a GPU copy still reads it) is free soon: waited for.
+                elif not more or any(stats.free or stats.in_flight for _, stats in self._counted(nbytes)):
+                    return True
+                elif len(self.pools) >= BOARD_ENTRIES:
                     return self._refuse(
                         f"these pools are {len(self.pools)}, as many as a loader's pool board lists (BOARD_ENTRIES), "
                         f"holding {slots_now} slots, every one held"
                     )
-                if resize:
-                    slot_bytes, wanted = slot_bytes_for(nbytes), self.slots
                 else:
                     slot_bytes = grown_slot_bytes(self.pools[0].slot_bytes, max(nbytes, self.largest_landed))
                     wanted = max(self.slots, slots_now)
@@ -435,7 +411,7 @@ class NodePools:
         the leases of workers that are gone are ended (see PinnedPool.reclaim_orphans)."""
         for pool in [*self.pools, *self.retired]:
             pool.reclaim_orphans()
-        return [(pool, pool.stats()) for pool in list(self.pools) if pool.slot_bytes >= nbytes]
+        return [(pool, pool.stats()) for pool in self.pools if pool.slot_bytes >= nbytes]
 
     def _held(self, counters: Iterable[PoolStats]) -> int:
         """Slots the consumer holds now, by the pools' ``counters`` (see :attr:`LoaderStats.held`)."""
@@ -447,6 +423,8 @@ class NodePools:
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
         # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
+        # No device set: this rank's GPU where that is certain, else the making thread's
+        # current one (the serving thread's is device 0).
         device = self.device if self.device is not None else settled_gpu(None)
         return PinnedPool(
             self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
@@ -601,18 +579,15 @@ def _user_level() -> int:
 
 
 def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
-    """``make_room`` of the pools, for their serving thread, which must neither keep them
-    alive nor die of a pool that cannot be made: the worker that asked then times out
-    and sends its batch the copying way, and the main process's copy meets the error
-    and raises it where the user sees it."""
+    """``make_room`` for the serving thread, which must neither keep the pools alive nor
+    die of a pool that cannot be made (the worker that asked times out and sends its
+    batch to be copied; the copy meets the error and raises it to the user)."""
 
     def make_room(nbytes: int, more: bool) -> None:
         target = pools()
         if target is not None:
-            try:
+            with contextlib.suppress(Exception):  # raised again by the copy in the main process
                 target.make_room(nbytes, more)
-            except Exception:  # noqa: BLE001 - raised again by the copy in the main process
-                pass
 
     return make_room
 

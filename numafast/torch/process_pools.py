@@ -61,12 +61,9 @@ def pinned_bytes() -> int:
 
 
 def shrink_all() -> None:
-    """Release the grown pools found wholly free in every NodePools of this process (see
-    :meth:`NodePools.shrink`), not only those of the loader whose batch arrives: an
-    eval loader's consumer drops the labels it kept and training goes on with another
-    loader, or the loader is gone and its pools wait idle; nothing then asks those
-    pools for a batch or for stats() until the next pass. A look at the counters of
-    the pools of those with more than one."""
+    """Release the grown pools found wholly free in every NodePools of this process, not
+    only the receiving loader's: nothing else looks at the pools of a loader not iterated
+    now (an eval loader whose consumer dropped what it kept, a gone one's idle pools)."""
     for pools in _ours():
         if len(pools.pools) > 1 and not pools.closed:
             pools.shrink()
