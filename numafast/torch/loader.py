@@ -2,29 +2,15 @@
 whose batches arrive page-locked there without a copy.
 
 Stock PyTorch collates each batch in a worker into a fresh shared-memory file, then
-copies it again in a pin thread of the main process that runs wherever the
-scheduler puts it, into a NUMA-blind caching allocator. A NumaLoader is a
-``torch.utils.data.DataLoader`` (so every framework, sampler injection and
-``prepare()`` treats it as one) with its ``collate_fn`` made numafast's (:mod:`numafast.torch.collate`): it binds
-each worker to the node at its first batch (some OpenMP runtimes reset affinity
-after fork, and a spawned worker inherits nothing), then collates each batch in
-the worker straight into a slot of a shared, node-local, page-locked pool; the
-worker's small message becomes the batch, with tensors over the slot, when the
-DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`).
-
-It is a plain attribute: a framework that builds a new DataLoader from this one's
-settings (Lightning's sampler injection, Accelerate's and Ray Train's
-``prepare``) copies it, and numafast with it; every other setting, ``worker_init_fn``
-included, stays the user's. ``iter()`` also forks the workers
-inside ``numa_local(node)``, and ``pin_memory`` is always off: numafast pins, so
-torch's pin thread never copies a batch a second time. With a CUDA ``device``, the
-host-to-device copies of the next ``prefetch`` batches are queued on a side stream
-and the consumer gets device tensors; a slot is reused once its copy is done.
-
-A loader whose iteration is its own (Accelerate's ``DataLoaderShard`` keeps its
-settings on an inner ``base_dataloader``; a subclass with its own ``__iter__``) is
-iterated as it is, with numafast's settings put on the loader that makes its
-workers, so its sharding, device placement and bookkeeping stay its own.
+copies it again in a pin thread that runs wherever the scheduler puts it, into a
+NUMA-blind caching allocator. A NumaLoader is a ``torch.utils.data.DataLoader`` whose
+``collate_fn`` is numafast's (:mod:`numafast.torch.collate`): each worker binds itself
+to the node at its first batch (some OpenMP runtimes reset affinity after fork, and a
+spawned worker inherits nothing) and collates straight into a slot of a shared,
+node-local, page-locked pool; its small message becomes the batch when the
+DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`). Being a plain
+attribute, that collate function survives a framework rebuilding the loader from its
+settings (Lightning's sampler injection, Accelerate's and Ray Train's ``prepare``).
 """
 
 from __future__ import annotations
@@ -156,35 +142,29 @@ def iterates_itself(loader: DataLoader[Any]) -> bool:
 
 class NumaLoader(DataLoader[T_co]):
     """A DataLoader whose workers run on ``node`` and whose batches come out page-locked
-    on that node (with a CUDA ``device``: already on the device).
+    on that node (with a CUDA ``device``: already on the device, copied ``prefetch``
+    batches ahead on a side stream).
 
-    ``NumaLoader(loader)`` takes the settings of an existing DataLoader (DataLoader
-    options given too replace the loader's, as a framework re-creating it passes
-    them); ``NumaLoader(dataset, batch_size=..., ...)`` is built as a DataLoader is.
-    A loader with an iteration of its own (Accelerate's prepared loaders) is
-    iterated as it is, with numafast's collate function (and worker placement) on
-    the loader that makes its workers. ``pin_memory=True`` is accepted: numafast
-    pins, and torch's pin thread is not run on top of it.
+    ``NumaLoader(loader)`` takes an existing DataLoader's settings (DataLoader options
+    given too replace them, as a framework re-creating it passes them);
+    ``NumaLoader(dataset, batch_size=..., ...)`` is built as a DataLoader is. A loader
+    with an iteration of its own (Accelerate's prepared loaders) is iterated as it is,
+    with numafast's collate function on the loader that makes its workers.
+    ``pin_memory=True`` is accepted and turned off: numafast pins, so torch's pin
+    thread would only copy each batch a second time.
 
-    ``node`` defaults to the device's node, else to the node of this rank's GPU
-    (local rank, or the current CUDA device) where CUDA is usable, else to the
-    calling thread's node. Neither building nor pickling a loader initialises CUDA:
-    where the device is the current one (``device="cuda"``, or no device and no
-    local rank with several GPUs visible), it is read at the first iteration, in
-    the iterating thread, and the node follows it there. ``slots`` is the size of each pinned pool (default: the
-    batches the DataLoader keeps in flight, ``prefetch_factor`` x ``num_workers``,
-    plus ``prefetch`` with a device, plus two for the batch being filled and the one
-    the consumer holds); when the consumer keeps more, another pool is added rather
-    than stalling. ``strict`` binds the workers' memory to the node instead of
-    preferring it; ``lock`` is the pools' :class:`~numafast.LockMode`. The pools of
-    a loader that is gone are taken over by the next one on the same node.
-
-    ``max_pinned_bytes`` bounds the bytes of this process's loader pools together
-    (default: a quarter of the node's memory). Within it, pools grow at once when the
-    consumer keeps batches; past it, batches that find no free slot reach the
-    consumer unpinned, as the DataLoader made them, counted in ``stats().unpinned``
-    and warned about once. Pools grown for kept batches are released once the
-    consumer lets those batches go.
+    ``node`` defaults to the device's node, else that of this rank's GPU where CUDA is
+    usable, else the calling thread's node. Neither building nor pickling a loader
+    initialises CUDA: a device that is the current one is read at the first iteration
+    (:mod:`numafast.torch.device`). ``slots`` per pinned pool defaults to
+    ``prefetch_factor`` x ``num_workers``, plus ``prefetch`` with a device, plus two
+    (the batch being filled and the one the consumer holds); a consumer that keeps
+    more gets another pool, released once it lets those batches go. ``strict`` binds
+    the workers' memory to the node instead of preferring it; ``lock`` is the pools'
+    :class:`~numafast.LockMode`. The pools of a loader that is gone are taken over by
+    the next one on the same node. ``max_pinned_bytes`` bounds this process's loader
+    pools together (default: a quarter of the node's memory); past it, batches reach
+    the consumer unpinned, counted in ``stats().unpinned`` and warned about once.
     """
 
     def __init__(
@@ -251,7 +231,8 @@ class NumaLoader(DataLoader[T_co]):
         checked = check_node(node)
         workers = settings["num_workers"]
         in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
-        wanted = slots or in_flight + (prefetch if resolved is not None else 0) + 2
+        in_flight += prefetch if resolved is not None else 0
+        wanted = slots or in_flight + 2
         # Before DataLoader.__init__, which sets collate_fn through __setattr__.
         self.device: torch.device | None = resolved
         self.node: int = checked
@@ -264,7 +245,7 @@ class NumaLoader(DataLoader[T_co]):
             settings["dataset"], checked, lock, wanted
         )
         self.pools: NodePools = shared or node_pools(checked, wanted, lock=lock, max_pinned_bytes=cap)
-        self._in_flight = in_flight + (prefetch if resolved is not None else 0)
+        self._in_flight = in_flight
         self._fit_pools(shared=shared is not None)
         self._wanted_slots = wanted
         self._node_guessed = node_guessed
@@ -426,6 +407,11 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
     warned about once. (Counted, not judged by where its memory is: such a loader may
     move the batches itself, as Accelerate's does, and it may read a batch ahead.)"""
     pools = owner.pools
+    bypassed = (
+        f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
+        "workers' settings are not where numafast put them); wrap the DataLoader it was made from instead, e.g. "
+        "accelerator.prepare(NumaLoader(loader))"
+    )
     start = pools.received()
     with numa_local(owner.node, strict=owner.strict):
         try:
@@ -436,16 +422,8 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
     for batch in itertools.chain((first,), iterator):
         yielded += 1
         if pools.received() - start < yielded:
-            batch = pools.copy_bypassed(batch, _bypassed(owner))
+            batch = pools.copy_bypassed(batch, bypassed)
         yield batch
-
-
-def _bypassed(owner: NumaLoader[Any]) -> str:
-    return (
-        f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
-        "workers' settings are not where numafast put them); wrap the DataLoader it was made from instead, e.g. "
-        "accelerator.prepare(NumaLoader(loader))"
-    )
 
 
 def loader_stats(loader: object) -> LoaderStats | None:
@@ -460,11 +438,11 @@ def loader_stats(loader: object) -> LoaderStats | None:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        collate = vars(current).get("collate_fn") if hasattr(current, "__dict__") else None
+        attributes = vars(current) if hasattr(current, "__dict__") else {}
+        collate = attributes.get("collate_fn")
         if isinstance(collate, SlotCollate) and collate.pools is not None:
             return collate.pools.stats()
-        if hasattr(current, "__dict__"):
-            pending.extend(vars(current).get(name) for name in _INNER_LOADER_ATTRIBUTES if vars(current).get(name) is not None)
+        pending.extend(attributes[name] for name in _INNER_LOADER_ATTRIBUTES if attributes.get(name) is not None)
     return None
 
 
@@ -526,9 +504,9 @@ class _OnDeviceIterator:
     def _queue_copies(self) -> None:
         """Keep the copies of the next ``prefetch`` batches queued on the side stream;
         stop at an error, which the consumer meets at its own batch."""
+        if self._ahead and isinstance(self._ahead[-1], _Raised):
+            return
         while self._inner is not None and not self._exhausted and len(self._ahead) <= self._owner.prefetch:
-            if self._ahead and isinstance(self._ahead[-1], _Raised):
-                return
             try:
                 pinned = next(self._inner)
             except StopIteration:
