@@ -280,10 +280,9 @@ class NumaLoader(DataLoader[T_co]):
         return len(self._through) if self._through is not None else super().__len__()
 
     def _before_first_iteration(self) -> None:
-        """At the first iteration, in the iterating thread, before any worker starts: the
-        locking limit checked where locking is required, then the CUDA device (where
-        the user has picked the rank's device by now), the node that follows from it
-        where construction could only guess, and the device the pools register through."""
+        """Before the first workers start, in the iterating thread (the user has picked the
+        rank's device by now): check the locking limit, settle the CUDA device, and the
+        node where construction could only guess it."""
         if self._first_iteration_done:
             return
         if parse_mode(self.lock, LockMode, "lock") is LockMode.REQUIRED:
@@ -298,9 +297,8 @@ class NumaLoader(DataLoader[T_co]):
         self._first_iteration_done = True
 
     def _fit_pools(self, *, shared: bool = False) -> None:
-        """This loader's settings on its pools: the batches its DataLoader may hold unread
-        (for pools ``shared`` with the loader it was made from, the most of either), and
-        its max_pinned_bytes if given."""
+        """Put this loader's in-flight batches (the most of either loader's, for pools
+        ``shared`` with the loader it was made from) and max_pinned_bytes on its pools."""
         self.pools.in_flight = max(self.pools.in_flight, self._in_flight) if shared else self._in_flight
         if self.max_pinned_bytes is not None:
             self.pools.max_pinned_bytes = self.max_pinned_bytes
@@ -376,11 +374,9 @@ _live_loaders: weakref.WeakSet[NumaLoader[Any]] = weakref.WeakSet()
 
 
 def _pools_of_loader_over(dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
-    """The pools of a live NumaLoader over this very ``dataset`` object, on the same node
-    with the same locking: a framework's copy of the user's loader (Lightning makes one
-    from the arguments the user's was made with, so no numafast setting comes along).
-    Sharing them, the loader the user holds counts every batch of its copies, and the
-    copy starts on warm pools."""
+    """The pools of a live NumaLoader over this very ``dataset`` object, placed alike: this
+    loader is a framework's copy of it, made from the user's arguments (no numafast
+    setting came along). Shared, the user's loader counts the copy's batches too."""
     for loader in list(_live_loaders):
         pools = loader.pools
         if loader.dataset is dataset and _placed_alike(pools, node, lock) and not pools.closed:
@@ -401,11 +397,11 @@ def _placed_alike(pools: NodePools, node: int, lock: str | bool) -> bool:
 
 
 def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterator[Any]:
-    """The batches of a loader iterated through: its first ``next()`` (which starts its
-    workers) inside the node's scope. Each batch it yields beyond those the pools
-    received came past numafast's collate: it is copied into a slot, counted, and
-    warned about once. (Counted, not judged by where its memory is: such a loader may
-    move the batches itself, as Accelerate's does, and it may read a batch ahead.)"""
+    """The batches of a loader iterated through, its first ``next()`` (which starts its
+    workers) inside the node's scope. A batch beyond those the pools received came
+    past numafast's collate: it is copied into a slot, counted and warned about once.
+    (Counted, not judged by its memory: such a loader may move the batches itself,
+    as Accelerate's does, and read a batch ahead.)"""
     pools = owner.pools
     bypassed = (
         f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
@@ -427,10 +423,8 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
 
 
 def loader_stats(loader: object) -> LoaderStats | None:
-    """The :class:`LoaderStats` of the numafast pools behind ``loader``: a NumaLoader, a
-    DataLoader a framework made from one (it carries numafast's collate function), or
-    a framework's wrapper around either (Accelerate's, Ray Train's). None when no
-    numafast pools are behind it."""
+    """The :class:`LoaderStats` of the numafast pools behind ``loader`` (a NumaLoader, a
+    DataLoader a framework made from one, or a framework's wrapper around either), or None."""
     seen: set[int] = set()
     pending = [loader]
     while pending:
@@ -463,9 +457,8 @@ class _Raised:
 
 
 class _OnDeviceIterator:
-    """One pass over a NumaLoader with a CUDA device: the host batches of ``batches``
-    (the DataLoader's own iterator), each copied on a side stream ``prefetch`` batches
-    ahead, driven by the thread that iterates it."""
+    """One pass over a NumaLoader with a CUDA device: the host ``batches``, each copied on
+    a side stream ``prefetch`` batches ahead by the thread that iterates."""
 
     def __init__(self, owner: NumaLoader[Any], batches: Iterator[Any]) -> None:
         assert owner.device is not None
