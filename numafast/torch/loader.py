@@ -286,7 +286,17 @@ class NumaLoader(DataLoader[T_co]):
         if self._first_iteration_done:
             return
         if parse_mode(self.lock, LockMode, "lock") is LockMode.REQUIRED:
-            _check_unlimited_locking()
+            # Pools grow with the batches and when the consumer keeps them, so any finite
+            # RLIMIT_MEMLOCK can be met mid-epoch, inside a batch: refused here instead.
+            room = memlock_room()
+            if room is not None:
+                raise MemlockError(
+                    f"lock='required', but this process may page-lock only {room // 1024} KiB more (RLIMIT_MEMLOCK, "
+                    "without CAP_IPC_LOCK), and a loader's pools grow with its batches: run with `ulimit -l "
+                    "unlimited` (docker run --ulimit memlock=-1, LimitMEMLOCK=infinity in a systemd unit), or pass "
+                    "lock='auto' to lock where the kernel allows and go on unlocked, with one warning, where it "
+                    "does not"
+                )
         index = iteration_gpu(self.device)
         if index is not None:
             if self._node_guessed:
@@ -341,21 +351,6 @@ class NumaLoader(DataLoader[T_co]):
     def __repr__(self) -> str:
         target = str(self.device) if self.device is not None else "host"
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
-
-
-def _check_unlimited_locking() -> None:
-    """lock='required' needs RLIMIT_MEMLOCK unlimited or CAP_IPC_LOCK: a loader's pools are
-    sized by its batches, grow when the consumer keeps them and resize when batches
-    grow, so any finite limit can be met mid-epoch, where the error would come out
-    of a batch. Refused at iter() instead, before any worker starts."""
-    room = memlock_room()
-    if room is not None:
-        raise MemlockError(
-            f"lock='required', but this process may page-lock only {room // 1024} KiB more (RLIMIT_MEMLOCK, without "
-            "CAP_IPC_LOCK), and a loader's pools grow with its batches: run with `ulimit -l unlimited` (docker run "
-            "--ulimit memlock=-1, LimitMEMLOCK=infinity in a systemd unit), or pass lock='auto' to lock where the "
-            "kernel allows and go on unlocked, with one warning, where it does not"
-        )
 
 
 def _own_collate(value: Any) -> Any:
