@@ -90,10 +90,9 @@ def pin_memory_hook(
                          "which pins itself, or build the loader with pin_memory=True")
     if isinstance(loader.collate_fn, SlotCollate):
         raise ValueError("this DataLoader already has a numafast pin_memory_hook")
-    slots = None if slots is None else positive_int(slots, "slots", or_none=True)
-    checked = check_node(node) if node is not None else None  # a bad node is refused here too
     in_flight = (loader.prefetch_factor or 0) * loader.num_workers
-    slots = slots or in_flight + 2
+    slots = in_flight + 2 if slots is None else positive_int(slots, "slots", or_none=True)
+    checked = check_node(node) if node is not None else None  # a bad node is refused here too
     why_not = _why_torch_will_not_pin()
     if why_not:
         warnings.warn(f"numafast.torch.pin_memory_hook installs nothing: {why_not}", RuntimeWarning, stacklevel=2)
