@@ -359,10 +359,8 @@ def _after_fork_in_parent() -> None:
 
 
 _found: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()
-"""The watches of DataLoader iterators that a NumaLoader's own iter() did not make (a
-loader it iterates through, one a framework made from its settings: Accelerate's
-base_dataloader, a pin_memory_hook's loader), found as they fork a worker whose
-collate function is numafast's."""
+"""The watches of iterators found forking (:func:`_found_watch`), a pin_memory_hook's
+loader's among them."""
 
 
 def _found_watch() -> _StartWatch | None:
