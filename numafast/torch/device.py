@@ -1,13 +1,11 @@
 """Which CUDA device a loader serves, and so the NUMA node its batches land on.
 
 CUDA keeps the current device per thread, and torch initialises CUDA the first
-time anything asks for it. A training script usually builds its loaders before it
-picks the rank's device (``torch.cuda.set_device(local_rank)``), and a DataLoader
-forks its workers later still. So a loader settles at construction only what it
-can know without initialising CUDA (an explicit index, the launcher's local rank,
-the only visible device), and asks for the current device at its first iteration,
-in the thread that iterates: that is the device its pools register through and
-its copies and fences run on, never a helper thread's default, device 0.
+time anything asks for it. Scripts usually build their loaders before they call
+``torch.cuda.set_device(local_rank)``. So a loader settles at construction only what
+it can know without initialising CUDA, and asks for the current device at its first
+iteration, in the thread that iterates, never in a helper thread (whose current
+device is 0).
 """
 
 from __future__ import annotations
@@ -26,13 +24,9 @@ __all__ = ["gpu_node", "iteration_gpu", "landing_node", "rank_gpu", "resolve_dev
 
 
 def resolve_device(device: object) -> torch.device | None:
-    """None for host batches (``None`` or ``"cpu"``), else the CUDA device, its index
-    kept as given: ``"cuda"`` stays the current device, decided at first iteration.
-
-    Raises CudaUnavailable for a CUDA device when CUDA is not usable here,
-    InvalidGpuError for an index this process does not see, and ValueError for any
-    other device type. Asks nothing that initialises CUDA.
-    """
+    """None for host batches (``None`` or ``"cpu"``), else the CUDA device with its index
+    as given (``"cuda"`` stays the current device, read at first iteration). Asks
+    nothing that initialises CUDA."""
     if device is None:
         return None
     if isinstance(device, bool) or not isinstance(device, (str, numbers.Integral, torch.device)):
@@ -63,32 +57,28 @@ def rank_gpu(local_rank: int | None, count: int, current: int) -> int:
     return local_rank if local_rank is not None and local_rank < count else current
 
 
-def _local_rank() -> int | None:
-    try:
-        return local_rank_from_environment()[0]
-    except LocalRankError:
-        return None
-
-
 def settled_gpu(device: torch.device | None) -> int | None:
     """The CUDA device of a loader with ``device`` (None: this rank's GPU) where it is
-    certain without initialising CUDA: the index given, else the local rank naming a
-    visible device, else the only visible device. None where it is the current
-    device at first iteration, or CUDA is not usable."""
+    known without initialising CUDA: the index given, else the local rank naming a
+    visible device, else the only visible device; else None."""
     if device is not None and device.index is not None:
         return device.index
     if not cuda.usable():
         return None
     count = cuda.device_count()
-    local_rank = _local_rank() if device is None else None  # 'cuda' means the current device
-    if local_rank is not None and local_rank < count:
-        return local_rank
+    if device is None:  # not for 'cuda': that means the current device, not the rank's
+        try:
+            local_rank = local_rank_from_environment()[0]
+        except LocalRankError:
+            local_rank = None
+        if local_rank is not None and local_rank < count:
+            return local_rank
     return 0 if count == 1 else None
 
 
 def iteration_gpu(device: torch.device | None) -> int | None:
-    """At first iteration, in the iterating thread: the loader's CUDA device, asking for
-    the current one where it is not settled; None where CUDA is not usable."""
+    """At first iteration, in the iterating thread: the loader's CUDA device (the current
+    one where it is not settled); None where CUDA is not usable."""
     settled = settled_gpu(device)
     if settled is not None or not cuda.usable():
         return settled
@@ -104,7 +94,7 @@ def gpu_node(index: int, *, required: bool = True) -> int:
     except InvalidGpuError:  # CUDA sees a device the topology does not list (a container's sysfs)
         if required:
             raise
-        return local_node()
+        node = None
     if node is not None:
         return node
     if required:
@@ -113,11 +103,9 @@ def gpu_node(index: int, *, required: bool = True) -> int:
 
 
 def landing_node(device: torch.device | None) -> tuple[int, bool]:
-    """Where a loader without ``node=`` lands, and whether that is only a guess until its
-    first iteration: the node of its device (given, else this rank's GPU, whose node
-    may be unknown) where CUDA is usable, else the calling thread's node. A guess is
-    the node of the current device as of now (device 0 while CUDA is not
-    initialised, without initialising it)."""
+    """Where a loader without ``node=`` lands, and whether that is a guess until its first
+    iteration: its device's node where CUDA is usable, else the calling thread's
+    node. A guess takes the current device as of now (0 while CUDA is uninitialised)."""
     index = settled_gpu(device)
     if index is not None:
         return gpu_node(index, required=device is not None), False

@@ -1,21 +1,12 @@
 """pin_memory_hook: node-local pinning for loaders that keep ``DataLoader(pin_memory=True)``.
 
-The hook gives the loader numafast's collate function (:mod:`numafast.torch.collate`),
-as NumaLoader does: the workers collate each batch straight into a slot of a shared,
-node-local, page-locked pool, and their message becomes the batch when PyTorch's
-pin thread (``pt_data_pin``) takes it off the result queue. That thread binds
-itself to the GPU's node at its first batch; its ``pin_memory()`` then finds every
-tensor already pinned (the pools are registered with CUDA) and returns it as it
-is: no byte is copied. A batch that could not land in a slot is copied in by that
-thread, as before; one that cannot be taken over at all (its pool gone, its lease
-over) reaches the consumer as its worker's error would, and the thread goes on with
-the next (:mod:`numafast.torch.message`). No private torch function is patched, so
-no torch version is special.
-
-When to use which: the hook is one line and changes nothing else (the workers stay
-where they are); NumaLoader also places the workers on the node and, with a CUDA
-device, overlaps the host-to-device copy of the next batch with the compute on
-this one, without the stock pin thread.
+The hook gives the loader numafast's collate function (:mod:`numafast.torch.collate`):
+the workers collate each batch straight into a slot of a shared, node-local,
+page-locked pool. PyTorch's pin thread (``pt_data_pin``) binds itself to the GPU's
+node at its first batch; its ``pin_memory()`` then finds every tensor already pinned
+(the pools are registered with CUDA) and copies nothing. No private torch function
+is patched. Unlike NumaLoader, the workers stay where they are and the
+host-to-device copy is not overlapped.
 """
 
 from __future__ import annotations
@@ -86,13 +77,11 @@ def pin_memory_hook(
     loader: DataLoader[Any], *, device: object = None, node: int | None = None, slots: int | None = None
 ) -> PinMemoryHook:
     """Make ``loader``'s stock pin thread bind itself to the GPU's node and pin into a
-    node-local pool: one line after building a ``DataLoader(pin_memory=True)``.
+    node-local pool.
 
-    ``node`` defaults to the node of ``device`` (default: the current CUDA device).
-    ``slots`` per pool defaults to the batches the loader keeps in flight
-    (``prefetch_factor`` x ``num_workers``) plus two. Where PyTorch will not pin (no
-    accelerator: the loader then hands batches on unpinned), nothing is installed
-    and the returned hook says why; the loader behaves exactly as before.
+    ``node`` defaults to the node of ``device`` (default: the current CUDA device);
+    ``slots`` per pool to the batches the loader keeps in flight plus two. Where
+    PyTorch will not pin, nothing is installed and the returned hook says why.
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(f"pin_memory_hook takes a torch.utils.data.DataLoader, not a {type(loader).__name__}")
@@ -101,10 +90,9 @@ def pin_memory_hook(
                          "which pins itself, or build the loader with pin_memory=True")
     if isinstance(loader.collate_fn, SlotCollate):
         raise ValueError("this DataLoader already has a numafast pin_memory_hook")
-    slots = None if slots is None else positive_int(slots, "slots", or_none=True)
-    checked = check_node(node) if node is not None else None  # a bad node is refused here too
     in_flight = (loader.prefetch_factor or 0) * loader.num_workers
-    slots = slots or in_flight + 2
+    slots = in_flight + 2 if slots is None else positive_int(slots, "slots", or_none=True)
+    checked = check_node(node) if node is not None else None  # a bad node is refused here too
     why_not = _why_torch_will_not_pin()
     if why_not:
         warnings.warn(f"numafast.torch.pin_memory_hook installs nothing: {why_not}", RuntimeWarning, stacklevel=2)
@@ -120,15 +108,10 @@ def pin_memory_hook(
 def _why_torch_will_not_pin() -> str:
     """Empty when a DataLoader with pin_memory=True pins here (torch.utils.data's own
     rule: an accelerator exists and it is not MPS), else why not."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is None:  # before torch 2.6 the rule was: CUDA is usable
-        from numafast import cuda
-
-        return "" if cuda.usable() else "CUDA is not usable here, so DataLoader does not pin (pin_memory=True is ignored)"
-    if not accelerator.is_available():
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or not torch.accelerator.is_available():
         return "PyTorch finds no accelerator here, so DataLoader does not pin (pin_memory=True is ignored)"
-    kind = accelerator.current_accelerator().type
-    if kind != "cuda":
-        return f"the accelerator is {kind}: numafast pins for CUDA devices"
+    if accelerator.type != "cuda":
+        return f"the accelerator is {accelerator.type}: numafast pins for CUDA devices"
     return ""
 

@@ -2,29 +2,15 @@
 whose batches arrive page-locked there without a copy.
 
 Stock PyTorch collates each batch in a worker into a fresh shared-memory file, then
-copies it again in a pin thread of the main process that runs wherever the
-scheduler puts it, into a NUMA-blind caching allocator. A NumaLoader is a
-``torch.utils.data.DataLoader`` (so every framework, sampler injection and
-``prepare()`` treats it as one) with its ``collate_fn`` made numafast's (:mod:`numafast.torch.collate`): it binds
-each worker to the node at its first batch (some OpenMP runtimes reset affinity
-after fork, and a spawned worker inherits nothing), then collates each batch in
-the worker straight into a slot of a shared, node-local, page-locked pool; the
-worker's small message becomes the batch, with tensors over the slot, when the
-DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`).
-
-It is a plain attribute: a framework that builds a new DataLoader from this one's
-settings (Lightning's sampler injection, Accelerate's and Ray Train's
-``prepare``) copies it, and numafast with it; every other setting, ``worker_init_fn``
-included, stays the user's. ``iter()`` also forks the workers
-inside ``numa_local(node)``, and ``pin_memory`` is always off: numafast pins, so
-torch's pin thread never copies a batch a second time. With a CUDA ``device``, the
-host-to-device copies of the next ``prefetch`` batches are queued on a side stream
-and the consumer gets device tensors; a slot is reused once its copy is done.
-
-A loader whose iteration is its own (Accelerate's ``DataLoaderShard`` keeps its
-settings on an inner ``base_dataloader``; a subclass with its own ``__iter__``) is
-iterated as it is, with numafast's settings put on the loader that makes its
-workers, so its sharding, device placement and bookkeeping stay its own.
+copies it again in a pin thread that runs wherever the scheduler puts it, into a
+NUMA-blind caching allocator. A NumaLoader is a ``torch.utils.data.DataLoader`` whose
+``collate_fn`` is numafast's (:mod:`numafast.torch.collate`): each worker binds itself
+to the node at its first batch (some OpenMP runtimes reset affinity after fork, and a
+spawned worker inherits nothing) and collates straight into a slot of a shared,
+node-local, page-locked pool; its small message becomes the batch when the
+DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`). Being a plain
+attribute, that collate function survives a framework rebuilding the loader from its
+settings (Lightning's sampler injection, Accelerate's and Ray Train's ``prepare``).
 """
 
 from __future__ import annotations
@@ -156,35 +142,29 @@ def iterates_itself(loader: DataLoader[Any]) -> bool:
 
 class NumaLoader(DataLoader[T_co]):
     """A DataLoader whose workers run on ``node`` and whose batches come out page-locked
-    on that node (with a CUDA ``device``: already on the device).
+    on that node (with a CUDA ``device``: already on the device, copied ``prefetch``
+    batches ahead on a side stream).
 
-    ``NumaLoader(loader)`` takes the settings of an existing DataLoader (DataLoader
-    options given too replace the loader's, as a framework re-creating it passes
-    them); ``NumaLoader(dataset, batch_size=..., ...)`` is built as a DataLoader is.
-    A loader with an iteration of its own (Accelerate's prepared loaders) is
-    iterated as it is, with numafast's collate function (and worker placement) on
-    the loader that makes its workers. ``pin_memory=True`` is accepted: numafast
-    pins, and torch's pin thread is not run on top of it.
+    ``NumaLoader(loader)`` takes an existing DataLoader's settings (DataLoader options
+    given too replace them, as a framework re-creating it passes them);
+    ``NumaLoader(dataset, batch_size=..., ...)`` is built as a DataLoader is. A loader
+    with an iteration of its own (Accelerate's prepared loaders) is iterated as it is,
+    with numafast's collate function on the loader that makes its workers.
+    ``pin_memory=True`` is accepted and turned off: numafast pins, so torch's pin
+    thread would only copy each batch a second time.
 
-    ``node`` defaults to the device's node, else to the node of this rank's GPU
-    (local rank, or the current CUDA device) where CUDA is usable, else to the
-    calling thread's node. Neither building nor pickling a loader initialises CUDA:
-    where the device is the current one (``device="cuda"``, or no device and no
-    local rank with several GPUs visible), it is read at the first iteration, in
-    the iterating thread, and the node follows it there. ``slots`` is the size of each pinned pool (default: the
-    batches the DataLoader keeps in flight, ``prefetch_factor`` x ``num_workers``,
-    plus ``prefetch`` with a device, plus two for the batch being filled and the one
-    the consumer holds); when the consumer keeps more, another pool is added rather
-    than stalling. ``strict`` binds the workers' memory to the node instead of
-    preferring it; ``lock`` is the pools' :class:`~numafast.LockMode`. The pools of
-    a loader that is gone are taken over by the next one on the same node.
-
-    ``max_pinned_bytes`` bounds the bytes of this process's loader pools together
-    (default: a quarter of the node's memory). Within it, pools grow at once when the
-    consumer keeps batches; past it, batches that find no free slot reach the
-    consumer unpinned, as the DataLoader made them, counted in ``stats().unpinned``
-    and warned about once. Pools grown for kept batches are released once the
-    consumer lets those batches go.
+    ``node`` defaults to the device's node, else that of this rank's GPU where CUDA is
+    usable, else the calling thread's node. Neither building nor pickling a loader
+    initialises CUDA: a device that is the current one is read at the first iteration
+    (:mod:`numafast.torch.device`). ``slots`` per pinned pool defaults to
+    ``prefetch_factor`` x ``num_workers``, plus ``prefetch`` with a device, plus two
+    (the batch being filled and the one the consumer holds); a consumer that keeps
+    more gets another pool, released once it lets those batches go. ``strict`` binds
+    the workers' memory to the node instead of preferring it; ``lock`` is the pools'
+    :class:`~numafast.LockMode`. The pools of a loader that is gone are taken over by
+    the next one on the same node. ``max_pinned_bytes`` bounds this process's loader
+    pools together (default: a quarter of the node's memory); past it, batches reach
+    the consumer unpinned, counted in ``stats().unpinned`` and warned about once.
     """
 
     def __init__(
@@ -251,7 +231,8 @@ class NumaLoader(DataLoader[T_co]):
         checked = check_node(node)
         workers = settings["num_workers"]
         in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
-        wanted = slots or in_flight + (prefetch if resolved is not None else 0) + 2
+        in_flight += prefetch if resolved is not None else 0
+        wanted = slots or in_flight + 2
         # Before DataLoader.__init__, which sets collate_fn through __setattr__.
         self.device: torch.device | None = resolved
         self.node: int = checked
@@ -264,7 +245,7 @@ class NumaLoader(DataLoader[T_co]):
             settings["dataset"], checked, lock, wanted
         )
         self.pools: NodePools = shared or node_pools(checked, wanted, lock=lock, max_pinned_bytes=cap)
-        self._in_flight = in_flight + (prefetch if resolved is not None else 0)
+        self._in_flight = in_flight
         self._fit_pools(shared=shared is not None)
         self._wanted_slots = wanted
         self._node_guessed = node_guessed
@@ -299,14 +280,23 @@ class NumaLoader(DataLoader[T_co]):
         return len(self._through) if self._through is not None else super().__len__()
 
     def _before_first_iteration(self) -> None:
-        """At the first iteration, in the iterating thread, before any worker starts: the
-        locking limit checked where locking is required, then the CUDA device (where
-        the user has picked the rank's device by now), the node that follows from it
-        where construction could only guess, and the device the pools register through."""
+        """Before the first workers start, in the iterating thread (the user has picked the
+        rank's device by now): check the locking limit, settle the CUDA device, and the
+        node where construction could only guess it."""
         if self._first_iteration_done:
             return
         if parse_mode(self.lock, LockMode, "lock") is LockMode.REQUIRED:
-            _check_unlimited_locking()
+            # Pools grow with the batches and when the consumer keeps them, so any finite
+            # RLIMIT_MEMLOCK can be met mid-epoch, inside a batch: refused here instead.
+            room = memlock_room()
+            if room is not None:
+                raise MemlockError(
+                    f"lock='required', but this process may page-lock only {room // 1024} KiB more (RLIMIT_MEMLOCK, "
+                    "without CAP_IPC_LOCK), and a loader's pools grow with its batches: run with `ulimit -l "
+                    "unlimited` (docker run --ulimit memlock=-1, LimitMEMLOCK=infinity in a systemd unit), or pass "
+                    "lock='auto' to lock where the kernel allows and go on unlocked, with one warning, where it "
+                    "does not"
+                )
         index = iteration_gpu(self.device)
         if index is not None:
             if self._node_guessed:
@@ -317,9 +307,8 @@ class NumaLoader(DataLoader[T_co]):
         self._first_iteration_done = True
 
     def _fit_pools(self, *, shared: bool = False) -> None:
-        """This loader's settings on its pools: the batches its DataLoader may hold unread
-        (for pools ``shared`` with the loader it was made from, the most of either), and
-        its max_pinned_bytes if given."""
+        """Put this loader's in-flight batches (the most of either loader's, for pools
+        ``shared`` with the loader it was made from) and max_pinned_bytes on its pools."""
         self.pools.in_flight = max(self.pools.in_flight, self._in_flight) if shared else self._in_flight
         if self.max_pinned_bytes is not None:
             self.pools.max_pinned_bytes = self.max_pinned_bytes
@@ -364,21 +353,6 @@ class NumaLoader(DataLoader[T_co]):
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
 
 
-def _check_unlimited_locking() -> None:
-    """lock='required' needs RLIMIT_MEMLOCK unlimited or CAP_IPC_LOCK: a loader's pools are
-    sized by its batches, grow when the consumer keeps them and resize when batches
-    grow, so any finite limit can be met mid-epoch, where the error would come out
-    of a batch. Refused at iter() instead, before any worker starts."""
-    room = memlock_room()
-    if room is not None:
-        raise MemlockError(
-            f"lock='required', but this process may page-lock only {room // 1024} KiB more (RLIMIT_MEMLOCK, without "
-            "CAP_IPC_LOCK), and a loader's pools grow with its batches: run with `ulimit -l unlimited` (docker run "
-            "--ulimit memlock=-1, LimitMEMLOCK=infinity in a systemd unit), or pass lock='auto' to lock where the "
-            "kernel allows and go on unlocked, with one warning, where it does not"
-        )
-
-
 def _own_collate(value: Any) -> Any:
     """The user's collate function inside numafast's (or ``value`` itself)."""
     return value.collate_fn if isinstance(value, SlotCollate) else value
@@ -395,11 +369,9 @@ _live_loaders: weakref.WeakSet[NumaLoader[Any]] = weakref.WeakSet()
 
 
 def _pools_of_loader_over(dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
-    """The pools of a live NumaLoader over this very ``dataset`` object, on the same node
-    with the same locking: a framework's copy of the user's loader (Lightning makes one
-    from the arguments the user's was made with, so no numafast setting comes along).
-    Sharing them, the loader the user holds counts every batch of its copies, and the
-    copy starts on warm pools."""
+    """The pools of a live NumaLoader over this very ``dataset`` object, placed alike: this
+    loader is a framework's copy of it, made from the user's arguments (no numafast
+    setting came along). Shared, the user's loader counts the copy's batches too."""
     for loader in list(_live_loaders):
         pools = loader.pools
         if loader.dataset is dataset and _placed_alike(pools, node, lock) and not pools.closed:
@@ -420,12 +392,17 @@ def _placed_alike(pools: NodePools, node: int, lock: str | bool) -> bool:
 
 
 def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterator[Any]:
-    """The batches of a loader iterated through: its first ``next()`` (which starts its
-    workers) inside the node's scope. Each batch it yields beyond those the pools
-    received came past numafast's collate: it is copied into a slot, counted, and
-    warned about once. (Counted, not judged by where its memory is: such a loader may
-    move the batches itself, as Accelerate's does, and it may read a batch ahead.)"""
+    """The batches of a loader iterated through, its first ``next()`` (which starts its
+    workers) inside the node's scope. A batch beyond those the pools received came
+    past numafast's collate: it is copied into a slot, counted and warned about once.
+    (Counted, not judged by its memory: such a loader may move the batches itself,
+    as Accelerate's does, and read a batch ahead.)"""
     pools = owner.pools
+    bypassed = (
+        f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
+        "workers' settings are not where numafast put them); wrap the DataLoader it was made from instead, e.g. "
+        "accelerator.prepare(NumaLoader(loader))"
+    )
     start = pools.received()
     with numa_local(owner.node, strict=owner.strict):
         try:
@@ -436,23 +413,13 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
     for batch in itertools.chain((first,), iterator):
         yielded += 1
         if pools.received() - start < yielded:
-            batch = pools.copy_bypassed(batch, _bypassed(owner))
+            batch = pools.copy_bypassed(batch, bypassed)
         yield batch
 
 
-def _bypassed(owner: NumaLoader[Any]) -> str:
-    return (
-        f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
-        "workers' settings are not where numafast put them); wrap the DataLoader it was made from instead, e.g. "
-        "accelerator.prepare(NumaLoader(loader))"
-    )
-
-
 def loader_stats(loader: object) -> LoaderStats | None:
-    """The :class:`LoaderStats` of the numafast pools behind ``loader``: a NumaLoader, a
-    DataLoader a framework made from one (it carries numafast's collate function), or
-    a framework's wrapper around either (Accelerate's, Ray Train's). None when no
-    numafast pools are behind it."""
+    """The :class:`LoaderStats` of the numafast pools behind ``loader`` (a NumaLoader, a
+    DataLoader a framework made from one, or a framework's wrapper around either), or None."""
     seen: set[int] = set()
     pending = [loader]
     while pending:
@@ -460,11 +427,11 @@ def loader_stats(loader: object) -> LoaderStats | None:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        collate = vars(current).get("collate_fn") if hasattr(current, "__dict__") else None
+        attributes = vars(current) if hasattr(current, "__dict__") else {}
+        collate = attributes.get("collate_fn")
         if isinstance(collate, SlotCollate) and collate.pools is not None:
             return collate.pools.stats()
-        if hasattr(current, "__dict__"):
-            pending.extend(vars(current).get(name) for name in _INNER_LOADER_ATTRIBUTES if vars(current).get(name) is not None)
+        pending.extend(attributes[name] for name in _INNER_LOADER_ATTRIBUTES if attributes.get(name) is not None)
     return None
 
 
@@ -485,9 +452,8 @@ class _Raised:
 
 
 class _OnDeviceIterator:
-    """One pass over a NumaLoader with a CUDA device: the host batches of ``batches``
-    (the DataLoader's own iterator), each copied on a side stream ``prefetch`` batches
-    ahead, driven by the thread that iterates it."""
+    """One pass over a NumaLoader with a CUDA device: the host ``batches``, each copied on
+    a side stream ``prefetch`` batches ahead by the thread that iterates."""
 
     def __init__(self, owner: NumaLoader[Any], batches: Iterator[Any]) -> None:
         assert owner.device is not None
@@ -526,9 +492,9 @@ class _OnDeviceIterator:
     def _queue_copies(self) -> None:
         """Keep the copies of the next ``prefetch`` batches queued on the side stream;
         stop at an error, which the consumer meets at its own batch."""
+        if self._ahead and isinstance(self._ahead[-1], _Raised):
+            return
         while self._inner is not None and not self._exhausted and len(self._ahead) <= self._owner.prefetch:
-            if self._ahead and isinstance(self._ahead[-1], _Raised):
-                return
             try:
                 pinned = next(self._inner)
             except StopIteration:

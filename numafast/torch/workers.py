@@ -2,38 +2,29 @@
 replaced (or named in a clear error), not waited for forever.
 
 Why a forked worker can be stuck before it runs a line of its own: ``os.fork()``
-copies the interpreter's locks as they are at that instant, held ones included,
-and only the forking thread lives on in the child. CPython 3.8 to 3.11.7 (and
-3.12.0) walk the child's list of thread states under the interpreter's *head lock*
-before they re-create that lock (gh-112275). Another thread takes the head lock
-without holding the GIL whenever it gets a thread state: a native thread that calls
-into Python (torch and NCCL callbacks, tokenizers, telemetry, a ctypes callback)
-does so on every call. If it held the lock at the fork, the child waits for a thread
-that does not exist in it, forever, inside ``os.fork()``; the DataLoader then waits
-forever for that worker's batches. (A C library's ``pthread_atfork`` handler waiting
-on a lock held at the fork ends the same way, on any Python.)
+copies the interpreter's locks as they are, held ones included, and only the forking
+thread lives on in the child. CPython 3.8 to 3.11.7 (and 3.12.0) walk the child's
+thread states under the interpreter's *head lock* before they re-create that lock
+(gh-112275), and another thread takes the head lock without the GIL whenever it gets
+a thread state: a native thread that calls into Python (torch and NCCL callbacks,
+tokenizers, telemetry, a ctypes callback) does so on every call. If it held the lock
+at the fork, the child waits inside ``os.fork()`` forever, and the DataLoader for
+that worker's batches. (A C library's ``pthread_atfork`` handler waiting on a lock
+held at the fork ends the same way, on any Python.)
 
-So every worker forked by :func:`watch_starts` claims a start token first: an
-after-fork hook of this module, run in the child before multiprocessing's bootstrap
-and torch's worker loop, so before the worker reads any index. A worker that has not
-claimed it ``START_DEADLINE_S`` after it was forked (and after the last of its
-siblings started) is condemned: the parent takes the token itself, so that a worker
-that was only slow and gets there later exits at once instead of racing its
-replacement. It is then forked again with the same target and arguments (the same
-worker id and seeds, the same index queue, whose indices it never read) in its place
-among torch's workers, and killed; the epoch's batches are exactly those it would
-have had. Where torch's iterator is not as this module expects (a torch version that
-changed it), or the workers forked in its place do not start either, the user gets
-a :class:`WorkerStartError` at that worker's first batch instead, naming the worker,
-its pid, what it is stuck in, and the fix. Either way a warning says so, once.
-
-A loader that NumaLoader iterates through (``NumaLoader(accelerator.prepare(loader))``)
-or that a framework made from its settings (Accelerate's ``base_dataloader``) forks its
-workers where no :func:`watch_starts` is armed: its iterator is found as it forks a
-worker whose collate function is numafast's, and that fork is watched alike.
-
-The watch costs nothing per batch: a token per fork (a pipe holding one byte), and a
-thread that polls the tokens until every worker has started (milliseconds) and ends.
+So every worker forked under :func:`watch_starts` claims a start token (a pipe
+holding one byte) in an after-fork hook, which runs before multiprocessing's
+bootstrap, so before the worker reads any index. A worker that has not claimed it
+``START_DEADLINE_S`` after its fork (and after its last sibling started) is
+condemned: the parent takes the token itself, so that a worker that was only slow
+exits at once instead of racing its replacement. It is forked again with the same
+target and arguments (worker id, seeds, index queue) in its place among torch's
+workers, and killed: the epoch's batches are unchanged. Where that cannot be done,
+the consumer meets a :class:`WorkerStartError` naming the worker, what it is stuck
+in and the fix at that worker's first batch. Either way a warning says so, once.
+An iterator that :func:`watch_starts` did not make (a loader NumaLoader iterates
+through, Accelerate's ``base_dataloader``) is found as it forks a worker whose
+collate function is numafast's, and watched alike. Nothing is done per batch.
 """
 
 from __future__ import annotations
@@ -51,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
+
+from numafast.torch.collate import SlotCollate
 
 __all__ = ["MAX_RESTARTS", "START_DEADLINE_S", "WorkerStartError", "replaced_workers", "watch_starts"]
 
@@ -85,7 +78,7 @@ class _Token:
     forked_at: float
     run: _Run | None
     """What the process forked runs (multiprocessing drops it from the Process once
-    started); handed to the iterator's entry in ``_runs`` by :meth:`_StartWatch.begin`."""
+    started); moved to ``_runs`` when the watch attaches."""
 
 
 @dataclass
@@ -112,9 +105,8 @@ _local = threading.local()  # .watch: the watch arming this thread's forks; .pen
 _open_tokens: set[int] = set()  # every token fd of this process (a child closes its copies)
 _runs: weakref.WeakKeyDictionary[Any, list[_Run | None]] = weakref.WeakKeyDictionary()
 """Per iterator, what each of its workers runs, to fork it again in its place. Kept with
-the iterator, not the watch: the arguments hold the dataset and the collate function (a
-NumaLoader's pools), which must go the moment the iterator does, not when the watch
-thread next looks."""
+the iterator, not the watch: the arguments hold the dataset and the collate function
+(a NumaLoader's pools), which must go the moment the iterator does."""
 _warned = False
 _replaced = 0
 
@@ -128,9 +120,9 @@ def watch_starts(
     make: Callable[[], Iterated], fork_scope: Callable[[], AbstractContextManager[Any]] = nullcontext
 ) -> Iterated:
     """``make()`` (a DataLoader's ``__iter__``), with a start watch on every worker it
-    forks; ``fork_scope()`` is entered around the fork of a worker in another's place
-    (NumaLoader forks its workers on its node). The watch keeps ``fork_scope`` while a
-    worker is yet to start: it must not hold the loader, whose pools go idle with it."""
+    forks; ``fork_scope()`` is entered around the fork of a worker in another's place.
+    The watch keeps ``fork_scope`` while a worker is yet to start, so it must not hold
+    the loader, whose pools go idle with it."""
     watch = _StartWatch(fork_scope)
     outer, _local.watch = getattr(_local, "watch", None), watch
     try:
@@ -173,9 +165,9 @@ class _StartWatch:
             threading.Thread(target=self._run, name="numafast worker start", daemon=True).start()
 
     def _attach(self, iterator: Any) -> bool:
-        processes = getattr(iterator, "_workers", None)
         if not self.tokens:
             return False  # no worker forked (none asked for, or spawned, or served by a forkserver)
+        processes = getattr(iterator, "_workers", None)
         if not isinstance(processes, list) or len(processes) != len(self.tokens):
             self.close()  # not torch's iterator as known: its workers cannot be told apart
             return False
@@ -257,11 +249,11 @@ class _StartWatch:
         """``worker`` missed its deadline: condemned, then replaced, or its error queued."""
         assert worker.token is not None
         waited = time.monotonic() - worker.token.forked_at
-        if not _claim(worker.token.read):  # it started after all, just now
-            worker.started_at = time.monotonic()
-            self._release(worker.token)
-            return
+        condemned = _claim(worker.token.read)
         self._release(worker.token)
+        if not condemned:  # it started after all, just now
+            worker.started_at = time.monotonic()
+            return
         worker.token = None
         stuck = stuck_in(worker.pid)
         old_pid = worker.pid
@@ -349,9 +341,7 @@ class _StartWatch:
 
 
 def _before_fork() -> None:
-    watch = getattr(_local, "watch", None)
-    if watch is None:
-        watch = _found_watch()
+    watch = getattr(_local, "watch", None) or _found_watch()
     _local.pending = watch.token() if watch is not None else None
 
 
@@ -364,10 +354,8 @@ def _after_fork_in_parent() -> None:
 
 
 _found: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()
-"""The watches of DataLoader iterators that a NumaLoader's own iter() did not make (a
-loader it iterates through, one a framework made from its settings: Accelerate's
-base_dataloader, a pin_memory_hook's loader), found as they fork a worker whose
-collate function is numafast's."""
+"""The watches of iterators found forking (:func:`_found_watch`), a pin_memory_hook's
+loader's among them."""
 
 
 def _found_watch() -> _StartWatch | None:
@@ -378,8 +366,6 @@ def _found_watch() -> _StartWatch | None:
         kind = getattr(module, "_MultiProcessingDataLoaderIter", None)
         if kind is None:
             return None
-        from numafast.torch.collate import SlotCollate
-
         frame: FrameType | None = sys._getframe(2)
         for _ in range(16):
             if frame is None:
@@ -451,8 +437,6 @@ def _claim(read: int) -> bool:
 
 def _unclaimed(tokens: list[_Token]) -> set[int]:
     """The read ends of ``tokens`` whose byte is still there (their worker has not started)."""
-    if not tokens:
-        return set()
     poller = select.poll()
     for token in tokens:
         poller.register(token.read, select.POLLIN)
@@ -569,8 +553,8 @@ def stuck_in(pid: int) -> str:
             "which runs before any code of the worker")
 
 
-# The system calls a process stuck in a fork waits in, by machine.
-# The waits a stuck child may be in, by machine (aarch64 has no poll or pause: ppoll serves both).
+# The system calls a child stuck in a fork may wait in, by machine (aarch64 has no
+# poll or pause: ppoll serves both).
 _SYSCALLS = {("x86_64", 202): "futex", ("x86_64", 7): "poll", ("x86_64", 271): "ppoll", ("x86_64", 34): "pause",
              ("aarch64", 98): "futex", ("aarch64", 73): "ppoll"}
 
