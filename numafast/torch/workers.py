@@ -96,7 +96,6 @@ class _Worker:
 class _Doomed:
     """A stuck worker whose error was queued for batch ``task``: killed once the consumer met it."""
 
-    worker: _Worker
     process: Any
     task: int
 
@@ -323,7 +322,7 @@ class _StartWatch:
         if process is None:
             return
         if task is not None and _queue_error(iterator, task, worker.index, message):
-            self.doomed.append(_Doomed(worker, process, task))
+            self.doomed.append(_Doomed(process, task))
         else:
             _kill(process)
 
