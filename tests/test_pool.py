@@ -387,7 +387,7 @@ del slots, box
 gc.collect()
 print("collected")
 """
-    run = subprocess.run([sys.executable, "-c", pool_in_a_cycle], capture_output=True, text=True, cwd=TESTS.parent, timeout=60)
+    run = run_child(pool_in_a_cycle)
     assert run.returncode == 0 and run.stdout == "collected\n", (run.returncode, run.stdout, run.stderr)  # was: SIGSEGV
 
 
