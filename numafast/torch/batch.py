@@ -1,13 +1,6 @@
-"""numafast.torch.pin: a nested batch copied into one slot of a PinnedPool.
-
-A batch is whatever a DataLoader's collate function returns: tensors and NumPy
-arrays inside dicts, lists, tuples, namedtuples and dataclasses, with other leaves
-(strings, numbers) kept as they are. :func:`pin` lays every tensor and array out in
-one slot, each starting on an :data:`ALIGNMENT` boundary, copies them all in one
-GIL-free call of the extension (split over threads on the pool's node for big
-batches) and returns the same structure with tensors and arrays over the slot. The
-slot goes back to the pool when the last of them is gone. A leaf of another type
-(an object pin cannot see into) stays where it is, and pin says so, once.
+"""numafast.torch.pin: a nested batch (tensors and NumPy arrays inside dicts, lists,
+tuples, namedtuples and dataclasses) copied into one slot of a PinnedPool, in one
+GIL-free copy, and the walk of a batch's structure it is made of.
 """
 
 from __future__ import annotations
@@ -35,12 +28,10 @@ PLAIN_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), np
 def flatten(
     batch: Batch, *, arrays: bool = False, opaque: set[str] | None = None
 ) -> tuple[list[Any], Callable[[Sequence[Any]], Batch]]:
-    """The distinct tensors of ``batch`` (with ``arrays``, its NumPy arrays of plain
-    numbers too) in a fixed order, and a function that rebuilds the same structure
-    with other values in their places (a leaf that appears twice is one entry, and
-    its replacement appears twice). ``opaque``, when given, receives the type names
-    of the leaves the walk cannot see into: not a tensor, array, container it walks,
-    or plain value."""
+    """The distinct tensors of ``batch`` (with ``arrays``, its plain NumPy arrays too) in
+    a fixed order, and a function that rebuilds the structure with other values in
+    their places (a leaf found twice is one entry). ``opaque`` receives the type names
+    of leaves the walk cannot see into."""
     leaves: list[Any] = []
     positions: dict[int, int] = {}
     # A walk with a stack, not a recursive closure: a closure that calls itself is a
@@ -88,9 +79,8 @@ def _children(item: Any) -> Iterator[Any]:
 
 
 def _rebuild(item: Any, replace: Callable[[Any], Any], arrays: bool = False) -> Any:
-    """``item`` with every tensor (and with ``arrays``, every plain array) replaced;
-    containers of the same types (as torch.utils.data's pin_memory rebuilds them),
-    other leaves kept as they are."""
+    """``item`` with every tensor (with ``arrays``, every plain array) replaced, in
+    containers of the same types (as torch's pin_memory rebuilds them)."""
     if isinstance(item, torch.Tensor) or (arrays and plain_array(item)):
         return replace(item)
     if isinstance(item, (str, bytes, bytearray)):
@@ -166,10 +156,9 @@ def place(
     keep: Callable[[Any], bool] = lambda leaf: False,
     threads: int | None = None,
 ) -> Batch:
-    """The steps of every pin: ``batch`` with its tensors and arrays (those ``keep`` does
-    not keep where they are) laid out in the slot that ``acquire(bytes, leaves)`` gives
-    (with the CPUs to copy on), copied in and put back in the same structure; first
-    ``warn(kinds)`` with the leaves of kinds it cannot see into, if any."""
+    """The steps of every pin: ``batch``'s tensors and arrays (but those ``keep`` keeps)
+    copied into the slot ``acquire(bytes, leaves)`` gives (with the CPUs to copy on), in
+    the same structure; ``warn(kinds)`` first, with the kinds it cannot see into."""
     opaque: set[str] = set()
     leaves, rebuild = flatten(batch, arrays=True, opaque=opaque)
     if opaque:
@@ -186,9 +175,8 @@ def place(
 
 def record_stream(batch: object, stream: object) -> int:
     """Name a CUDA stream that reads the pinned tensors of ``batch`` (as
-    ``Tensor.record_stream`` does for the caching allocator): their slots are reused
-    only after the work queued on ``stream`` by the time they come back has finished.
-    Returns how many tensors were in a CUDA-registered pool."""
+    ``Tensor.record_stream`` does): their slots are reused only once the work queued on
+    ``stream`` by the time they come back is done. Returns how many were in a registered pool."""
     recorded = 0
     for tensor in flatten(batch)[0]:
         pool = pool_of(tensor.data_ptr()) if tensor.numel() and tensor.device.type == "cpu" else None

@@ -1,22 +1,16 @@
-"""The workers' side of a batch's path: the collate function a NumaLoader (or a
-pin_memory_hook) gives the DataLoader. In a worker, :class:`SlotCollate` leases a free
-slot of a pool the loader's board lists and collates the batch into it (torch's
-``collate`` stacking each tensor into the slot when the loader's ``collate_fn`` is
-``default_collate``; else the loader's own, its tensors copied in), and returns only a
-small :class:`SlotBatch` (:mod:`numafast.torch.message`). In the main process
-(``num_workers=0``) it collates into a slot there.
+"""The workers' side of a batch's path: :class:`SlotCollate`, the collate function a
+NumaLoader (or a pin_memory_hook) gives the DataLoader. In a worker it leases a free
+slot of a pool the loader's board lists, collates the batch into it (stacking straight
+into the slot under ``default_collate``, else copying the loader's own result in) and
+returns a small :class:`~numafast.torch.message.SlotBatch`.
 
-Where no pool fits the batch (the first batches, a batch that grew) or no slot is free,
-the worker asks the owner for room through the board. It does not wait for a slot (a
-full pool means the consumer keeps its batches): the owner adds a pool, or refuses
-(past ``max_pinned_bytes``) by publishing the board unchanged, and the batch then goes
-unpinned at once, as torch sends it, in a :class:`Fallback` naming the reason. With no
-answer within POOL_WAIT_S the main process copies it into a slot: never a stall, never
-a deadlock.
-
-The collate function is a picklable attribute of the loader: a framework that builds a
-new DataLoader from a NumaLoader's settings (Lightning, Accelerate, Ray Train) copies
-it, and with it numafast.
+Where no pool fits the batch or no slot is free, the worker asks the owner for room
+through the board rather than wait for a slot (a full pool means the consumer keeps
+its batches). The owner adds a pool, or refuses (past ``max_pinned_bytes``) by
+publishing the board unchanged, and the batch goes as torch sends it, in a
+:class:`~numafast.torch.message.Fallback`; with no answer within POOL_WAIT_S the main
+process copies it: never a stall. Being a picklable attribute of the loader, it comes
+along when a framework builds a new DataLoader from a NumaLoader's settings.
 """
 
 from __future__ import annotations
@@ -55,9 +49,8 @@ _UNMADE: Any = object()
 
 
 class SlotCollate:
-    """``collate_fn`` for the workers of a loader whose batches land in ``pools``:
-    ``collate_fn`` (the loader's own) collates, into a slot. Picklable, for spawned
-    workers: what travels is the board's handle, not the pools."""
+    """The loader's ``collate_fn``, collating into a slot of ``pools``. Picklable (for
+    spawned workers): what travels is the board's handle, not the pools."""
 
     def __init__(self, collate_fn: Callable[[Any], Any], pools: NodePools, *, bind_workers: bool = False,
                  strict: bool = False) -> None:
@@ -123,10 +116,9 @@ class SlotCollate:
 
     def _land(self, reader: BoardReader, needed: int, samples: Any, made: Any,
               reason: FallbackReason | None) -> SlotBatch | Fallback | None:  # fmt: skip
-        """The batch collated (or packed, when ``made``) into a free slot of a listed pool
-        whose slots hold ``needed`` bytes; when every slot is held, more slots are asked
-        for at once. A Fallback (``reason``, else why no slot came) when none came,
-        None when the batch does not fit the slot."""
+        """The batch collated (or ``made`` packed) into a free slot of ``needed`` bytes or
+        more, asking for more slots when every one is held; a Fallback (``reason``, else
+        why) when none came, None when the batch does not fit the slot."""
         try:
             lease = _free_slot(reader.pools(), needed)
         except OSError:  # a pool listed cannot be mapped here: the next batch's look at the board says why
@@ -155,10 +147,9 @@ class SlotCollate:
                          unpinned, self._batch[1], self._batch[2], _pid.pid)  # fmt: skip
 
     def _more_slots(self, reader: BoardReader, needed: int) -> tuple[tuple[PoolView, int, int] | None, bool]:
-        """Ask the owner for more slots and take one as soon as it publishes them:
-        ``(lease, False)``. ``(None, True)`` when the owner refused (it published the
-        board again with the same pools), now or lately, with the board unchanged since;
-        ``(None, False)`` when no answer came within POOL_WAIT_S."""
+        """Ask the owner for more slots and lease one once published: ``(lease, False)``;
+        ``(None, True)`` when it refused (republished the same pools), now or lately with
+        the board unchanged since; ``(None, False)`` with no answer within POOL_WAIT_S."""
         pid, version, until = self._refused
         if pid == _pid.pid and version == reader.version and time.monotonic() < until:
             return None, True

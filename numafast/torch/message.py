@@ -1,28 +1,19 @@
 """The message a DataLoader worker sends for each batch, and what it becomes on arrival.
 
-A :class:`SlotBatch` says which slot of which pool holds the batch, and its layout; a
-:class:`Fallback` carries the batch as torch would send it, and why it did not land.
-Both travel through the DataLoader's own result queue and *become the batch* as they
-are unpickled in the process that owns the pools (``__reduce__``): whichever iterator
-takes them (the DataLoader's, its pin thread, a framework's around it) yields tensors
-over the slot. Elsewhere they stay messages, and can travel on. The owner's side
-registers in :data:`receivers`, so this module imports neither side: no import circle.
+A :class:`SlotBatch` names the slot that holds the batch; a :class:`Fallback` carries
+the batch as torch would send it, and why it did not land. Both travel on the
+DataLoader's own result queue and *become the batch* as they are unpickled in the
+process that owns the pools (``__reduce__``), whichever iterator takes them;
+elsewhere they stay messages. The owner's side registers in :data:`receivers`, so
+this module imports neither side.
 
-A message that cannot become its batch (its pool gone, its lease over, the copy
-failing) becomes torch's ``ExceptionWrapper``, as a worker's failed batch does.
-Raising inside the unpickling would lose the message after the DataLoader took it off
-its queue (its count of batches in flight then never comes right: the next batch is
-waited for forever) and, under the pin_memory hook, end PyTorch's pin thread. So the
-consumer meets the error at that batch, and the next ``next()`` goes on.
-
-Save one case: :class:`SenderDied`, a batch whose worker died after sending it. The
-owner ended the dead worker's leases when it saw the death, that of a batch still
-queued too (nothing tells it from one never sent), so the batch cannot be read. It is
-raised out of the DataLoader's ``get``: the DataLoader finds its worker dead and raises
-its own ``DataLoader worker (pid(s) ...) exited unexpectedly``, caused by this one, as
-for a worker that dies without sending, and stops waiting for that worker's batches,
-so its count does not matter. In the pin thread, which it would end, the batch becomes
-the wrapped error as above.
+A message that cannot become its batch becomes torch's ``ExceptionWrapper``, as a
+worker's failed batch does: raising inside the unpickling would lose a message the
+DataLoader already took off its queue (its count of batches in flight then never
+comes right, and the next batch is waited for forever) and end PyTorch's pin thread.
+The exception is :class:`SenderDied`: raised out of the DataLoader's ``get`` (not in
+the pin thread), it lets the DataLoader find the worker dead and say so, as for any
+worker that dies, and stop waiting for its batches, so the count no longer matters.
 """
 
 from __future__ import annotations
@@ -83,9 +74,8 @@ receivers: weakref.WeakValueDictionary[int, Receiver] = weakref.WeakValueDiction
 
 
 class _Message:
-    """What both messages share: they become their batch as they are unpickled in the
-    process of their receiver (``owner_id`` of process ``owner_pid``), and say which
-    batch of which DataLoader worker they are."""
+    """What both messages share: their receiver (``owner_id`` of process ``owner_pid``),
+    and which batch of which DataLoader worker they are."""
 
     __slots__: tuple[str, ...] = ()
     owner_pid: int

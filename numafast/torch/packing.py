@@ -1,15 +1,12 @@
 """A batch packed into one pool slot by whichever process fills it, and unpacked over
 the owner's mapping of the same slot.
 
-:class:`SlotPacker` lays tensors out in a slot (a :class:`~numafast.torch.slot.SlotLayout`).
-It serves two ways: as torch's own ``collate`` with a map whose tensor
-function stacks the samples straight into the slot (``torch.stack(out=...)``: the
-batch is made where it will be read, no copy), and as the pickler of the finished
-batch, which turns each tensor or NumPy array into a small reference to its bytes
-in the slot (copying those that are not there yet) and pickles everything else as
-it is. Any batch that torch could send from a worker can be packed: dicts, lists,
-namedtuples, dataclasses, a user's own classes. :func:`unpack` rebuilds it in the
-owner with tensors and arrays over the slot.
+:class:`SlotPacker` lays tensors out in a slot two ways: as torch's own ``collate``
+with a map that stacks the samples straight into the slot (``torch.stack(out=...)``:
+no copy), and as the pickler of the finished batch, which turns each tensor or NumPy
+array into a reference to its bytes in the slot (copying those not there yet) and
+pickles the rest as it is: any batch torch could send from a worker. :func:`unpack`
+rebuilds it in the owner over the slot.
 """
 
 from __future__ import annotations
@@ -65,10 +62,8 @@ class SlotPacker(SlotLayout):
         self.reset(memory, made)
 
     def reset(self, memory: Any, made: dict[Ref, Any] | None = None) -> SlotPacker:
-        """Start laying a new batch out in ``memory``. ``made``: the tensors made over
-        ``memory`` for earlier batches, by reference, to reuse (a worker's, whose
-        tensors never leave it: only their references travel; kept as
-        :func:`~numafast.torch.slot.remember` keeps entries); None: new ones."""
+        """Start laying a new batch out in ``memory``, reusing the tensors in ``made`` (by
+        reference: a worker's tensors never leave it, only their references travel)."""
         self.memory = memory
         self.capacity = len(memory)
         self.end = 0
@@ -79,10 +74,9 @@ class SlotPacker(SlotLayout):
         return self
 
     def close(self) -> None:
-        """Let go of the slot and of every tensor made over it (a packer used for one
-        batch, in the process that owns the pool). Its collate map's functions refer
-        back to the packer: a reference cycle that, left as it is, would keep the
-        batch's slot until the garbage collector runs."""
+        """Let go of the slot and every tensor made over it (a packer used once, by the
+        owner): the collate map refers back to the packer, a cycle that would keep the
+        slot until the garbage collector runs."""
         self.memory = b""
         self.capacity = 0
         self._made = None
@@ -104,8 +98,7 @@ class SlotPacker(SlotLayout):
         return tensor
 
     def _over(self, ref: Ref) -> Any:
-        """The tensor ``ref`` names over the slot: made anew, or the one made for an
-        earlier batch where they are kept (see :meth:`reset`)."""
+        """The tensor ``ref`` names over the slot: the one made for an earlier batch, if kept."""
         made = self._made
         if made is None:
             return over_slot(self.memory, ref)
@@ -113,9 +106,9 @@ class SlotPacker(SlotLayout):
         return remember(made, ref, over_slot(self.memory, ref)) if over is None else over
 
     def _packed(self, values: Sequence[Any], code: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """A ``dtype`` tensor in the slot holding ``values`` (Python numbers, all of one type),
-        written by ``struct`` in one call, ``code`` being its code for ``dtype``; None when
-        one does not fit (an int beyond int64: torch's own function says so)."""
+        """A ``dtype`` tensor in the slot holding ``values`` (Python numbers of one type),
+        written by ``struct`` code ``code`` in one call; None when one does not fit (an
+        int beyond int64: torch's own function then says so)."""
         count = len(values)
         ref = self.tensor_ref(dtype, (count,))
         try:
@@ -135,12 +128,10 @@ class SlotPacker(SlotLayout):
     # ---------------------------------------------------------------- collating into the slot
 
     def collate(self, samples: Sequence[Any]) -> Any:
-        """``default_collate(samples)``, every tensor it makes made in the slot: torch's own
-        ``collate`` with :meth:`collate_map`, except that samples (and their parts) that are
-        exactly a tuple, list or dict take torch's branch for them here, with its check of
-        their lengths made in C (by ``zip(strict=True)``) rather than per sample in Python;
-        any other type, and samples that fail that check, go to torch's ``collate`` (its
-        result, its error)."""
+        """``default_collate(samples)`` with every tensor made in the slot: torch's
+        ``collate`` with :meth:`collate_map`, but exact tuples, lists and dicts take
+        torch's branch here, their lengths checked in C (``zip(strict=True)``) rather
+        than per sample; samples that fail it go to torch (its error)."""
         return self._collate(samples, self.collate_map())
 
     def _collate(self, batch: Sequence[Any], collate_map: dict[Any, CollateFn]) -> Any:
@@ -161,26 +152,21 @@ class SlotPacker(SlotLayout):
         return collate(batch, collate_fn_map=collate_map)
 
     def collate_map(self) -> dict[Any, CollateFn]:
-        """torch's ``default_collate_fn_map`` with every tensor it makes made in the slot:
-        given to ``torch.utils.data._utils.collate.collate``, it is ``default_collate``
-        (the same structure, types and errors) with the batch landing in place."""
+        """torch's ``default_collate_fn_map`` with every tensor it makes made in the slot
+        (made once per packer)."""
         if self._collate_map is None:
-            self._collate_map = self._make_collate_map()
+            collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
+            for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
+                if kind in collate_map:
+                    make = collate_map[kind]
+                    collate_map[kind] = self._placing(make) if kind is _NUMPY_SCALARS else self._numbers(make)
+            collate_map[torch.Tensor] = self._stack
+            self._collate_map = collate_map
         return self._collate_map
 
-    def _make_collate_map(self) -> dict[Any, CollateFn]:
-        collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
-        for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
-            if kind in collate_map:
-                make = collate_map[kind]
-                collate_map[kind] = self._placing(make) if kind is _NUMPY_SCALARS else self._numbers(make)
-        collate_map[torch.Tensor] = self._stack
-        return collate_map
-
     def _numbers(self, make: CollateFn) -> CollateFn:
-        """Python ints, bools or floats (labels, ids) written into the slot by struct where
-        they are all of one of those types (torch's dtype is then known without looking
-        at the values), else torch's own function (``make``), with its result or error."""
+        """Python ints, bools or floats (labels, ids) of one type written into the slot by
+        struct (the dtype is then known without looking at the values), else ``make``."""
 
         def collate_numbers(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
             kind = type(batch[0])
@@ -209,12 +195,10 @@ class SlotPacker(SlotLayout):
     # ---------------------------------------------------------------- packing
 
     def pack(self, batch: object, cpus: Sequence[int] = (), threads: int = 1) -> bytes:
-        """``batch`` pickled with its tensors and arrays as references into the slot; those
-        not in it yet are copied there (see :func:`~numafast.torch.slot.copy_in`:
-        ``threads`` threads on ``cpus``). SlotFull when they do not fit.
-
-        A batch of lists, tuples and str-keyed dicts of tensors collated into the slot
-        has the same payload as the last one of its layout: that is reused, not pickled."""
+        """``batch`` pickled with its tensors and arrays as references into the slot, those
+        not there yet copied in (``threads`` threads on ``cpus``); SlotFull when they do
+        not fit. A batch of lists, tuples and str-keyed dicts of tensors already in the
+        slot reuses the payload of the last batch of its layout."""
         layout = self._layout(batch)
         if layout is not None:
             payload = recall(self._payloads, layout, None)
@@ -228,8 +212,8 @@ class SlotPacker(SlotLayout):
         return payload if layout is None else remember(self._payloads, layout, payload)
 
     def _layout(self, value: object) -> Any:
-        """What makes ``value``'s payload: its containers and the references of the
-        tensors in the slot they hold; None when it holds anything else."""
+        """What ``value``'s payload depends on: its containers and the references of its
+        tensors in the slot; None when it holds anything else."""
         known = self.placed.get(id(value))
         if known is not None and known[0] is value:
             return known[1]
@@ -243,8 +227,8 @@ class SlotPacker(SlotLayout):
         return None
 
     def reference(self, value: object) -> Ref | None:
-        """The slot reference for ``value`` (given a place there, copied at the end of
-        :meth:`pack`), or None to pickle it as is."""
+        """The slot reference for ``value`` (copied there at the end of :meth:`pack`), or
+        None to pickle it as is."""
         known = self.placed.get(id(value))
         if known is not None and known[0] is value:
             return known[1]
@@ -267,10 +251,9 @@ class SlotPacker(SlotLayout):
 
 
 class SlotMeasure(SlotPacker):
-    """Lays a batch out as :class:`SlotPacker` would, in no memory: the bytes of slot
-    it needs, for a worker to ask for a pool that fits before it collates (so that
-    even the first batch is made in its slot). Tensors it makes are on the ``meta``
-    device: shapes without bytes."""
+    """Lays a batch out as :class:`SlotPacker` would, on the ``meta`` device (shapes
+    without bytes): the slot bytes it needs, so that a worker can ask for a pool that
+    fits before it collates, and even the first batch is made in its slot."""
 
     def __init__(self) -> None:
         super().__init__(b"")
@@ -307,8 +290,8 @@ class SlotMeasure(SlotPacker):
 
 
 def _stacks_in_slot(first: torch.Tensor) -> bool:
-    """A column whose first tensor is this one is stacked into the slot (dense, on the
-    CPU); others are left to torch's own collate function."""
+    """Whether a column whose first tensor is ``first`` is stacked into the slot (dense,
+    on the CPU) rather than by torch's own collate function."""
     return first.is_cpu and first.layout is torch.strided and not first.is_nested
 
 
@@ -344,12 +327,11 @@ def _struct_of(code: str, count: int) -> struct.Struct:
 
 _STRUCTS: dict[tuple[str, int], struct.Struct] = {}
 
-# How to rebuild a payload's batch over another slot without unpickling it: the
-# payload of same-shaped batches is the same bytes (offsets are slot-relative), so
-# its structure is learnt once: the references in the order the batch is made from,
-# and the function that makes it. None: a payload whose batch holds more than lists,
-# tuples, str-keyed dicts and slot tensors and arrays (anything else is unpickled
-# anew every time, so no object is ever shared between two batches).
+# How to rebuild a payload's batch over another slot without unpickling it (same-shaped
+# batches have the same payload: offsets are slot-relative): its references in order,
+# and the function that makes the batch from them. None for a batch holding more than
+# lists, tuples, str-keyed dicts and slot leaves: unpickled anew each time, so no
+# object is ever shared between two batches.
 Build = Callable[[list[Any]], Any]
 _templates: dict[bytes, tuple[tuple[Ref, ...], Build] | None] = {}
 _UNSEEN: Any = object()
@@ -373,8 +355,7 @@ def unpack(payload: bytes, slot: Any) -> Any:
 
 def _builder(value: Any, positions: dict[int, int], count: int) -> Build | None:
     """A function that makes ``value`` again from the ``count`` objects over a new slot
-    (given in a new list, in the order of the references), or None when ``value``
-    holds anything else."""
+    (in the order of the references), or None when ``value`` holds anything else."""
     position = positions.get(id(value))
     if position is not None:
         return operator.itemgetter(position)

@@ -1,19 +1,14 @@
 """The owner's side of a batch's path: NodePools, a loader's pinned pools on one node.
-It sizes them, makes room for the workers' batches, turns each worker's message
-(:mod:`numafast.torch.message`) into its batch over the slot as it is unpickled here,
-and copies in the batches that did not land.
+It makes room for the workers' batches, turns each worker's message into its batch
+over the slot, and copies in the batches that did not land.
 
 Neither a batch's size nor how many batches the consumer keeps is known before the
-first batch, so workers ask for room (:meth:`NodePools.make_room`, answered by a thread
-serving the board): the first batch sizes the first pool, a batch that outgrows the
-slots gets a pool of bigger ones, and when every slot is held by batches the consumer
-keeps, another pool is added at once rather than waiting for a slot that would never
-come back; all within ``max_pinned_bytes`` for the process, past which batches arrive
-unpinned. Each change is published on a :class:`~numafast.pool_share.PoolBoard` that
-the workers read before each batch.
-
-Pools outlive their loader: idle, they wait for the next loader on the node
-(:mod:`numafast.torch.process_pools`).
+first batch, so workers ask for room (:meth:`NodePools.make_room`, on a thread serving
+the board): the first batch sizes the first pool, a larger batch gets a pool of larger
+slots, and when the consumer keeps every slot another pool is added at once rather
+than waiting for a slot that would never come back; all within ``max_pinned_bytes``,
+past which batches arrive unpinned. Idle pools outlive their loader for the next one
+on the node (:mod:`numafast.torch.process_pools`).
 """
 
 from __future__ import annotations
@@ -113,9 +108,8 @@ class LoaderStats:
 
 
 class NodePools:
-    """Pinned pools on ``node``, the first with ``slots`` slots, created as batches need
-    them, all the process's loader pools together within ``max_pinned_bytes`` (None:
-    :func:`default_max_pinned_bytes`)."""
+    """Pinned pools on ``node``, the first with ``slots`` slots, made as batches need them
+    within ``max_pinned_bytes`` for all the process's loader pools (None: the default)."""
 
     def __init__(
         self,
@@ -136,51 +130,41 @@ class NodePools:
         self.retired: list[PinnedPool] = []
         self.grown = 0
         self.resized = 0
-        self.device: int | None = None
-        """The CUDA device new pools register through; None: see :meth:`_new_pool`."""
+        self.device: int | None = None  # the CUDA device new pools register through (see _new_pool)
         self.board = PoolBoard()
         self.owner_id = next(_owner_ids)
         self.owner_pid = _pid.pid
-        self.users = 0
-        """The loaders landing their batches here (see :mod:`~numafast.torch.process_pools`)."""
+        self.users = 0  # the loaders landing their batches here
         self.closed = False
         self._by_inode: dict[int, PinnedPool] = {}
-        self._server: threading.Thread | None = None
-        """Makes the pools the workers ask for (started with the first user)."""
+        self._server: threading.Thread | None = None  # makes the pools workers ask for
         self._server_mutex = threading.Lock()
+        # Taken by the receive of every batch: held for bookkeeping only, never while a
+        # pool is faulted in or registered. _making: one pool is made at a time.
         self._mutex = threading.RLock()
-        """Guards the pool lists and counters: taken by the receive of every batch, so
-        held only for bookkeeping, never while a pool is faulted in or registered."""
         self._making = threading.Lock()
-        """One pool is made at a time (by the serving thread or a copy in this one)."""
         receivers[self.owner_id] = self
         process_pools.every.add(self)
 
     def _start(self, slots: int, max_pinned_bytes: int | None, *, taken_over: bool) -> None:
         """The settings and counters of a loader starting on these pools (new, or idle ones
-        ``taken_over`` from a loader gone since)."""
+        ``taken_over`` from a loader gone since: its first batches may need larger slots)."""
         self.max_pinned_bytes = max_pinned_bytes or default_max_pinned_bytes(self.node)
+        # Batches the DataLoader may hold unread (prefetch_factor x num_workers, set by the
+        # loader): what held leaves out.
         self.in_flight = max(slots - 2, 0)
-        """Batches the DataLoader may hold unread (received, not yet yielded): what
-        ``held`` leaves out. The loader sets it (``prefetch_factor`` x ``num_workers``)."""
         self.landed = self.copied = self.bytes_copied = self.unpinned = 0
-        self.largest_landed = 0
-        """The most bytes a batch that landed in a worker took of its slot (since the
-        counters were reset): what a pool added for more slots is sized by."""
+        self.largest_landed = 0  # the largest batch landed in a worker: what an added pool is sized by
         self.fallbacks: Counter[str] = Counter()
         self.warned: set[str] = set()
-        self.refused = ""
-        """Why the last request for more room was refused (empty: none was)."""
-        self._kept_grew = False
-        """Pools were added because every slot was held: the consumer keeps batches."""
-        self.before_receive: Callable[[], None] | None = None
-        """Called before each batch is received (the hook binds PyTorch's pin thread)."""
+        self.refused = ""  # why the last request for more room was refused
+        self._kept_grew = False  # pools were added because the consumer keeps every slot
+        self.before_receive: Callable[[], None] | None = None  # the hook binds PyTorch's pin thread
         self.taken_over = taken_over
-        """Made for another loader, gone since: its first batches may need larger slots."""
 
     def attach(self, user: object) -> None:
-        """``user`` (a loader's collate function) lands its batches here: these pools stay
-        while it lives, and go idle (for the next loader on the node) once none is left."""
+        """``user`` (a loader's collate function) lands its batches here: the pools stay
+        while it lives, and go idle once none is left."""
         process_pools.use(self)
         # Not under process_pools' mutex: Thread.start() waits for the new thread, in which
         # the garbage collector may run a gone loader's let_go, which takes that mutex.
@@ -191,8 +175,8 @@ class NodePools:
         weakref.finalize(user, process_pools.let_go, self).atexit = False
 
     def use_device(self, index: int) -> None:
-        """Register the pools made from now on through CUDA device ``index``. Pools made
-        before stay as they are: their registration is portable, good for any device."""
+        """Register the pools made from now on through CUDA device ``index`` (those made
+        before stay: a portable registration is good for any device)."""
         self.device = index
 
     # ------------------------------------------------------------ batches arriving
@@ -226,9 +210,8 @@ class NodePools:
         return unpack(message.payload, slot)
 
     def _after_batch(self) -> None:
-        """In the thread that receives: the warning about kept batches (decided by the
-        serving thread, said here, where the user's warning filters apply), the
-        retired pools settled, and now and then grown pools that are free released."""
+        """In the receiving thread (where the user's warning filters apply): the warning
+        about kept batches, retired pools settled, now and then free grown pools released."""
         if self._kept_grew and "kept" not in self.warned:
             self._warn_kept()
         if not self.received() % SHRINK_EVERY:
@@ -249,8 +232,7 @@ class NodePools:
         return self._copy(fallback.batch, fallback.reason, fallback.detail, warn=not passed)
 
     def _unpinned(self, batch: Batch) -> Batch:
-        """``batch`` handed over as it is: no room for more pinned slots (counted, and
-        warned about once, naming the limit)."""
+        """``batch`` handed over as it is, no room for more pinned slots: counted, warned once."""
         with self._mutex:
             self.unpinned += 1
             why = self.refused or "no room for more pinned slots"
@@ -268,14 +250,12 @@ class NodePools:
         return self.landed + self.copied + self.unpinned
 
     def copy_bypassed(self, batch: Any, why: str) -> Any:
-        """A batch that came past numafast's collate, copied into a slot here (warned
-        once; tensors already on a device stay there)."""
+        """A batch that came past numafast's collate, copied into a slot here (warned once)."""
         return self._copy(batch, FallbackReason.BYPASSED, why)
 
     def collate_here(self, samples: Any, collate_fn: Callable[[Any], Any], direct: bool) -> Any:
-        """Collate in this process (a loader without workers): into a slot when
-        ``collate_fn`` is torch's default (``direct``; the first batch, measured, sizes
-        the pool), else a copy."""
+        """Collate in this process (no workers): into a slot when ``collate_fn`` is torch's
+        default (``direct``; the first batch, measured, sizes the pool), else a copy."""
         first = None if self.pools else FallbackReason.FIRST_BATCHES
         needed = SlotMeasure().collated(samples) if first and direct else 0
         if not direct or (first and not needed):  # another collate function, or no bytes to lay out
@@ -297,7 +277,7 @@ class NodePools:
 
     def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
         """``batch`` copied into a slot here, counted by ``reason`` (None: no fallback) and
-        warned about once; handed over unpinned when there is no room for it."""
+        warned once; unpinned when there is no room."""
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
         try:
@@ -317,12 +297,9 @@ class NodePools:
     # ------------------------------------------------------------ room for batches
 
     def make_room(self, nbytes: int, more: bool) -> bool:
-        """Room for a worker's batch of ``nbytes`` (answered from the serving thread): a
-        pool of larger slots when it fits none (or there is none), and with ``more`` (no
-        slot came free) another pool, of as many slots as all those before it (at least
-        ``slots``), as far as ``max_pinned_bytes`` allows. True when there is room (made
-        now, or a slot is free or free soon); False when refused (past
-        ``max_pinned_bytes``, or the board lists as many pools as it can).
+        """Room for a batch of ``nbytes``: a pool of larger slots when it fits none, and with
+        ``more`` (no slot came free) another pool of as many slots as all before it, within
+        ``max_pinned_bytes``. True when there is room (now or soon); False when refused.
 
         The pool is made outside the mutex every receive takes (a registered pool is
         faulted in whole: seconds per GiB), under ``_making``, taken before deciding:
@@ -374,9 +351,8 @@ class NodePools:
         return True
 
     def _refuse(self, why: str) -> bool:
-        """Refuse a request for room: say why (warned once, as batches arrive unpinned)
-        and publish the board again, unchanged: the worker waiting for an answer goes on
-        the copying way at once. Called under the mutex."""
+        """Refuse a request for room: say why (warned as batches arrive unpinned) and
+        republish the board unchanged, the waiting worker's answer. Under the mutex."""
         self.refused = (
             f"{why}. Pinned memory stays within max_pinned_bytes (NumaLoader(..., max_pinned_bytes=...), default a "
             f"quarter of the node's memory); if the consumer keeps batches, .clone() what it keeps "
@@ -386,11 +362,9 @@ class NodePools:
         return False
 
     def shrink(self) -> int:
-        """Release the pools added for more slots that are wholly free again, as long as
-        the pools that stay keep ``slots`` free slots (the consumer dropped the batches
-        it kept; a pool just added while the others are full stays): taken off the
-        board first, then closed and released. The first pool stays. Returns how many
-        were released."""
+        """Release the added pools that are wholly free again while those that stay keep
+        ``slots`` free slots (the first pool stays): off the board first, then closed.
+        Returns how many."""
         gone: list[PinnedPool] = []
         with self._mutex:
             if not self.closed and len(self.pools) > 1:
@@ -407,8 +381,8 @@ class NodePools:
         return len(gone)
 
     def _counted(self, nbytes: int = 0) -> list[tuple[PinnedPool, PoolStats]]:
-        """The pools in use whose slots hold ``nbytes``, with their counters, read once
-        the leases of workers that are gone are ended (see PinnedPool.reclaim_orphans)."""
+        """The pools in use whose slots hold ``nbytes``, with their counters, once the
+        leases of workers that are gone are ended."""
         for pool in [*self.pools, *self.retired]:
             pool.reclaim_orphans()
         return [(pool, pool.stats()) for pool in self.pools if pool.slot_bytes >= nbytes]
@@ -432,8 +406,8 @@ class NodePools:
         )
 
     def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
-        """``pools`` in use from now on, listed on the board, and ``retiring`` (listed no
-        more) closed, released as their slots come back. Called under the mutex."""
+        """``pools`` in use from now on, on the board; ``retiring`` closed, released as their
+        slots come back. Under the mutex."""
         self.pools = pools
         # First: a pool the board lists is never one already let go, and no worker leases
         # a slot of a pool the board no longer lists (see _settle_retired).
@@ -480,9 +454,8 @@ class NodePools:
             self._warn_unpinned(sorted(unpinned))
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool] | None:
-        """A slot of ``nbytes`` for a copy in this process: a free one, else one in flight
-        to the GPU (free soon), else a new pool's (a leased slot becomes a batch that
-        the consumer may keep); None when no room may be made (see :meth:`make_room`)."""
+        """A slot of ``nbytes`` for a copy here: a free one, else one in flight to the GPU
+        (free soon), else a new pool's; None when no room may be made."""
         for _attempt in range(_ACQUIRE_ATTEMPTS):
             with self._mutex:
                 if self.closed:
@@ -553,8 +526,7 @@ class NodePools:
 
 
 class _NoRoom(PoolExhaustedError):
-    """No slot for a copy, and no room for another pool (past ``max_pinned_bytes``, or
-    the board's limit on pools): a loader's batch then goes unpinned."""
+    """No slot for a copy and no room for another pool: the batch goes unpinned."""
 
 
 # Where a loader's warnings are said from, not pointed at: numafast, torch (the DataLoader
@@ -566,9 +538,8 @@ _LIBRARY_FILES = tuple(
 
 
 def _user_level() -> int:
-    """The ``stacklevel`` of the first caller outside :data:`_LIBRARY_FILES`, so that a
-    warning points at the line that asked for the batch (``for x, y in loader``); 2
-    (numafast's own line) where none is (PyTorch's pin thread)."""
+    """The ``stacklevel`` of the first caller outside :data:`_LIBRARY_FILES` (the line that
+    asked for the batch); 2 where none is (PyTorch's pin thread)."""
     frame = sys._getframe(1)
     level = 1
     while frame is not None:
@@ -580,8 +551,7 @@ def _user_level() -> int:
 
 def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
     """``make_room`` for the serving thread, which must neither keep the pools alive nor
-    die of a pool that cannot be made (the worker that asked times out and sends its
-    batch to be copied; the copy meets the error and raises it to the user)."""
+    die of a pool that cannot be made (the copy of the batch meets the error again)."""
 
     def make_room(nbytes: int, more: bool) -> None:
         target = pools()
@@ -596,9 +566,8 @@ def node_pools(
     node: int, slots: int, *, lock: LockMode | str | bool = "auto", register: RegisterMode | str | bool = "auto",
     max_pinned_bytes: int | None = None,
 ) -> NodePools:
-    """Pools for a new loader on ``node``: the idle ones a gone loader left there (warm:
-    placed, locked, registered, and sized by its batches) when they have at least
-    ``slots`` slots each, else new ones."""
+    """Pools for a new loader on ``node``: the idle ones a gone loader left there (warm,
+    and sized by its batches) when they have ``slots`` slots or more, else new ones."""
     cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
     idle = cast("NodePools | None", process_pools.take_idle(key))  # as NodePools put it there

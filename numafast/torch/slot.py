@@ -1,20 +1,13 @@
 """A batch's tensors and NumPy arrays in one pool slot: where each sits, how its values
-get there, and the tensors made over the slot. The one layout engine of both ways a
-batch enters a slot: collated or packed by :class:`~numafast.torch.packing.SlotPacker`
-(in a worker, or in the main process without workers), and copied in by the main
-process (:func:`numafast.torch.pin`, and a loader's copy of a batch that a worker
-could not collate into a slot).
+get there, and the tensors made over the slot. The one layout engine of every way a
+batch enters a slot (collated or packed by :class:`~numafast.torch.packing.SlotPacker`,
+copied in by :func:`numafast.torch.pin` and a loader's copy).
 
-A slot holds its leaves one after another, each starting on an :data:`ALIGNMENT`
-boundary (:class:`SlotLayout`). A :data:`Ref` names one leaf's place and kind; it is
-all a worker sends of a tensor, and :func:`over_slot` makes the tensor or array it
-names over any process's mapping of the slot. :func:`copy_in` copies leaves to the
-places their refs name.
-
-The caches of a batch's path (tensors a worker made over a slot, payloads and
-templates of batch layouts, compiled structs) follow one policy: :func:`recall` and
-:func:`remember`, at most :data:`CACHE_ENTRIES` entries, the least recently used
-dropped first.
+Leaves sit one after another, each on an :data:`ALIGNMENT` boundary. A :data:`Ref`
+names one leaf's place and kind (all a worker sends of a tensor); :func:`over_slot`
+makes its tensor over any process's mapping of the slot. Every cache of a batch's
+path follows one policy: :func:`recall` and :func:`remember`, least recently used
+dropped past :data:`CACHE_ENTRIES`.
 """
 
 from __future__ import annotations
@@ -101,8 +94,8 @@ class BatchLayout:
 
 
 def layout(leaves: Sequence[Leaf]) -> BatchLayout:
-    """``leaves`` laid out in a slot as :class:`SlotLayout` lays them out; checks that
-    every tensor is a dense CPU tensor (the only kind that can be pinned)."""
+    """``leaves`` laid out in a slot; checks that every tensor is a dense CPU tensor (the
+    only kind that can be pinned)."""
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
             raise InvalidBufferError(f"tensor {index} of the batch is on {leaf.device}: only host tensors are pinned")
@@ -116,17 +109,16 @@ def layout(leaves: Sequence[Leaf]) -> BatchLayout:
 def fill(
     slot: Any, leaves: Sequence[Leaf], plan: BatchLayout, cpus: Sequence[int], threads: int | None = None
 ) -> list[Any]:
-    """Copies of ``leaves`` in ``slot`` (None when ``plan`` needs no bytes) where ``plan``
-    puts them (see :func:`copy_in`): each over the slot, an empty one a new empty one."""
+    """Copies of ``leaves`` over ``slot`` (None when ``plan`` needs no bytes), where ``plan``
+    puts them; an empty leaf's copy is a new empty one."""
     copy_in(slot, [(leaf, ref) for leaf, ref in zip(leaves, plan.refs) if ref is not None], cpus, threads)
     return [_empty_like(leaf) if ref is None else over_slot(slot, ref) for leaf, ref in zip(leaves, plan.refs)]
 
 
 def copy_in(memory: Any, copies: Sequence[tuple[Leaf, Ref]], cpus: Sequence[int] = (), threads: int | None = 1) -> None:
-    """Each leaf of ``copies`` copied into ``memory`` where its reference says: those whose
-    memory is their values in order in one GIL-free gather copy of the extension
-    (``threads`` threads pinned to ``cpus``; None: see :func:`copy_threads`), the others
-    (strided, conjugate or negated views) by torch or NumPy."""
+    """Each leaf of ``copies`` copied into ``memory`` where its reference says: contiguous
+    ones in one GIL-free gather copy (``threads`` threads pinned to ``cpus``; None: see
+    :func:`copy_threads`), others (strided, conjugate or negated views) by torch or NumPy."""
     offsets: list[int] = []
     sources: list[Any] = []
     others: list[tuple[Leaf, Ref]] = []
@@ -157,9 +149,8 @@ def copy_threads(nbytes: int, cpus: int, asked: int | None) -> int:
 
 
 def over_slot(memory: Any, ref: Ref) -> Any:
-    """The tensor or array ``ref`` names, over ``memory`` (a slot). It holds a reference
-    to ``memory``, so the slot lives as long as it does, and a storage of its own bytes
-    only (torch.save or a queue sends no more than that)."""
+    """The tensor or array ``ref`` names, over ``memory`` (a slot), which it keeps alive;
+    its storage is its own bytes only (torch.save or a queue sends no more)."""
     kind, offset, dtype, shape = ref[:4]
     if kind == "a":
         return np.ndarray(shape, np.dtype(dtype), memory, offset)
@@ -187,8 +178,7 @@ def tensor_kind(tensor: torch.Tensor) -> str:
 
 
 def _copies_as_bytes(leaf: Leaf) -> bool:
-    """A non-empty tensor or array whose memory is its values in order: copied as bytes
-    (strided, conjugate or negated views are copied by torch or NumPy instead)."""
+    """A non-empty tensor or array whose memory is its values in order: copied as bytes."""
     if isinstance(leaf, np.ndarray):
         return leaf.size > 0 and leaf.flags.c_contiguous
     return bool(leaf.numel()) and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg()
@@ -217,9 +207,8 @@ def recall(cache: dict[K, V], key: K, missing: D) -> V | D:
 
 
 def remember(cache: dict[K, V], key: K, value: V) -> V:
-    """``value`` kept in ``cache`` under ``key``; past :data:`CACHE_ENTRIES` entries, the
-    least recently used goes (so a stream of new keys never grows memory, and the ones
-    in use stay)."""
+    """``value`` kept in ``cache`` under ``key``; past :data:`CACHE_ENTRIES` entries the
+    least recently used goes, so new keys never grow memory and the ones in use stay."""
     if len(cache) >= CACHE_ENTRIES and key not in cache:
         del cache[next(iter(cache))]
     cache[key] = value
