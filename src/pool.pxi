@@ -447,11 +447,13 @@ cdef class SlotPool:
         """Whether this process made the pool (not a forked child's copy)."""
         return self.owner_pid == nf_pid()
 
-    cdef int _check_owner(self) except -1:
+    cdef int _check_owner(self, size_t nbytes=0) except -1:
         if not self._owned():
             raise RuntimeError(
                 f"this pool belongs to process {self.owner_pid}; a forked child only reads the slots "
                 "it inherited: make a new pool in the child")
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
         return 0
 
     def acquire(self, size_t nbytes, double timeout=-1.0) -> Slot:
@@ -461,9 +463,7 @@ cdef class SlotPool:
         one to come back, then TimeoutError; RuntimeError once the pool is closed.
         """
         cdef Py_ssize_t index
-        self._check_owner()
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
+        self._check_owner(nbytes)
         index = -1 if self.closed else self._take()
         if index < 0:
             index = self._wait_for_slot(timeout)
@@ -473,10 +473,8 @@ cdef class SlotPool:
         """The slot a worker leased in ``generation`` and filled, as a Slot of this
         process (its first ``nbytes`` bytes); LookupError when that lease is over (the
         slot was reclaimed from a worker that died, or the batch was already taken)."""
-        self._check_owner()
+        self._check_owner(nbytes)
         self.table._check_index(index)
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
         if not self.table._change(index, generation, _LEASED, _PID_BITS, _HELD, <uint64_t>self.owner_pid, False):
             raise LookupError(f"slot {index} of this pool is no longer leased in generation {generation}")
         self._count_out()
@@ -518,7 +516,8 @@ cdef class SlotPool:
         try:
             while True:
                 if self.fenced:
-                    self._reap_fences(timeout < 0)
+                    self._fence_returned()
+                    self.reap(timeout < 0)
                 if self.closed:
                     raise RuntimeError("the pool was closed while waiting for a slot")
                 index = self._take()
@@ -544,21 +543,6 @@ cdef class SlotPool:
         finally:
             if counted:
                 self.waited_seconds += _monotonic() - start
-
-    cdef int _reap_fences(self, bint block_on_oldest, bint record=True) except -1:
-        """Free the fenced slots whose GPU work is done (with ``record``, after recording
-        the fences of the slots returned); with ``block_on_oldest`` and none free, wait
-        for the oldest first (the fence releases the GIL meanwhile, so another thread
-        may reap the same slots: each is freed by one of them)."""
-        cdef Py_ssize_t index
-        if record:
-            self._fence_returned()
-        if block_on_oldest and self.fences and _FREE not in self.table.states():
-            next(iter(self.fences.values())).synchronize()
-        for index, fence in list(self.fences.items()):
-            if fence.query():
-                self._unfence(index, fence)
-        return 0
 
     cdef void _unfence(self, Py_ssize_t index, object fence):
         """Free a fenced slot whose fence is done, unless another thread just did."""
@@ -653,9 +637,16 @@ cdef class SlotPool:
         """Free the fenced slots whose GPU work is done; with ``wait`` and no slot free,
         wait for the oldest fence first (the GIL released meanwhile). Records no fence:
         a fence is recorded on the current stream of the thread that records it, which
-        must be the main thread (settle), not the one that calls this."""
-        if self._owned() and self.fenced:
-            self._reap_fences(wait, False)
+        must be the main thread (settle), not the one that calls this. Waiting lets go of
+        the GIL, so another thread may reap the same slots: each is freed by one of them."""
+        cdef Py_ssize_t index
+        if not self._owned() or not self.fenced:
+            return
+        if wait and self.fences and _FREE not in self.table.states():
+            next(iter(self.fences.values())).synchronize()
+        for index, fence in list(self.fences.items()):
+            if fence.query():
+                self._unfence(index, fence)
 
     def settle(self) -> bool:
         """Record the fences of the slots given back since the last look, and free the
@@ -679,7 +670,8 @@ cdef class SlotPool:
             # A fence that cannot be asked (a CUDA error) stays: settle() runs as a pending
             # call, in whatever code the main thread runs, so acquire() and reap() raise it.
             try:
-                self._reap_fences(False)
+                self._fence_returned()
+                self.reap()
             except Exception:
                 pass
             return False
