@@ -286,7 +286,7 @@ cdef class SlotTable:
             return False
         if pid != _PID_BITS and (seen & _PID_BITS) != pid:
             return False
-        return nf_cas64(word, seen, _word(generation + (1 if next_generation else 0), new_state, new_pid))
+        return nf_cas64(word, seen, _word(generation + next_generation, new_state, new_pid))
 
     def claim(self, uint64_t started):
         """Lease a free slot to this process (a worker started at ``started``, in clock
@@ -539,9 +539,7 @@ cdef class SlotPool:
     cdef void _signal(self) noexcept:
         # The mutex is only ever held for a few instructions (a waiter lets go of it
         # while it sleeps, and never holds it with the GIL), so a Slot's deallocator
-        # may take it.
-        if not self._owned():
-            return  # never the owner's mutex in a forked child (see the class)
+        # may take it. Every caller has checked _owned(): a forked child never takes it.
         pthread_mutex_lock(&self.mutex)
         pthread_cond_signal(&self.returned)
         pthread_mutex_unlock(&self.mutex)
