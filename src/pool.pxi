@@ -1,19 +1,17 @@
-# Pinned pools: page locking (mlock, munlock), and the slot bookkeeping of a pool:
-# one shared mapping cut into equal slots after a table of one word per slot. A free
-# slot is claimed with one compare-and-swap, by the main process or by a DataLoader
-# worker that maps the same file.
+# Pinned pools: page locking (mlock, munlock), and the slot bookkeeping of a pool: one
+# shared mapping cut into equal slots after a table of one word per slot, each claimed
+# with one compare-and-swap by the main process or a DataLoader worker mapping the file.
 #
 # A slot comes back when its Slot object is deallocated: every array, memoryview or
-# tensor over the slot keeps the Slot alive (a buffer export holds a reference;
-# torch.frombuffer keeps one), so its tp_dealloc is the moment nothing views the
-# slot any more. That deallocator runs in whichever thread drops the last reference
-# (a pin thread, the cycle collector), so it only changes the slot's word and the
-# pool's counters: it never calls Python, waits on a GPU event or warns. A slot that
-# needs more (a CUDA fence recorded, or a closed pool's memory released) is marked
-# returned, and SlotPool.settle() does the rest: at the main thread's next Python
-# instruction (a CPython pending call) or at the next acquire(), settle() or close().
-# The cycle collector clears neither a Slot, nor its pool, nor the pool's table (which
-# holds the mapping) (no_gc_clear): the Slot's deallocator needs them whole.
+# tensor over it keeps the Slot alive (a buffer export holds a reference; so does
+# torch.frombuffer). That deallocator runs in whichever thread drops the last reference
+# (a pin thread, the cycle collector), so it only changes the slot's word and the pool's
+# counters: it never calls Python, waits on a GPU event or warns. A slot needing more (a
+# CUDA fence recorded, a closed pool's memory released) is marked returned for
+# SlotPool.settle(): at the main thread's next Python instruction (a CPython pending
+# call) or at the next acquire(), settle() or close(). The cycle collector clears
+# neither a Slot, its pool, nor the pool's table, which holds the mapping (no_gc_clear):
+# the Slot's deallocator needs them whole.
 
 cimport cython
 from libc.stdint cimport int64_t
