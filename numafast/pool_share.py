@@ -223,8 +223,8 @@ class BoardReader:
             return version, [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
 
     def pools(self) -> list[PoolView]:
-        """The pools listed now, each mapped once; OSError when one cannot be mapped here
-        (unless the owner let it go and published since: then the board is read again)."""
+        """The pools listed now, each mapped once and let go once delisted; OSError when one
+        cannot be mapped here (unless the owner let it go and published since: read again)."""
         while True:
             version, entries = self._read()
             if entries is None:
@@ -294,7 +294,8 @@ def fault_in(memory: memoryview) -> None:
     faulting in (zeroing, on the pool's node) any page never touched. Page tables are
     per process: otherwise each takes a minor fault per 4 KiB page at its first write
     of a slot (~2,400 per 9 MiB slot), which slowed the epoch after the first by half.
-    MADV_POPULATE_WRITE needs Linux 5.14; older kernels map pages as they are written."""
+    MADV_POPULATE_WRITE needs Linux 5.14: an older kernel refuses it, mapping each page
+    as it is written."""
     try:
         _libnuma.madvise(memory, _libnuma.MADV_POPULATE_WRITE)
     except OSError:
