@@ -543,8 +543,8 @@ cdef class SlotPool:
         pthread_mutex_unlock(&self.mutex)
 
     cdef void _give_back(self, Py_ssize_t index) noexcept:
-        """A Slot died (its deallocator): its slot is free, or with a fence marked returned
-        for settle() (see the top of this file)."""
+        """A Slot died (its deallocator, GIL held): its slot is free, or with a fence marked
+        returned for settle() (see the top of this file)."""
         cdef uint64_t word
         if not self._owned():
             return  # a forked child's copy: nothing of the parent's to give back
