@@ -1,16 +1,8 @@
-"""A pinned pool seen from another process: how a DataLoader worker fills a slot that
-the main process then reads without a copy.
-
-The main process owns the pool (:class:`numafast.PinnedPool`): its memfd, its lock
-and its CUDA registration. :meth:`PinnedPool.share` gives a :class:`PoolHandle`,
-small and picklable; a worker maps the same file with :class:`PoolView` (through
-the descriptor it inherited, or ``/proc/OWNER/fd/N`` when it was spawned), leases
-a free slot from the slot table at the start of the file with one
-compare-and-swap, writes the batch there and sends the slot's index and
-generation. The main process adopts the slot (:meth:`PinnedPool.adopt`) and gives
-it back like any other when the last tensor over it is gone. A lease whose worker
-dies is ended by the owner (:meth:`PinnedPool.reclaim_orphans`); the generation,
-bumped whenever a slot becomes free, makes a late message about it harmless.
+"""A pinned pool seen from another process: a DataLoader worker maps the owner's pool
+file (:class:`PoolView`, from :meth:`PinnedPool.share`'s :class:`PoolHandle`), leases
+a slot, writes its batch there and sends the slot's index and generation; the owner
+adopts the slot (:meth:`PinnedPool.adopt`) and reads the batch without a copy. A dead
+worker's lease is ended by the owner (:meth:`PinnedPool.reclaim_orphans`).
 """
 
 from __future__ import annotations
@@ -76,10 +68,9 @@ class BoardHandle:
 
 
 def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
-    """A read-write descriptor of file ``fd`` of process ``owner_pid``: this process's own
-    copy when it inherited it (a forked worker), else the owner's through /proc (a
-    spawned one); ``inode`` tells it is still that file. OSError naming ``what``
-    and why when neither can be opened."""
+    """A read-write descriptor of process ``owner_pid``'s file ``fd`` (inode ``inode``):
+    this process's inherited copy (a forked worker), else through /proc (a spawned
+    one). OSError naming ``what`` and why when neither opens."""
     for path in (f"/proc/self/fd/{fd}", f"/proc/{owner_pid}/fd/{fd}"):
         try:
             opened = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -95,18 +86,12 @@ def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
 
 
 class PoolBoard:
-    """The pools a loader's workers may fill now, in a small shared file the owner
-    rewrites whenever its pools change (a first pool, a bigger one, one more) and
-    every worker reads before each batch: pools reach workers that were started
-    before them, without restarting them. The board is a seqlock (see src/pool.pxi):
-    a reader on any CPU, Arm's included, takes a whole list of one version or reads
-    again, never the new version with entries from before it.
-
-    A worker whose batch fits no pool listed (there is none yet, or the batch grew)
-    asks for room through the board's pipe, :meth:`BoardReader.ask`; the owner
-    answers in a thread of its own (:meth:`serve_requests`) by publishing a pool
-    that fits, and the worker collates into it: even a loader's first batches are
-    made in place, with no copy by the main process."""
+    """The pools a loader's workers may fill now, in a small shared file (a seqlock, see
+    src/pool.pxi) that the owner rewrites as its pools change and every worker reads
+    before each batch: new pools reach workers started before them. A worker whose
+    batch fits no pool listed asks for room through the board's pipe
+    (:meth:`BoardReader.ask`); the owner's thread (:meth:`serve_requests`) answers by
+    publishing one that fits, so even a loader's first batches are made in place."""
 
     def __init__(self) -> None:
         self.owner_pid = _pid.pid
@@ -114,9 +99,7 @@ class PoolBoard:
         os.ftruncate(self.fd, BOARD_BYTES)
         self.memory = mmap.mmap(self.fd, BOARD_BYTES)
         self.version = 0
-        self.requests, self.request_fd = os.pipe2(os.O_CLOEXEC)
-        """The pipe's ends: the owner reads requests, workers write them (a copy of the
-        write end, inherited or opened through /proc)."""
+        self.requests, self.request_fd = os.pipe2(os.O_CLOEXEC)  # workers write to a copy of request_fd
         self._serving = False
         self._fds = [self.fd, self.request_fd, self.requests]  # closed with the board
         self._closer = weakref.finalize(self, _close_board, self.memory, self._fds)
@@ -127,8 +110,8 @@ class PoolBoard:
         )
 
     def publish(self, pools: Sequence[PoolHandle]) -> None:
-        """Make ``pools`` (the first BOARD_ENTRIES of them) what workers see. Only the
-        process that made the board publishes (a forked child's copy maps the same file)."""
+        """Make the first BOARD_ENTRIES of ``pools`` what workers see; only the board's
+        maker may (a forked child's copy maps the same file)."""
         if not _pid.owns(self.owner_pid):
             raise RuntimeError(f"this pool board belongs to process {self.owner_pid}: a forked child "
                                "cannot publish on it")  # fmt: skip
@@ -137,12 +120,10 @@ class PoolBoard:
         self.version = _libnuma.seqlock_write(self.memory, payload)
 
     def serve_requests(self, make_room: Callable[[int, bool], object], name: str) -> threading.Thread:
-        """A daemon thread, started, that calls ``make_room(nbytes, more)`` for the
-        workers' requests (those waiting at once in one call: the largest size, and
-        whether any asked for more slots) until the board is closed. It owns the
-        pipe's read end from now on and closes it as it returns: taken from the board
-        here, before the thread runs, so that a board closed before the thread starts
-        cannot close it under the thread (whose number another file could then reuse)."""
+        """Start a daemon thread calling ``make_room(nbytes, more)`` for the requests
+        waiting at once (the largest size; whether any asked for more) until the board
+        closes. The thread owns the pipe's read end from here, before it runs, so that a
+        board closed first cannot close it under the thread (its number then reused)."""
         if self._serving:
             raise RuntimeError("this board's requests are served already")
         self._serving = True
@@ -152,8 +133,8 @@ class PoolBoard:
         return thread
 
     def close(self) -> None:
-        """Unmap and close the file and the pipe (also when the board is collected), and
-        end :meth:`serve_requests`. In a forked child, only its own copies are closed."""
+        """Unmap and close the file and the pipe (also when collected), ending
+        :meth:`serve_requests`; in a forked child, only its own copies."""
         if self._serving and _pid.owns(self.owner_pid):
             self._serving = False
             os.write(self.request_fd, _CLOSED)  # the serving thread's cue to return
@@ -180,8 +161,7 @@ def _close_board(memory: mmap.mmap, fds: list[int]) -> None:
 
 
 class BoardReader:
-    """A :class:`PoolBoard` read from a worker: :meth:`pools` gives the pools listed
-    now, mapped into this process (each mapped once, unmapped when dropped)."""
+    """A :class:`PoolBoard` as a worker reads it: :meth:`pools`, mapped here."""
 
     def __init__(self, handle: BoardHandle) -> None:
         fd = open_shared_file(handle.owner_pid, handle.fd, handle.inode, "a loader's pool board")
@@ -196,16 +176,15 @@ class BoardReader:
         self._quiet_until = 0.0
 
     def unanswered(self) -> None:
-        """A request of this process's went unanswered (the owner's thread failed to make
-        the pool, or the owner held its GIL for a second): it asks again only after
-        ASK_AGAIN_S, so that a failing owner costs one wait now and then, not one per batch."""
+        """A request went unanswered (the owner failed to make the pool, or held its GIL):
+        ask again only after ASK_AGAIN_S, so a failing owner costs a wait now and then,
+        not one per batch."""
         self._quiet_until = time.monotonic() + ASK_AGAIN_S
 
     def ask(self, nbytes: int, *, more: bool = False) -> bool:
-        """Ask the owner for slots of at least ``nbytes`` bytes, ``more`` of them when
-        every one is held; it answers by publishing the pools. Never blocks (a full
-        pipe holds requests enough). False when this process does not ask now: a
-        request went unanswered lately, or the pipe cannot be opened here."""
+        """Ask the owner for slots of ``nbytes`` or more (``more`` of them: every one is
+        held), without blocking (a full pipe holds requests enough). False when not
+        asked: one went unanswered lately, or the pipe cannot be opened here."""
         if time.monotonic() < self._quiet_until:
             return False
         try:
@@ -223,9 +202,8 @@ class BoardReader:
         return True
 
     def _read(self, known: int | None = None) -> tuple[int, list[PoolHandle] | None]:
-        """The board's version and, unless it is still ``known`` (default: this reader's),
-        the entries it lists (one whole write of the owner's); OSError when the owner
-        stays in the middle of a write for _BOARD_WAIT_S."""
+        """The board's version and its entries, None while the version is still ``known``
+        (default: this reader's); OSError when the owner stays mid-write _BOARD_WAIT_S."""
         known = self.version if known is None else known
         deadline = None
         while True:
@@ -245,8 +223,8 @@ class BoardReader:
             return version, [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
 
     def pools(self) -> list[PoolView]:
-        """The pools listed now; OSError when one of them cannot be mapped here. (One the
-        owner let go after listing it, replaced on the board since, is read again.)"""
+        """The pools listed now, each mapped once and let go once delisted; OSError when one
+        cannot be mapped here (unless the owner let it go and published since: read again)."""
         while True:
             version, entries = self._read()
             if entries is None:
@@ -267,11 +245,8 @@ class BoardReader:
 
 
 class PoolView:
-    """``handle``'s pool mapped shared into this process, to lease and fill slots.
-
-    OSError (naming the file and why) when the pool cannot be mapped here: the owner
-    is gone, or this process may not open its descriptors (another user, a sandbox).
-    """
+    """``handle``'s pool mapped shared here, to lease and fill slots; OSError when it
+    cannot be (the owner is gone, or its descriptors are closed to this process)."""
 
     def __init__(self, handle: PoolHandle) -> None:
         self.handle = handle
@@ -285,14 +260,12 @@ class PoolView:
         self._slots: list[memoryview | None] = [None] * self.table.count
         """Each slot's memory, made (and faulted in) at its first lease here."""
         self.made: list[dict[Any, Any]] = [{} for _ in range(self.table.count)]
-        """Per slot, what a filler keeps over its memory from batch to batch (a worker's
-        tensors to collate into, as many as the filler's cache policy keeps): it lives
-        as long as this view's mapping."""
+        """Per slot, what a filler keeps over its memory from batch to batch (tensors to
+        collate into), as long as this mapping lives."""
 
     def lease(self) -> tuple[int, int] | None:
-        """A free slot leased to this process now, ``(index, generation)``; None when every
-        slot is taken. It never waits: a worker asks the owner for room instead
-        (:meth:`BoardReader.ask`)."""
+        """A free slot leased to this process, ``(index, generation)``; None when every one
+        is taken (never waits: see :meth:`BoardReader.ask`)."""
         return self.table.claim(_pid.started())
 
     def slot(self, index: int) -> memoryview:
@@ -317,12 +290,12 @@ class PoolView:
 
 
 def fault_in(memory: memoryview) -> None:
-    """Enter every page of ``memory`` (a slot) in this process's page tables now, in one
-    call, faulting in (zeroing, on the pool's node) any page no process has touched
-    yet. Page tables are per process: without this, each process takes a minor fault
-    per 4 KiB page the first time it writes a slot (~2,400 per 9 MiB slot), which
-    slowed the epoch after the first by half. MADV_POPULATE_WRITE needs Linux 5.14;
-    an older kernel refuses it and the pages are mapped as they are written."""
+    """Enter every page of ``memory`` (a slot) in this process's page tables in one call,
+    faulting in (zeroing, on the pool's node) any page never touched. Page tables are
+    per process: otherwise each takes a minor fault per 4 KiB page at its first write
+    of a slot (~2,400 per 9 MiB slot), which slowed the epoch after the first by half.
+    MADV_POPULATE_WRITE needs Linux 5.14: an older kernel refuses it, mapping each page
+    as it is written."""
     try:
         _libnuma.madvise(memory, _libnuma.MADV_POPULATE_WRITE)
     except OSError:

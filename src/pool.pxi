@@ -1,19 +1,17 @@
-# Pinned pools: page locking (mlock, munlock), and the slot bookkeeping of a pool:
-# one shared mapping cut into equal slots after a table of one word per slot. A free
-# slot is claimed with one compare-and-swap, by the main process or by a DataLoader
-# worker that maps the same file.
+# Pinned pools: page locking (mlock, munlock), and the slot bookkeeping of a pool: one
+# shared mapping cut into equal slots after a table of one word per slot, each claimed
+# with one compare-and-swap by the main process or a DataLoader worker mapping the file.
 #
 # A slot comes back when its Slot object is deallocated: every array, memoryview or
-# tensor over the slot keeps the Slot alive (a buffer export holds a reference;
-# torch.frombuffer keeps one), so its tp_dealloc is the moment nothing views the
-# slot any more. That deallocator runs in whichever thread drops the last reference
-# (a pin thread, the cycle collector), so it only changes the slot's word and the
-# pool's counters: it never calls Python, waits on a GPU event or warns. A slot that
-# needs more (a CUDA fence recorded, or a closed pool's memory released) is marked
-# returned, and SlotPool.settle() does the rest: at the main thread's next Python
-# instruction (a CPython pending call) or at the next acquire(), settle() or close().
-# The cycle collector clears neither a Slot, nor its pool, nor the pool's table (which
-# holds the mapping) (no_gc_clear): the Slot's deallocator needs them whole.
+# tensor over it keeps the Slot alive (a buffer export holds a reference; so does
+# torch.frombuffer). That deallocator runs in whichever thread drops the last reference
+# (a pin thread, the cycle collector), so it only changes the slot's word and the pool's
+# counters: it never calls Python, waits on a GPU event or warns. A slot needing more (a
+# CUDA fence recorded, a closed pool's memory released) is marked returned for
+# SlotPool.settle(): at the main thread's next Python instruction (a CPython pending
+# call) or at the next acquire(), settle() or close(). The cycle collector clears
+# neither a Slot, its pool, nor the pool's table, which holds the mapping (no_gc_clear):
+# the Slot's deallocator needs them whole.
 
 cimport cython
 from libc.stdint cimport int64_t
@@ -63,15 +61,12 @@ if nf_track_pid() != 0:
 
 
 def mlock(buf, bint on_fault=False) -> None:
-    """mlock(2): keep every page ``buf`` touches resident, faulting in any that is not
-    yet there. With ``on_fault``, mlock2(2) with MLOCK_ONFAULT: each page is locked as
-    it is first touched, so locking costs nothing up front (a kernel without mlock2,
-    before 4.4, locks them all now).
-
-    Beyond RLIMIT_MEMLOCK, without CAP_IPC_LOCK: ENOMEM (EPERM when the limit is 0);
-    the whole range counts against the limit either way. A locked page may still
-    migrate to another frame; one pinned for DMA (cudaHostRegister) cannot.
-    """
+    """mlock(2): keep every page ``buf`` touches resident, faulting in any missing one;
+    with ``on_fault``, mlock2(2) MLOCK_ONFAULT locks each page at its first touch (a
+    kernel before 4.4, without mlock2, locks them all now). Beyond RLIMIT_MEMLOCK,
+    without CAP_IPC_LOCK: ENOMEM (EPERM when the limit is 0), the whole range counting
+    either way. A locked page may still migrate; one pinned for DMA (cudaHostRegister)
+    cannot."""
     _lock_pages(buf, True, on_fault)
 
 
@@ -81,7 +76,6 @@ def munlock(buf) -> None:
 
 
 cdef int _lock_pages(object buf, bint lock, bint on_fault) except -1:
-    """mlock (mlock2 with MLOCK_ONFAULT where asked and known) or munlock every page ``buf`` touches."""
     cdef Py_buffer view
     cdef char *first
     cdef size_t length
@@ -110,10 +104,9 @@ cdef int _lock_pages(object buf, bint lock, bint on_fault) except -1:
 
 
 def remap_private_at(uintptr_t address, size_t length, int fd, size_t offset) -> None:
-    """mmap(2) ``length`` bytes of file ``fd`` from ``offset``, private and read-write,
-    at ``address``, replacing whatever is mapped there (MAP_FIXED): what a forked child
-    does with a pool's shared mapping that it found in /proc/self/maps but holds no
-    object for (a pool its parent was making when it forked)."""
+    """Map ``length`` bytes of file ``fd`` from ``offset`` private and read-write at
+    ``address``, over what is there (MAP_FIXED): remap_private for a pool a forked child
+    finds in /proc/self/maps but holds no object for (its parent was making it)."""
     cdef void *start
     cdef int err = 0
     if address % _PAGE or length % _PAGE or offset % _PAGE or length == 0:
@@ -139,12 +132,11 @@ cdef double _WAIT_STEP_S = 0.05
 cdef double _FENCE_POLL_S = 0.0005
 
 # The slot table at the start of a pool's mapping: a header, then one 64-bit word per
-# slot, ``generation << 40 | state << 32 | pid``, then one per slot saying which
-# process leased it, ``generation << 40 | start time`` (clock ticks after boot, as
-# /proc/PID/stat gives it: a pid alone cannot tell a live worker from a later process
-# given the same pid). The generation grows each time a slot becomes free, so a stale
-# message about a slot (from a worker that died, or a batch dropped unread) can
-# never be mistaken for its next use.
+# slot, ``generation << 40 | state << 32 | pid``, then one per slot for its leaser,
+# ``generation << 40 | start time`` (clock ticks after boot, as in /proc/PID/stat: a
+# pid alone cannot tell a live worker from a later process given its pid). The
+# generation grows each time a slot becomes free, so a stale message about a slot (a
+# dead worker's, a batch dropped unread) is never taken for its next use.
 #
 # Memory order, which x86 gives for free and Arm does not: every change of a slot's
 # word is a compare-and-swap with acquire and release order, and every read of it an
@@ -193,9 +185,8 @@ def slot_table_bytes(Py_ssize_t count) -> int:
 @cython.auto_pickle(False)
 @cython.no_gc_clear  # a Slot's deallocator writes its word (see the top of this file)
 cdef class SlotTable:
-    """The table of a pool's mapping, as one process sees it (``region`` maps the
-    pool's file). :meth:`create` writes it, :meth:`attach` reads one another process
-    wrote. Claiming and returning slots are atomic across processes."""
+    """The slot table of a pool's mapping ``region``, as one process sees it: :meth:`create`
+    writes it, :meth:`attach` reads one another process wrote."""
 
     cdef readonly MappedBuffer region
     cdef uint64_t *words
@@ -236,8 +227,7 @@ cdef class SlotTable:
 
     @staticmethod
     def attach(MappedBuffer region not None) -> SlotTable:
-        """The table another process wrote at the start of ``region``; ValueError when
-        ``region`` holds none or is too small for what it says."""
+        """The table at the start of ``region``; ValueError when there is none or it does not fit."""
         cdef SlotTable table = SlotTable.__new__(SlotTable)
         cdef uint64_t *words = <uint64_t *>region.address
         if region.address == NULL or region.size < _PAGE or nf_load64(&words[0]) != _TABLE_MAGIC:
@@ -268,13 +258,10 @@ cdef class SlotTable:
 
     cdef Py_ssize_t _claim(self, uint64_t state, uint64_t pid, uint64_t started,
                            uint64_t *generation) noexcept nogil:
-        """Take a free slot for ``state``/``pid`` (a lease records ``started``, the
-        process's start time, right after its compare-and-swap); its index (and
-        generation), or -1.
-
-        The lowest free index first: a slot that just came back, whose lines are likely
-        still in the CPU's caches, is the next one filled (a round-robin walk keeps
-        every slot cold: writing a batch into one was 1.5x slower here)."""
+        """Take the lowest free slot for ``state``/``pid`` (a lease then records ``started``):
+        its index (and generation), or -1. The lowest first, so a slot just back, its
+        lines likely still cached, is filled next (round-robin kept every slot cold:
+        writing a batch was 1.5x slower)."""
         cdef Py_ssize_t index
         cdef uint64_t word
         for index in range(self.count):
@@ -297,13 +284,12 @@ cdef class SlotTable:
             return False
         if pid != _PID_BITS and (seen & _PID_BITS) != pid:
             return False
-        return nf_cas64(word, seen, _word(generation + (1 if next_generation else 0), new_state, new_pid))
+        return nf_cas64(word, seen, _word(generation + next_generation, new_state, new_pid))
 
     def claim(self, uint64_t started):
-        """Lease a free slot to this process (a worker), whose start time is ``started``
-        (clock ticks after boot, as /proc/self/stat gives it): ``(index, generation)``,
-        or None when none is free now. It never waits: a worker that finds every slot
-        taken asks its owner for more (numafast.pool_share.BoardReader.ask)."""
+        """Lease a free slot to this process (a worker started at ``started``, in clock
+        ticks after boot): ``(index, generation)``, or None when none is free. Never
+        waits: the worker asks its owner for more (BoardReader.ask)."""
         cdef uint64_t generation = 0
         cdef Py_ssize_t index
         if self._unmapped():
@@ -321,10 +307,8 @@ cdef class SlotTable:
         return self._change(index, generation, _LEASED, owner, _FREE, 0, True)
 
     def leases(self) -> list:
-        """``(index, generation, pid, started)`` of every slot leased to another process
-        now: ``started`` is the leaser's start time (clock ticks after boot, modulo
-        2**40), -1 while the leaser has not recorded it yet (it does a few
-        instructions after leasing)."""
+        """``(index, generation, pid, started)`` of every slot leased now: ``started`` the
+        leaser's start time (modulo 2**40), -1 in the few instructions before it records it."""
         cdef Py_ssize_t index
         cdef uint64_t word, leaser
         cdef long long started
@@ -359,23 +343,20 @@ cdef class SlotTable:
 @cython.no_gc_clear  # a Slot's deallocator uses its pool (see the top of this file)
 @cython.auto_pickle(False)
 cdef class SlotPool:
-    """``count`` equal slots of ``slot_bytes`` each in ``region``, after its slot table.
+    """``count`` slots of ``slot_bytes`` in ``region``, after its slot table, handed out as
+    :class:`Slot` objects (:meth:`acquire`, or :meth:`adopt` for a worker's lease).
 
-    :meth:`acquire` hands out a free slot as a :class:`Slot`, which exports the slot's
-    memory, and :meth:`adopt` makes a slot that a worker process leased and filled a
-    Slot of this process; the slot comes back when its Slot is gone. ``fence``, when
-    given, is called as ``fence(index)`` as a slot comes back and returns an object
-    with ``query()`` and ``synchronize()`` (CUDA events on the streams that read the
-    slot): the slot is reused only once it is done. ``on_drained()`` is called once,
-    when the pool is closed and no slot is out (held, in flight or leased): the memory
-    may go then. :meth:`settle` calls both, never a deallocator; a SlotPool dropped
-    unclosed calls neither (PinnedPool closes its own when it is dropped).
+    ``fence(index)``, when given, returns for a slot given back an object with
+    ``query()`` and ``synchronize()`` (CUDA events on the streams reading it): the slot
+    is reused once it is done. ``on_drained()`` is called once the pool is closed and no
+    slot is out (held, in flight or leased): the memory may go. Only :meth:`settle`
+    calls them; a SlotPool dropped unclosed calls neither.
 
-    The mutex only guards the condition that :meth:`acquire`'s waiters sleep on (the GIL
-    released); the slots change by compare-and-swap. A forked child's copy hands out
-    no slot and never touches the mutex or the condition: they are copied in whatever
-    state fork() found them (a mutex another thread held stays held for good, and
-    glibc's pthread_cond_destroy would wait forever for the waiters copied with it).
+    The mutex only guards the condition acquire()'s waiters sleep on (GIL released);
+    slots change by compare-and-swap. A forked child's copy hands out no slot and never
+    touches the mutex or condition, copied as fork() found them (a mutex another thread
+    held stays held; glibc's pthread_cond_destroy would wait forever for the waiters
+    copied with it).
     """
 
     cdef readonly SlotTable table
@@ -447,36 +428,30 @@ cdef class SlotPool:
         """Whether this process made the pool (not a forked child's copy)."""
         return self.owner_pid == nf_pid()
 
-    cdef int _check_owner(self) except -1:
+    cdef int _check_owner(self, size_t nbytes=0) except -1:
         if not self._owned():
             raise RuntimeError(
                 f"this pool belongs to process {self.owner_pid}; a forked child only reads the slots "
                 "it inherited: make a new pool in the child")
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
         return 0
 
     def acquire(self, size_t nbytes, double timeout=-1.0) -> Slot:
-        """A free slot exporting its first ``nbytes`` bytes (at most ``slot_bytes``).
-
-        When none is free: wait up to ``timeout`` seconds (< 0: as long as it takes) for
-        one to come back, then TimeoutError; RuntimeError once the pool is closed.
-        """
+        """A free slot exporting its first ``nbytes`` bytes, waiting up to ``timeout`` s
+        (< 0: forever) for one, then TimeoutError; RuntimeError once the pool is closed."""
         cdef Py_ssize_t index
-        self._check_owner()
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
+        self._check_owner(nbytes)
         index = -1 if self.closed else self._take()
         if index < 0:
             index = self._wait_for_slot(timeout)
         return Slot._wrap(self, index, nbytes)
 
     def adopt(self, Py_ssize_t index, uint64_t generation, size_t nbytes) -> Slot:
-        """The slot a worker leased in ``generation`` and filled, as a Slot of this
-        process (its first ``nbytes`` bytes); LookupError when that lease is over (the
-        slot was reclaimed from a worker that died, or the batch was already taken)."""
-        self._check_owner()
+        """The slot a worker leased in ``generation`` and filled, as a Slot of ``nbytes``;
+        LookupError when that lease is over (reclaimed from a dead worker, or taken)."""
+        self._check_owner(nbytes)
         self.table._check_index(index)
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
         if not self.table._change(index, generation, _LEASED, _PID_BITS, _HELD, <uint64_t>self.owner_pid, False):
             raise LookupError(f"slot {index} of this pool is no longer leased in generation {generation}")
         self._count_out()
@@ -484,8 +459,8 @@ cdef class SlotPool:
         return Slot._wrap(self, index, nbytes)
 
     def reclaim(self, Py_ssize_t index, uint64_t generation, long pid) -> bool:
-        """Free a slot leased to ``pid`` in ``generation`` (a worker that died, or a
-        batch dropped before anyone read it); False when the lease had already ended."""
+        """Free a slot leased to ``pid`` in ``generation`` (a dead worker's, or a batch
+        dropped unread); False when the lease had already ended."""
         self._check_owner()
         if not self.table.unclaim(index, generation, pid):
             return False
@@ -518,7 +493,8 @@ cdef class SlotPool:
         try:
             while True:
                 if self.fenced:
-                    self._reap_fences(timeout < 0)
+                    self._fence_returned()
+                    self.reap(timeout < 0)
                 if self.closed:
                     raise RuntimeError("the pool was closed while waiting for a slot")
                 index = self._take()
@@ -545,21 +521,6 @@ cdef class SlotPool:
             if counted:
                 self.waited_seconds += _monotonic() - start
 
-    cdef int _reap_fences(self, bint block_on_oldest, bint record=True) except -1:
-        """Free the fenced slots whose GPU work is done (with ``record``, after recording
-        the fences of the slots returned); with ``block_on_oldest`` and none free, wait
-        for the oldest first (the fence releases the GIL meanwhile, so another thread
-        may reap the same slots: each is freed by one of them)."""
-        cdef Py_ssize_t index
-        if record:
-            self._fence_returned()
-        if block_on_oldest and self.fences and _FREE not in self.table.states():
-            next(iter(self.fences.values())).synchronize()
-        for index, fence in list(self.fences.items()):
-            if fence.query():
-                self._unfence(index, fence)
-        return 0
-
     cdef void _unfence(self, Py_ssize_t index, object fence):
         """Free a fenced slot whose fence is done, unless another thread just did."""
         if self.fences.get(index) is fence:
@@ -576,17 +537,14 @@ cdef class SlotPool:
     cdef void _signal(self) noexcept:
         # The mutex is only ever held for a few instructions (a waiter lets go of it
         # while it sleeps, and never holds it with the GIL), so a Slot's deallocator
-        # may take it.
-        if not self._owned():
-            return  # never the owner's mutex in a forked child (see the class)
+        # may take it. Every caller has checked _owned(): a forked child never takes it.
         pthread_mutex_lock(&self.mutex)
         pthread_cond_signal(&self.returned)
         pthread_mutex_unlock(&self.mutex)
 
     cdef void _give_back(self, Py_ssize_t index) noexcept:
-        """A Slot object died (its deallocator, GIL held): without a fence, its slot is
-        free now; with one, it is marked returned for settle() to fence. Flags and
-        counters only (see the top of this file)."""
+        """A Slot died (its deallocator, GIL held): its slot is free, or with a fence marked
+        returned for settle() (see the top of this file)."""
         cdef uint64_t word
         if not self._owned():
             return  # a forked child's copy: nothing of the parent's to give back
@@ -603,9 +561,8 @@ cdef class SlotPool:
             self._settle_soon()
 
     cdef void _settle_soon(self) noexcept:
-        """Have the main thread call settle() at its next Python instruction (a CPython
-        pending call, which holds a reference to the pool until it runs). Where the
-        queue of pending calls is full, the next acquire(), settle() or close() does it."""
+        """Queue settle() as a pending call (holding a reference to the pool); when the
+        queue is full, the next acquire(), settle() or close() settles instead."""
         if self.settle_queued:
             return
         self.settle_queued = True
@@ -615,10 +572,9 @@ cdef class SlotPool:
             Py_DECREF(self)  # never the last reference: the caller holds one
 
     cdef int _fence_returned(self) except -1:
-        """Record a fence for each returned slot; in a closed pool wait for it at once and
-        retire the slot (nothing would reap it). A slot whose fence cannot be recorded
-        is retired: without one nobody can tell when the GPU is done with it, and
-        handing it out again could overwrite a copy in flight."""
+        """Record a fence for each returned slot (a closed pool waits for it at once: nothing
+        would reap it). A slot whose fence cannot be recorded is retired: handing it out
+        again could overwrite a copy still in flight."""
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef object fence
@@ -650,22 +606,25 @@ cdef class SlotPool:
         return 0
 
     def reap(self, bint wait=False) -> None:
-        """Free the fenced slots whose GPU work is done; with ``wait`` and no slot free,
-        wait for the oldest fence first (the GIL released meanwhile). Records no fence:
-        a fence is recorded on the current stream of the thread that records it, which
-        must be the main thread (settle), not the one that calls this."""
-        if self._owned() and self.fenced:
-            self._reap_fences(wait, False)
+        """Free the fenced slots whose GPU work is done; with ``wait`` and no slot free, wait
+        for the oldest fence first (letting go of the GIL: another thread may reap the same
+        slots, each freed once). Records no fence: one is recorded on the recording
+        thread's current stream, which must be the main thread's (settle)."""
+        cdef Py_ssize_t index
+        if not self._owned() or not self.fenced:
+            return
+        if wait and self.fences and _FREE not in self.table.states():
+            next(iter(self.fences.values())).synchronize()
+        for index, fence in list(self.fences.items()):
+            if fence.query():
+                self._unfence(index, fence)
 
     def settle(self) -> bool:
-        """Record the fences of the slots given back since the last look, and free the
-        fenced slots whose GPU work is done. A closed pool instead waits for the GPU
-        work on its fenced slots, retires its free slots, and calls on_drained once
-        every slot is retired (none held, in flight or leased). True once drained.
-
-        A worker may lease a free slot at any moment, even after close: each free slot
-        is retired with a compare-and-swap that fails if a worker leased it meanwhile,
-        and the memory goes only once every slot is retired, a state no process leaves."""
+        """Record the returned slots' fences and free the slots whose GPU work is done; a
+        closed pool instead waits for its fences, retires its free slots, and calls
+        on_drained once every slot is retired. True once drained. A worker may lease a
+        free slot even after close: the compare-and-swap that retires it then fails, and
+        the memory goes only once every slot is retired, a state no process leaves."""
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef bint retired = True
@@ -679,7 +638,8 @@ cdef class SlotPool:
             # A fence that cannot be asked (a CUDA error) stays: settle() runs as a pending
             # call, in whatever code the main thread runs, so acquire() and reap() raise it.
             try:
-                self._reap_fences(False)
+                self._fence_returned()
+                self.reap()
             except Exception:
                 pass
             return False
@@ -703,27 +663,23 @@ cdef class SlotPool:
         return self.drained
 
     def close(self) -> None:
-        """Hand out no more slots; wake every waiter (it raises); then settle(): wait for
-        the GPU work on fenced slots, and call on_drained now if no slot is out, else
-        when the last one comes back (slots leased by workers count as out: see
-        :meth:`settle`). In a forked child, only marks this copy closed."""
+        """Hand out no more slots, wake every waiter (it raises), then :meth:`settle`
+        (workers' leases count as out). In a forked child, only marks this copy closed."""
         if not self.closed:
             self._shut()
             self.settle()
 
     def abandon(self) -> None:
-        """What the pool's owner calls as it is dropped (a finalizer, in whichever thread
-        drops it): close, and let the memory go once no slot of this process is out,
-        workers' leases or not (nobody is left to adopt their batches; a worker's own
-        mapping keeps what it writes valid). Waits for nothing: the settling is left
-        to the main thread's next Python instruction, as a returned slot's is."""
+        """Close as the owner is dropped (a finalizer, in any thread), without waiting: the
+        memory goes once no slot of this process is out, workers' leases ignored (nobody
+        is left to adopt them; a worker's own mapping keeps its writes valid)."""
         if self._owned():
             self.abandoned = True
             self._shut()
             self._settle_soon()
 
     cdef void _shut(self) noexcept:
-        """Mark the pool closed and wake every waiter: under the mutex, so that no waiter
+        """Mark the pool closed and wake every waiter, under the mutex so that no waiter
         goes to sleep between its look at ``closed`` and the broadcast."""
         if not self._owned():
             self.closed = True  # no waiter of this copy exists to wake, and the mutex is not the child's
@@ -749,11 +705,10 @@ cdef class SlotPool:
 
 
 cdef int _settle_pending(void *pool) noexcept with gil:
-    """SlotPool._settle_soon's pending call: settle() in the main thread, between two
-    Python instructions, outside any deallocator. An exception raised in it, a signal
-    handler's too (Ctrl-C, PyTorch's SIGCHLD handler for a dead worker), is left set
-    and -1 returned: CPython raises it in the main thread's code, not lost. (The pool
-    settles again at its next look.)"""
+    """SlotPool._settle_soon's pending call: settle() in the main thread, outside any
+    deallocator. An exception, a signal handler's too (Ctrl-C, PyTorch's SIGCHLD handler
+    for a dead worker), is left set and -1 returned: CPython raises it in the main
+    thread's code (the pool settles again at its next look)."""
     cdef SlotPool slots = <SlotPool>pool
     Py_DECREF(slots)  # the reference _settle_soon took (the local holds one until the end)
     slots.settle_queued = False
@@ -771,19 +726,17 @@ cdef int _settle_pending(void *pool) noexcept with gil:
 
 # ---------------------------------------------------------------- a seqlock in shared memory
 #
-# The pool board (numafast.pool_share) is a small shared file that one process, its
-# owner, rewrites and that workers read at every batch: word 0 is a sequence number,
-# the words after it the payload. A reader must never take a half-written payload,
-# nor the new sequence with old words: a weakly ordered CPU (Arm) may make plain
-# stores visible to another CPU in any order, and let loads run ahead of each other.
-# So, as in Boehm's "Can seqlocks get along with programming language memory
-# models?" (2012): the writer stores an odd sequence, then a release fence keeps
-# every payload store after it; the payload; then the even sequence, stored with
-# release order (every payload store before it). The reader loads the sequence
-# with acquire order (every payload load after it), copies the payload, and an
-# acquire fence keeps those loads before its second load of the sequence; the copy
-# is whole only when both loads saw the same even number. The payload words are
-# atomic (relaxed) loads and stores, so no load is torn within a word either.
+# The pool board (numafast.pool_share), a shared file its owner rewrites and workers
+# read at every batch: word 0 a sequence number, the payload after it. A reader must
+# never take a half-written payload, nor the new sequence with old words: a weakly
+# ordered CPU (Arm) may make plain stores visible to another CPU in any order, and
+# run loads ahead of each other. So, as in Boehm's "Can seqlocks get along with
+# programming language memory models?" (2012): the writer stores an odd sequence, a
+# release fence (every payload store after it), the payload, then the even sequence
+# with release order (every payload store before it). The reader loads the sequence
+# with acquire order, copies the payload, and an acquire fence keeps those loads
+# before its second load of the sequence: the copy is whole when both saw the same
+# even number. Payload words are relaxed atomics, so no word is torn either.
 
 # A reader gives up (BlockingIOError) after this many tries that each found the writer
 # at work: the writer holds its GIL through a write of a few hundred bytes, so only a
@@ -799,11 +752,9 @@ cdef uint64_t *_seqlock_words(Py_buffer *view, Py_ssize_t payload) except NULL:
 
 
 def seqlock_write(buf, payload) -> int:
-    """Write the bytes ``payload`` (whole 64-bit words) after the sequence word at the
-    start of the writable buffer ``buf`` (see the comment above): readers in any
-    process see all of it or none. Returns the new sequence number, even. One
-    writer at a time: the GIL, held throughout, keeps this process's threads apart;
-    no other process may write."""
+    """Write ``payload`` (whole 64-bit words) into the seqlock at the start of ``buf``;
+    the new, even sequence number. One writer: the GIL, held throughout, keeps this
+    process's threads apart; no other process may write."""
     cdef Py_buffer view, data
     cdef uint64_t *words
     cdef const uint64_t *source
@@ -829,10 +780,9 @@ def seqlock_write(buf, payload) -> int:
 
 
 def seqlock_read(buf, Py_ssize_t payload, int64_t known) -> tuple:
-    """``(sequence, payload)`` of the seqlock at the start of ``buf``: its first ``payload``
-    bytes after the sequence word, as one writer's whole write left them (see the
-    comment above); the payload is None when the sequence still is ``known`` (nothing
-    copied). BlockingIOError when every try found the writer at work."""
+    """``(sequence, payload)``: the first ``payload`` bytes of the seqlock at the start of
+    ``buf``, one whole write's, or None while the sequence is still ``known``.
+    BlockingIOError when every try found the writer at work."""
     cdef Py_buffer view
     cdef uint64_t *words
     cdef uint64_t *target = NULL
@@ -874,10 +824,9 @@ _NOT_PICKLED = (
 @cython.no_gc_clear  # its deallocator gives the slot back to its pool (see the top of this file)
 @cython.auto_pickle(False)
 cdef class Slot:
-    """One slot of a :class:`SlotPool`, handed out by ``acquire()`` or ``adopt()``: its
-    memory as writable bytes (buffer protocol). The slot goes back to the pool when
-    this object is gone, which is never before the last array, memoryview or tensor
-    over it. In a forked child the memory stays readable (the child's private copy)."""
+    """One slot of a :class:`SlotPool` as writable bytes (buffer protocol), given back when
+    this object is gone (see the top of this file). In a forked child it stays readable
+    (the child's private copy)."""
 
     cdef SlotPool pool
     cdef readonly Py_ssize_t index
