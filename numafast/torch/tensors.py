@@ -33,7 +33,7 @@ def empty(
     memory is spread as :func:`numafast.empty` spreads it: each node gets its
     share to within one base page, whatever the size.
     """
-    shape = _shape(size)
+    shape = check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
     checked = torch.get_default_dtype() if dtype is None else _dtype(dtype)
     count = math.prod(shape)
     buffer = allocate(count * checked.itemsize, node=node, nodes=nodes, hugepages=hugepages)
@@ -42,25 +42,12 @@ def empty(
     return torch.frombuffer(memoryview(buffer), dtype=checked, count=count).view(shape)
 
 
-def zeros(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | str | None = None,
-    node: int | None = None,
-    nodes: Iterable[int] | None = None,
-    hugepages: bool = True,
-) -> torch.Tensor:
-    """Like :func:`empty`: fresh anonymous pages are zero, so no second pass is needed."""
-    return empty(*size, dtype=dtype, node=node, nodes=nodes, hugepages=hugepages)
-
-
-def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
-    """torch's two spellings, ``(2, 3)`` and ``((2, 3),)``, as one shape."""
-    return check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+# Fresh anonymous pages are zero: empty's tensor is zeros' already, no second pass needed.
+zeros = empty
 
 
 def _dtype(dtype: object) -> torch.dtype:
-    """A torch.dtype, or one named as torch names it ("float32", "torch.float32");
-    TypeError naming the value and some names otherwise."""
+    """A torch.dtype, or one named as torch names it ("float32", "torch.float32")."""
     if isinstance(dtype, torch.dtype):
         return dtype
     named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
