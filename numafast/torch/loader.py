@@ -214,13 +214,14 @@ class NumaLoader(DataLoader[T_co]):
                         f"{', '.join(sorted(given))}: pass them to the loader it wraps, or wrap that loader"
                     )
                 through = dataset
-            settings = merge_settings(settings_of(settings_loader(dataset)), given)
+            base = settings_of(settings_loader(dataset))
         elif hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__") and not isinstance(dataset, IterableDataset):
             raise TypeError(
                 f"NumaLoader takes a torch.utils.data.DataLoader or a dataset, not a {type(dataset).__name__}"
             )
         else:
-            settings = merge_settings({**DATALOADER_DEFAULTS, "dataset": dataset}, given)
+            base = {**DATALOADER_DEFAULTS, "dataset": dataset}
+        settings = merge_settings(base, given)
         prefetch = positive_int(prefetch, "prefetch")
         slots = None if slots is None else positive_int(slots, "slots", or_none=True)
         cap = check_max_pinned_bytes(max_pinned_bytes)
@@ -241,9 +242,7 @@ class NumaLoader(DataLoader[T_co]):
         self.strict: bool = strict
         self.lock: str | bool = lock
         self.max_pinned_bytes: int | None = cap
-        shared = _pools_of(settings["collate_fn"], checked, lock) or _pools_of_loader_over(
-            settings["dataset"], checked, lock, wanted
-        )
+        shared = _shared_pools(settings["collate_fn"], settings["dataset"], checked, lock, wanted)
         self.pools: NodePools = shared or node_pools(checked, wanted, lock=lock, max_pinned_bytes=cap)
         self._in_flight = in_flight
         self._fit_pools(shared=shared is not None)
@@ -368,27 +367,21 @@ def _lands_in(value: Any, pools: NodePools, strict: bool) -> bool:
 _live_loaders: weakref.WeakSet[NumaLoader[Any]] = weakref.WeakSet()
 
 
-def _pools_of_loader_over(dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
-    """The pools of a live NumaLoader over this very ``dataset`` object, placed alike: this
-    loader is a framework's copy of it, made from the user's arguments (no numafast
-    setting came along). Shared, the user's loader counts the copy's batches too."""
+def _shared_pools(collate_fn: Any, dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
+    """The pools, on ``node`` with the same locking, of the loader this one re-creates: the
+    one whose collate function came along, else a live NumaLoader over this very
+    ``dataset`` object (this loader is then a framework's copy of it, made from the
+    user's arguments). Shared, the user's loader counts the copy's batches too."""
+    mode = parse_mode(lock, LockMode, "lock")
+    came_along = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
+    if came_along is not None and came_along.node == node and came_along.lock is mode:
+        return came_along
     for loader in list(_live_loaders):
         pools = loader.pools
-        if loader.dataset is dataset and _placed_alike(pools, node, lock) and not pools.closed:
+        if loader.dataset is dataset and pools.node == node and pools.lock is mode and not pools.closed:
             pools.slots = max(pools.slots, slots)  # the pools it makes from now on keep the copy's batches too
             return pools
     return None
-
-
-def _pools_of(collate_fn: Any, node: int, lock: str | bool) -> NodePools | None:
-    """The pools of the loader this one re-creates (its collate function came along),
-    when they are on the same node with the same locking."""
-    pools = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
-    return pools if pools is not None and _placed_alike(pools, node, lock) else None
-
-
-def _placed_alike(pools: NodePools, node: int, lock: str | bool) -> bool:
-    return pools.node == node and pools.lock is parse_mode(lock, LockMode, "lock")
 
 
 def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterator[Any]:
