@@ -284,7 +284,7 @@ class NumaLoader(DataLoader[T_co]):
         node where construction could only guess it."""
         if self._first_iteration_done:
             return
-        if parse_mode(self.lock, LockMode, "lock") is LockMode.REQUIRED:
+        if self.pools.lock is LockMode.REQUIRED:
             # Pools grow with the batches and when the consumer keeps them, so any finite
             # RLIMIT_MEMLOCK can be met mid-epoch, inside a batch: refused here instead.
             room = memlock_room()
