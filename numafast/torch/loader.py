@@ -262,7 +262,8 @@ class NumaLoader(DataLoader[T_co]):
     def __setattr__(self, name: str, value: Any) -> None:
         # numafast's part of the settings stays numafast's, whatever is set later.
         if name == "collate_fn" and not _lands_in(value, self.pools, self.strict):
-            value = SlotCollate(_own_collate(value), self.pools, bind_workers=True, strict=self.strict)
+            own = value.collate_fn if isinstance(value, SlotCollate) else value
+            value = SlotCollate(own, self.pools, bind_workers=True, strict=self.strict)
         elif name == "pin_memory":
             value = False
         super().__setattr__(name, value)
@@ -321,7 +322,7 @@ class NumaLoader(DataLoader[T_co]):
         self.node = check_node(node)
         self.pools = node_pools(self.node, self._wanted_slots, lock=self.lock, max_pinned_bytes=self.max_pinned_bytes)
         self._fit_pools()
-        self.collate_fn = _own_collate(self.collate_fn)  # wrapped again, over the new pools
+        self.collate_fn = self.collate_fn  # __setattr__ wraps the user's again, over the new pools
         if self._through is not None:
             settings_loader(self._through).collate_fn = self.collate_fn
 
@@ -350,11 +351,6 @@ class NumaLoader(DataLoader[T_co]):
     def __repr__(self) -> str:
         target = str(self.device) if self.device is not None else "host"
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
-
-
-def _own_collate(value: Any) -> Any:
-    """The user's collate function inside numafast's (or ``value`` itself)."""
-    return value.collate_fn if isinstance(value, SlotCollate) else value
 
 
 def _lands_in(value: Any, pools: NodePools, strict: bool) -> bool:
