@@ -433,13 +433,6 @@ class _OnDevice:
     rebuild: Callable[[list[torch.Tensor]], Any]
 
 
-@dataclass
-class _Raised:
-    """The loader raised this at this batch (met while prefetching)."""
-
-    error: BaseException
-
-
 class _OnDeviceIterator:
     """One pass over a NumaLoader with a CUDA device: the host ``batches``, each copied on
     a side stream ``prefetch`` batches ahead by the thread that iterates."""
@@ -449,7 +442,7 @@ class _OnDeviceIterator:
         self._owner = owner
         self._inner: Iterator[Any] | None = batches
         self._copier = cuda.CopyStream(owner.device)
-        self._ahead: deque[_OnDevice | _Raised] = deque()
+        self._ahead: deque[_OnDevice | Exception] = deque()  # an Exception: the loader raised it at that batch
         self._exhausted = False
 
     def __iter__(self) -> _OnDeviceIterator:
@@ -471,17 +464,15 @@ class _OnDeviceIterator:
             self.close()
             raise StopIteration
         item = self._ahead.popleft()
-        if isinstance(item, _Raised):
-            error = item.error
-            del item
-            raise error
+        if isinstance(item, Exception):
+            raise item
         cuda.hand_over(item.copies, item.ready)
         return item.rebuild(item.copies)
 
     def _queue_copies(self) -> None:
         """Keep the copies of the next ``prefetch`` batches queued on the side stream;
         stop at an error, which the consumer meets at its own batch."""
-        if self._ahead and isinstance(self._ahead[-1], _Raised):
+        if self._ahead and isinstance(self._ahead[-1], Exception):
             return
         while self._inner is not None and not self._exhausted and len(self._ahead) <= self._owner.prefetch:
             try:
@@ -490,7 +481,7 @@ class _OnDeviceIterator:
                 self._exhausted = True
                 return
             except Exception as error:  # the dataset's own exception, in its place
-                self._ahead.append(_Raised(error))
+                self._ahead.append(error)
                 return
             tensors, rebuild = flatten(pinned)
             copies, ready = self._copier.to_device(tensors)
