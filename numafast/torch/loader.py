@@ -222,32 +222,26 @@ class NumaLoader(DataLoader[T_co]):
         else:
             base = {**DATALOADER_DEFAULTS, "dataset": dataset}
         settings = merge_settings(base, given)
-        prefetch = positive_int(prefetch, "prefetch")
-        slots = None if slots is None else positive_int(slots, "slots", or_none=True)
-        cap = check_max_pinned_bytes(max_pinned_bytes)
-        resolved = resolve_device(device)
-        node_guessed = False
+        # All before DataLoader.__init__, which sets collate_fn through __setattr__.
+        self.prefetch: int = positive_int(prefetch, "prefetch")
+        self.slots: int | None = None if slots is None else positive_int(slots, "slots", or_none=True)
+        self.max_pinned_bytes: int | None = check_max_pinned_bytes(max_pinned_bytes)
+        self.device: torch.device | None = resolve_device(device)
+        self._node_guessed = False
         if node is None:
-            node, node_guessed = landing_node(resolved)
-        checked = check_node(node)
-        workers = settings["num_workers"]
-        in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
-        in_flight += prefetch if resolved is not None else 0
-        wanted = slots or in_flight + 2
-        # Before DataLoader.__init__, which sets collate_fn through __setattr__.
-        self.device: torch.device | None = resolved
-        self.node: int = checked
-        self.slots: int | None = slots
-        self.prefetch: int = prefetch
+            node, self._node_guessed = landing_node(self.device)
+        self.node: int = check_node(node)
         self.strict: bool = strict
         self.lock: str | bool = lock
-        self.max_pinned_bytes: int | None = cap
-        shared = _shared_pools(settings["collate_fn"], settings["dataset"], checked, lock, wanted)
-        self.pools: NodePools = shared or node_pools(checked, wanted, lock=lock, max_pinned_bytes=cap)
-        self._in_flight = in_flight
+        workers = settings["num_workers"]
+        self._in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
+        self._in_flight += self.prefetch if self.device is not None else 0
+        self._wanted_slots = self.slots or self._in_flight + 2
+        shared = _shared_pools(settings["collate_fn"], settings["dataset"], self.node, lock, self._wanted_slots)
+        self.pools: NodePools = shared or node_pools(
+            self.node, self._wanted_slots, lock=lock, max_pinned_bytes=self.max_pinned_bytes
+        )
         self._fit_pools(shared=shared is not None)
-        self._wanted_slots = wanted
-        self._node_guessed = node_guessed
         self._first_iteration_done = False
         self._through: DataLoader[Any] | None = through
         super().__init__(settings.pop("dataset"), **settings)
