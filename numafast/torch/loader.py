@@ -86,26 +86,23 @@ class WorkerPlacement:
 
 def settings_of(loader: DataLoader[Any]) -> dict[str, Any]:
     """The DataLoader options that make a loader with ``loader``'s dataset, batches and
-    workers (its sampler and batch sampler objects themselves, so epochs and sharding
-    carry on)."""
+    workers: its very sampler or batch sampler, so epochs and sharding carry on."""
     settings: dict[str, Any] = {name: getattr(loader, name, default) for name, default in DATALOADER_DEFAULTS.items()}
-    settings["dataset"] = loader.dataset
-    custom_batches = loader.batch_size is None and loader.batch_sampler is not None
-    settings["shuffle"] = None
-    settings["batch_sampler"] = loader.batch_sampler if custom_batches else None
-    iterable = isinstance(loader.dataset, IterableDataset)
-    settings["sampler"] = None if custom_batches or iterable else loader.sampler
-    if custom_batches:
-        settings["batch_size"], settings["drop_last"] = 1, False
+    settings.update(dataset=loader.dataset, shuffle=None)
+    if loader.batch_size is None and loader.batch_sampler is not None:  # the user's own batch sampler
+        settings.update(batch_size=1, drop_last=False, sampler=None)
+    else:
+        settings["batch_sampler"] = None
+        if isinstance(loader.dataset, IterableDataset):
+            settings["sampler"] = None
     return settings
 
 
 def merge_settings(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """``base`` (a loader's settings) with the options ``given`` to NumaLoader: a new
-    sampler, shuffle or batch sampler replaces how the loader batched, as it would
-    have in the DataLoader's own call (Lightning passes ``sampler=`` with
-    ``shuffle=False`` and ``batch_sampler=None`` when it injects a
-    DistributedSampler)."""
+    sampler, shuffle or batch sampler replaces how ``base`` batched, as in DataLoader's
+    own call (Lightning injects a DistributedSampler as ``sampler=``, ``shuffle=False``,
+    ``batch_sampler=None``)."""
     merged = {**base, **given}
     if given.get("shuffle") and "sampler" not in given:
         merged["sampler"] = None
