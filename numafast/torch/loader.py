@@ -389,9 +389,7 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
             first = next(iterator)
         except StopIteration:
             return
-    yielded = 0
-    for batch in itertools.chain((first,), iterator):
-        yielded += 1
+    for yielded, batch in enumerate(itertools.chain((first,), iterator), start=1):
         if pools.received() - start < yielded:
             batch = pools.copy_bypassed(batch, bypassed)
         yield batch
