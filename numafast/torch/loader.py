@@ -2,15 +2,13 @@
 whose batches arrive page-locked there without a copy.
 
 Stock PyTorch collates each batch in a worker into a fresh shared-memory file, then
-copies it again in a pin thread that runs wherever the scheduler puts it, into a
-NUMA-blind caching allocator. A NumaLoader is a ``torch.utils.data.DataLoader`` whose
-``collate_fn`` is numafast's (:mod:`numafast.torch.collate`): each worker binds itself
-to the node at its first batch (some OpenMP runtimes reset affinity after fork, and a
-spawned worker inherits nothing) and collates straight into a slot of a shared,
-node-local, page-locked pool; its small message becomes the batch when the
-DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`). Being a plain
-attribute, that collate function survives a framework rebuilding the loader from its
-settings (Lightning's sampler injection, Accelerate's and Ray Train's ``prepare``).
+copies it again, in a pin thread the scheduler puts anywhere, into a NUMA-blind
+caching allocator. NumaLoader's ``collate_fn`` is numafast's
+(:mod:`numafast.torch.collate`): each worker binds itself to the node at its first
+batch (some OpenMP runtimes reset affinity after fork; a spawned worker inherits
+nothing) and collates straight into a slot of a shared, node-local, page-locked pool.
+A plain attribute, it survives a framework rebuilding the loader from its settings
+(Lightning's sampler injection, Accelerate's and Ray Train's ``prepare``).
 """
 
 from __future__ import annotations
@@ -124,8 +122,8 @@ def settings_loader(loader: DataLoader[Any]) -> DataLoader[Any]:
 
 
 def iterates_itself(loader: DataLoader[Any]) -> bool:
-    """Whether iterating ``loader`` is DataLoader's own iteration over its own settings
-    (so a NumaLoader built from its settings yields what it yields)."""
+    """Whether ``loader`` iterates as DataLoader does, over its own settings (so a
+    NumaLoader built from them yields what it yields)."""
     if isinstance(loader, NumaLoader):
         return loader._through is None
     kind = type(loader)
@@ -139,29 +137,27 @@ def iterates_itself(loader: DataLoader[Any]) -> bool:
 
 class NumaLoader(DataLoader[T_co]):
     """A DataLoader whose workers run on ``node`` and whose batches come out page-locked
-    on that node (with a CUDA ``device``: already on the device, copied ``prefetch``
-    batches ahead on a side stream).
+    there (with a CUDA ``device``: already on it, copied ``prefetch`` batches ahead on
+    a side stream).
 
-    ``NumaLoader(loader)`` takes an existing DataLoader's settings (DataLoader options
-    given too replace them, as a framework re-creating it passes them);
-    ``NumaLoader(dataset, batch_size=..., ...)`` is built as a DataLoader is. A loader
-    with an iteration of its own (Accelerate's prepared loaders) is iterated as it is,
-    with numafast's collate function on the loader that makes its workers.
-    ``pin_memory=True`` is accepted and turned off: numafast pins, so torch's pin
-    thread would only copy each batch a second time.
+    ``NumaLoader(loader)`` takes a DataLoader's settings (options given too replace
+    them, as a framework re-creating it passes them); ``NumaLoader(dataset, ...)`` is
+    built as a DataLoader is. A loader with an iteration of its own (Accelerate's
+    prepared loaders) is iterated as it is, numafast's collate function on the loader
+    that makes its workers. ``pin_memory=True`` is accepted and turned off: numafast
+    pins, and torch's pin thread would only copy each batch again.
 
     ``node`` defaults to the device's node, else that of this rank's GPU where CUDA is
-    usable, else the calling thread's node. Neither building nor pickling a loader
-    initialises CUDA: a device that is the current one is read at the first iteration
-    (:mod:`numafast.torch.device`). ``slots`` per pinned pool defaults to
-    ``prefetch_factor`` x ``num_workers``, plus ``prefetch`` with a device, plus two
-    (the batch being filled and the one the consumer holds); a consumer that keeps
-    more gets another pool, released once it lets those batches go. ``strict`` binds
-    the workers' memory to the node instead of preferring it; ``lock`` is the pools'
-    :class:`~numafast.LockMode`. The pools of a loader that is gone are taken over by
-    the next one on the same node. ``max_pinned_bytes`` bounds this process's loader
-    pools together (default: a quarter of the node's memory); past it, batches reach
-    the consumer unpinned, counted in ``stats().unpinned`` and warned about once.
+    usable, else the calling thread's. Neither building nor pickling a loader
+    initialises CUDA: the current device is read at the first iteration. ``slots``
+    per pinned pool defaults to ``prefetch_factor`` x ``num_workers`` (+ ``prefetch``
+    with a device) + 2, the batch being filled and the one the consumer holds; a
+    consumer that keeps more gets another pool, released once it lets them go.
+    ``strict`` binds the workers' memory to the node instead of preferring it;
+    ``lock`` is the pools' :class:`~numafast.LockMode`; a gone loader's pools are
+    taken over by the next on its node. ``max_pinned_bytes`` bounds this process's
+    loader pools together (default: a quarter of the node's memory); past it, batches
+    arrive unpinned, counted in ``stats().unpinned`` and warned about once.
     """
 
     def __init__(
@@ -271,9 +267,8 @@ class NumaLoader(DataLoader[T_co]):
         return len(self._through) if self._through is not None else super().__len__()
 
     def _before_first_iteration(self) -> None:
-        """Before the first workers start, in the iterating thread (the user has picked the
-        rank's device by now): check the locking limit, settle the CUDA device, and the
-        node where construction could only guess it."""
+        """In the iterating thread before the first workers start (the rank's device is
+        picked by now): check the locking limit, settle the CUDA device and a guessed node."""
         if self._first_iteration_done:
             return
         if self.pools.lock is LockMode.REQUIRED:
@@ -298,15 +293,15 @@ class NumaLoader(DataLoader[T_co]):
         self._first_iteration_done = True
 
     def _fit_pools(self, *, shared: bool = False) -> None:
-        """Put this loader's in-flight batches (the most of either loader's, for pools
-        ``shared`` with the loader it was made from) and max_pinned_bytes on its pools."""
+        """Put this loader's in-flight batches (for ``shared`` pools, the most of either
+        loader's) and max_pinned_bytes on its pools."""
         self.pools.in_flight = max(self.pools.in_flight, self._in_flight) if shared else self._in_flight
         if self.max_pinned_bytes is not None:
             self.pools.max_pinned_bytes = self.max_pinned_bytes
 
     def _land_on(self, node: int) -> None:
-        """Land on ``node`` instead of the node guessed at construction (before any worker
-        started): its pools, and numafast's collate function over them."""
+        """Move, before any worker started, from the guessed node to ``node``: its pools and
+        numafast's collate function over them."""
         self._node_guessed = False
         if node == self.node:
             return
@@ -335,8 +330,7 @@ class NumaLoader(DataLoader[T_co]):
         return batches if self.device is None else _OnDeviceIterator(self, batches)
 
     def stats(self) -> LoaderStats:
-        """How the batches arrived (see :class:`numafast.torch.LoaderStats`) and the
-        counters of the pinned pools in use."""
+        """How the batches arrived, and the counters of the pinned pools in use."""
         return self.pools.stats()
 
     def __repr__(self) -> str:
@@ -355,10 +349,10 @@ _live_loaders: weakref.WeakSet[NumaLoader[Any]] = weakref.WeakSet()
 
 
 def _shared_pools(collate_fn: Any, dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
-    """The pools, on ``node`` with the same locking, of the loader this one re-creates: the
-    one whose collate function came along, else a live NumaLoader over this very
-    ``dataset`` object (this loader is then a framework's copy of it, made from the
-    user's arguments). Shared, the user's loader counts the copy's batches too."""
+    """The pools (on ``node``, locked alike) of the loader this one re-creates: the one
+    whose collate function came along, else a live NumaLoader over this very
+    ``dataset``: this one is a framework's copy of it, made from the user's arguments,
+    its batches counted with the user's loader's."""
     mode = parse_mode(lock, LockMode, "lock")
     came_along = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
     if came_along is not None and came_along.node == node and came_along.lock is mode:
@@ -373,10 +367,10 @@ def _shared_pools(collate_fn: Any, dataset: Any, node: int, lock: str | bool, sl
 
 def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterator[Any]:
     """The batches of a loader iterated through, its first ``next()`` (which starts its
-    workers) inside the node's scope. A batch beyond those the pools received came
-    past numafast's collate: it is copied into a slot, counted and warned about once.
-    (Counted, not judged by its memory: such a loader may move the batches itself,
-    as Accelerate's does, and read a batch ahead.)"""
+    workers) inside the node's scope. A batch beyond those the pools received came past
+    numafast's collate: it is copied into a slot, counted and warned about once.
+    Counted, not judged by its memory: such a loader may move batches itself and read
+    ahead, as Accelerate's does."""
     pools = owner.pools
     bypassed = (
         f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
@@ -397,7 +391,7 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
 
 def loader_stats(loader: object) -> LoaderStats | None:
     """The :class:`LoaderStats` of the numafast pools behind ``loader`` (a NumaLoader, a
-    DataLoader a framework made from one, or a framework's wrapper around either), or None."""
+    DataLoader a framework made from one, or a wrapper around either), or None."""
     seen: set[int] = set()
     pending = [loader]
     while pending:
@@ -479,8 +473,7 @@ class _OnDeviceIterator:
             self._ahead.append(_OnDevice(copies, ready, rebuild))
 
     def close(self) -> None:
-        """Stop now: the DataLoader's iterator is dropped (it shuts its workers down, as
-        when its own iterator is dropped) and the queued copies released. Also happens
-        when this iterator is dropped."""
+        """Stop now, as dropping this iterator does: drop the DataLoader's iterator (which
+        shuts its workers down) and the queued copies."""
         self._inner = None
         self._ahead.clear()
