@@ -1,8 +1,7 @@
 """Node-local torch tensors: numafast.torch.empty / zeros, over memory numafast maps.
 
 The tensor is a zero-copy view (torch.frombuffer) of the same node-bound, pre-faulted
-memory as :func:`numafast.empty`, which it keeps alive. Importing numafast never
-imports torch; importing this module does.
+memory as :func:`numafast.empty`, which it keeps alive.
 """
 
 from __future__ import annotations
@@ -25,13 +24,11 @@ def empty(
     hugepages: bool = True,
 ) -> torch.Tensor:
     """A new contiguous CPU tensor whose pages are all on ``node`` (or interleaved over
-    ``nodes``; default: the calling thread's node), faulted in and ready to use.
+    ``nodes`` as :func:`numafast.empty` spreads them; default: the calling thread's
+    node), faulted in and ready to use. Its contents are zero.
 
-    ``size`` as for torch.empty (``empty(2, 3)`` or ``empty((2, 3))``); ``dtype`` is a
-    torch.dtype or its name ("float32", "torch.uint8"), by default
-    torch.get_default_dtype(). Its contents are zero. Interleaved
-    memory is spread as :func:`numafast.empty` spreads it: each node gets its
-    share to within one base page, whatever the size.
+    ``size`` as for torch.empty (``empty(2, 3)`` or ``empty((2, 3))``); ``dtype`` a
+    torch.dtype or its name ("float32", "torch.uint8"), by default torch.get_default_dtype().
     """
     shape = check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
     checked = torch.get_default_dtype() if dtype is None else _dtype(dtype)
