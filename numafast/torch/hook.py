@@ -63,7 +63,7 @@ class PinMemoryHook:
             self.reason = "removed"
 
     def stats(self) -> LoaderStats | None:
-        """How the batches arrived; None when not installed."""
+        """How the batches arrived; None where nothing was installed."""
         return self.pools.stats() if self.pools is not None else None
 
     def __repr__(self) -> str:
