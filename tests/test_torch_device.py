@@ -24,7 +24,6 @@ import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
 from numafast.pages import local_node  # noqa: E402
 from numafast.torch import device as loader_device  # noqa: E402
-from numafast.torch.device import rank_gpu  # noqa: E402
 from numafast.torch.pools import NodePools  # noqa: E402
 from sysfs_truth import online_nodes, pagemap_nodes  # noqa: E402
 from test_launch_live import LAUNCHER_VARIABLES, snapshot_with_gpus  # noqa: E402
@@ -82,10 +81,17 @@ def standing_in(monkeypatch: pytest.MonkeyPatch, state: CudaState) -> CudaState:
 
 
 @SEMANTICS
-def test_each_rank_takes_its_local_ranks_gpu_or_else_the_current_one() -> None:
-    assert rank_gpu(3, 8, 0) == 3  # torchrun on an 8-GPU machine
-    assert rank_gpu(3, 1, 0) == 0  # one visible device per rank (Ray Train, CUDA_VISIBLE_DEVICES per rank)
-    assert rank_gpu(None, 4, 2) == 2  # no launcher: the current device
+def test_each_rank_takes_its_local_ranks_gpu_or_else_the_current_one(
+    monkeypatch: pytest.MonkeyPatch, no_launcher: None
+) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    standing_in(monkeypatch, CudaState(8, current=0))
+    assert loader_device.iteration_gpu(None) == 3  # torchrun on an 8-GPU machine
+    standing_in(monkeypatch, CudaState(1, current=0))
+    assert loader_device.iteration_gpu(None) == 0  # one visible device per rank (Ray Train, CUDA_VISIBLE_DEVICES per rank)
+    monkeypatch.delenv("LOCAL_RANK")
+    standing_in(monkeypatch, CudaState(4, current=2))
+    assert loader_device.iteration_gpu(None) == 2  # no launcher: the current device
 
 
 @SEMANTICS

@@ -20,7 +20,7 @@ from numafast.errors import CudaUnavailable, InvalidGpuError, LocalRankError
 from numafast.pages import local_node
 from numafast.topo import topology
 
-__all__ = ["gpu_node", "iteration_gpu", "landing_node", "rank_gpu", "resolve_device", "settled_gpu"]
+__all__ = ["gpu_node", "iteration_gpu", "landing_node", "resolve_device", "settled_gpu"]
 
 
 def resolve_device(device: object) -> torch.device | None:
@@ -48,13 +48,6 @@ def resolve_device(device: object) -> torch.device | None:
     if resolved.index is not None and resolved.index >= count:
         raise InvalidGpuError(f"device {device!r}: this process sees {count} CUDA devices (0 to {count - 1})")
     return resolved
-
-
-def rank_gpu(local_rank: int | None, count: int, current: int) -> int:
-    """The CUDA device a rank uses: its local rank where it names a visible device (as
-    torchrun, srun and mpirun set it, one GPU per rank), else the current device (one
-    visible device per rank, as Ray Train and CUDA_VISIBLE_DEVICES-per-rank set it)."""
-    return local_rank if local_rank is not None and local_rank < count else current
 
 
 def settled_gpu(device: torch.device | None) -> int | None:

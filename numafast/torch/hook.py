@@ -1,12 +1,11 @@
 """pin_memory_hook: node-local pinning for loaders that keep ``DataLoader(pin_memory=True)``.
 
-The hook gives the loader numafast's collate function (:mod:`numafast.torch.collate`):
-the workers collate each batch straight into a slot of a shared, node-local,
-page-locked pool. PyTorch's pin thread (``pt_data_pin``) binds itself to the GPU's
-node at its first batch; its ``pin_memory()`` then finds every tensor already pinned
-(the pools are registered with CUDA) and copies nothing. No private torch function
-is patched. Unlike NumaLoader, the workers stay where they are and the
-host-to-device copy is not overlapped.
+The workers collate into a node-local, page-locked pool slot through numafast's
+collate function; PyTorch's pin thread (``pt_data_pin``) binds itself to the GPU's
+node at its first batch, and its ``pin_memory()`` finds every tensor pinned already
+(the pools are registered with CUDA) and copies nothing. No private torch function is
+patched. Unlike NumaLoader, the workers stay where they are and the host-to-device
+copy is not overlapped.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ _bound = threading.local()  # .node: the node this thread was bound to by a hook
 
 class PinMemoryHook:
     """What :func:`pin_memory_hook` installed on a loader: ``installed`` says whether it
-    acts (and ``reason`` why not), ``node`` where batches land; :meth:`remove` puts
-    the loader's own collate function back."""
+    acts (``reason``: why not), ``node`` where batches land."""
 
     def __init__(self, loader: DataLoader[Any], node: int | None, device: torch.device | None, slots: int,
                  installed: bool, reason: str) -> None:
@@ -51,7 +49,7 @@ class PinMemoryHook:
             loader.collate_fn = SlotCollate(self._collate, self.pools)
 
     def _bind_pin_thread(self) -> None:
-        """PyTorch's pin thread binds itself to the node at its first batch: it only lives to pin."""
+        """Bind PyTorch's pin thread to the node at its first batch: it only lives to pin."""
         if getattr(_bound, "node", None) != self.node and in_pin_thread():
             assert self.node is not None
             bind(self.node)
@@ -65,7 +63,7 @@ class PinMemoryHook:
             self.reason = "removed"
 
     def stats(self) -> LoaderStats | None:
-        """How the batches arrived (see :class:`numafast.torch.LoaderStats`); None when not installed."""
+        """How the batches arrived; None where nothing was installed."""
         return self.pools.stats() if self.pools is not None else None
 
     def __repr__(self) -> str:
@@ -77,12 +75,9 @@ def pin_memory_hook(
     loader: DataLoader[Any], *, device: object = None, node: int | None = None, slots: int | None = None
 ) -> PinMemoryHook:
     """Make ``loader``'s stock pin thread bind itself to the GPU's node and pin into a
-    node-local pool.
-
-    ``node`` defaults to the node of ``device`` (default: the current CUDA device);
-    ``slots`` per pool to the batches the loader keeps in flight plus two. Where
-    PyTorch will not pin, nothing is installed and the returned hook says why.
-    """
+    node-local pool. ``node`` defaults to the node of ``device`` (default: the current
+    CUDA device); ``slots`` per pool to the batches the loader keeps in flight plus two.
+    Where PyTorch will not pin, nothing is installed and the returned hook says why."""
     if not isinstance(loader, DataLoader):
         raise TypeError(f"pin_memory_hook takes a torch.utils.data.DataLoader, not a {type(loader).__name__}")
     if not loader.pin_memory:
@@ -106,8 +101,8 @@ def pin_memory_hook(
 
 
 def _why_torch_will_not_pin() -> str:
-    """Empty when a DataLoader with pin_memory=True pins here (torch.utils.data's own
-    rule: an accelerator exists and it is not MPS), else why not."""
+    """Why a DataLoader with pin_memory=True does not pin here, or "" where it does
+    (torch.utils.data's rule: an accelerator exists and it is not MPS)."""
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None or not torch.accelerator.is_available():
         return "PyTorch finds no accelerator here, so DataLoader does not pin (pin_memory=True is ignored)"

@@ -2,15 +2,13 @@
 whose batches arrive page-locked there without a copy.
 
 Stock PyTorch collates each batch in a worker into a fresh shared-memory file, then
-copies it again in a pin thread that runs wherever the scheduler puts it, into a
-NUMA-blind caching allocator. A NumaLoader is a ``torch.utils.data.DataLoader`` whose
-``collate_fn`` is numafast's (:mod:`numafast.torch.collate`): each worker binds itself
-to the node at its first batch (some OpenMP runtimes reset affinity after fork, and a
-spawned worker inherits nothing) and collates straight into a slot of a shared,
-node-local, page-locked pool; its small message becomes the batch when the
-DataLoader's own iterator unpickles it (:mod:`numafast.torch.message`). Being a plain
-attribute, that collate function survives a framework rebuilding the loader from its
-settings (Lightning's sampler injection, Accelerate's and Ray Train's ``prepare``).
+copies it again, in a pin thread the scheduler puts anywhere, into a NUMA-blind
+caching allocator. NumaLoader's ``collate_fn`` is numafast's
+(:mod:`numafast.torch.collate`): each worker binds itself to the node at its first
+batch (some OpenMP runtimes reset affinity after fork; a spawned worker inherits
+nothing) and collates straight into a slot of a shared, node-local, page-locked pool.
+A plain attribute, it survives a framework rebuilding the loader from its settings
+(Lightning's sampler injection, Accelerate's and Ray Train's ``prepare``).
 """
 
 from __future__ import annotations
@@ -86,26 +84,23 @@ class WorkerPlacement:
 
 def settings_of(loader: DataLoader[Any]) -> dict[str, Any]:
     """The DataLoader options that make a loader with ``loader``'s dataset, batches and
-    workers (its sampler and batch sampler objects themselves, so epochs and sharding
-    carry on)."""
+    workers: its very sampler or batch sampler, so epochs and sharding carry on."""
     settings: dict[str, Any] = {name: getattr(loader, name, default) for name, default in DATALOADER_DEFAULTS.items()}
-    settings["dataset"] = loader.dataset
-    custom_batches = loader.batch_size is None and loader.batch_sampler is not None
-    settings["shuffle"] = None
-    settings["batch_sampler"] = loader.batch_sampler if custom_batches else None
-    iterable = isinstance(loader.dataset, IterableDataset)
-    settings["sampler"] = None if custom_batches or iterable else loader.sampler
-    if custom_batches:
-        settings["batch_size"], settings["drop_last"] = 1, False
+    settings.update(dataset=loader.dataset, shuffle=None)
+    if loader.batch_size is None and loader.batch_sampler is not None:  # the user's own batch sampler
+        settings.update(batch_size=1, drop_last=False, sampler=None)
+    else:
+        settings["batch_sampler"] = None
+        if isinstance(loader.dataset, IterableDataset):
+            settings["sampler"] = None
     return settings
 
 
 def merge_settings(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """``base`` (a loader's settings) with the options ``given`` to NumaLoader: a new
-    sampler, shuffle or batch sampler replaces how the loader batched, as it would
-    have in the DataLoader's own call (Lightning passes ``sampler=`` with
-    ``shuffle=False`` and ``batch_sampler=None`` when it injects a
-    DistributedSampler)."""
+    sampler, shuffle or batch sampler replaces how ``base`` batched, as in DataLoader's
+    own call (Lightning injects a DistributedSampler as ``sampler=``, ``shuffle=False``,
+    ``batch_sampler=None``)."""
     merged = {**base, **given}
     if given.get("shuffle") and "sampler" not in given:
         merged["sampler"] = None
@@ -127,8 +122,8 @@ def settings_loader(loader: DataLoader[Any]) -> DataLoader[Any]:
 
 
 def iterates_itself(loader: DataLoader[Any]) -> bool:
-    """Whether iterating ``loader`` is DataLoader's own iteration over its own settings
-    (so a NumaLoader built from its settings yields what it yields)."""
+    """Whether ``loader`` iterates as DataLoader does, over its own settings (so a
+    NumaLoader built from them yields what it yields)."""
     if isinstance(loader, NumaLoader):
         return loader._through is None
     kind = type(loader)
@@ -142,29 +137,27 @@ def iterates_itself(loader: DataLoader[Any]) -> bool:
 
 class NumaLoader(DataLoader[T_co]):
     """A DataLoader whose workers run on ``node`` and whose batches come out page-locked
-    on that node (with a CUDA ``device``: already on the device, copied ``prefetch``
-    batches ahead on a side stream).
+    there (with a CUDA ``device``: already on it, copied ``prefetch`` batches ahead on
+    a side stream).
 
-    ``NumaLoader(loader)`` takes an existing DataLoader's settings (DataLoader options
-    given too replace them, as a framework re-creating it passes them);
-    ``NumaLoader(dataset, batch_size=..., ...)`` is built as a DataLoader is. A loader
-    with an iteration of its own (Accelerate's prepared loaders) is iterated as it is,
-    with numafast's collate function on the loader that makes its workers.
-    ``pin_memory=True`` is accepted and turned off: numafast pins, so torch's pin
-    thread would only copy each batch a second time.
+    ``NumaLoader(loader)`` takes a DataLoader's settings (options given too replace
+    them, as a framework re-creating it passes them); ``NumaLoader(dataset, ...)`` is
+    built as a DataLoader is. A loader with an iteration of its own (Accelerate's
+    prepared loaders) is iterated as it is, numafast's collate function on the loader
+    that makes its workers. ``pin_memory=True`` is accepted and turned off: numafast
+    pins, and torch's pin thread would only copy each batch again.
 
     ``node`` defaults to the device's node, else that of this rank's GPU where CUDA is
-    usable, else the calling thread's node. Neither building nor pickling a loader
-    initialises CUDA: a device that is the current one is read at the first iteration
-    (:mod:`numafast.torch.device`). ``slots`` per pinned pool defaults to
-    ``prefetch_factor`` x ``num_workers``, plus ``prefetch`` with a device, plus two
-    (the batch being filled and the one the consumer holds); a consumer that keeps
-    more gets another pool, released once it lets those batches go. ``strict`` binds
-    the workers' memory to the node instead of preferring it; ``lock`` is the pools'
-    :class:`~numafast.LockMode`. The pools of a loader that is gone are taken over by
-    the next one on the same node. ``max_pinned_bytes`` bounds this process's loader
-    pools together (default: a quarter of the node's memory); past it, batches reach
-    the consumer unpinned, counted in ``stats().unpinned`` and warned about once.
+    usable, else the calling thread's. Neither building nor pickling a loader
+    initialises CUDA: the current device is read at the first iteration. ``slots``
+    per pinned pool defaults to ``prefetch_factor`` x ``num_workers`` (+ ``prefetch``
+    with a device) + 2, the batch being filled and the one the consumer holds; a
+    consumer that keeps more gets another pool, released once it lets them go.
+    ``strict`` binds the workers' memory to the node instead of preferring it;
+    ``lock`` is the pools' :class:`~numafast.LockMode`; a gone loader's pools are
+    taken over by the next on its node. ``max_pinned_bytes`` bounds this process's
+    loader pools together (default: a quarter of the node's memory); past it, batches
+    arrive unpinned, counted in ``stats().unpinned`` and warned about once.
     """
 
     def __init__(
@@ -214,41 +207,34 @@ class NumaLoader(DataLoader[T_co]):
                         f"{', '.join(sorted(given))}: pass them to the loader it wraps, or wrap that loader"
                     )
                 through = dataset
-            settings = merge_settings(settings_of(settings_loader(dataset)), given)
+            base = settings_of(settings_loader(dataset))
         elif hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__") and not isinstance(dataset, IterableDataset):
             raise TypeError(
                 f"NumaLoader takes a torch.utils.data.DataLoader or a dataset, not a {type(dataset).__name__}"
             )
         else:
-            settings = merge_settings({**DATALOADER_DEFAULTS, "dataset": dataset}, given)
-        prefetch = positive_int(prefetch, "prefetch")
-        slots = None if slots is None else positive_int(slots, "slots", or_none=True)
-        cap = check_max_pinned_bytes(max_pinned_bytes)
-        resolved = resolve_device(device)
-        node_guessed = False
+            base = {**DATALOADER_DEFAULTS, "dataset": dataset}
+        settings = merge_settings(base, given)
+        # All before DataLoader.__init__, which sets collate_fn through __setattr__.
+        self.prefetch: int = positive_int(prefetch, "prefetch")
+        self.slots: int | None = None if slots is None else positive_int(slots, "slots", or_none=True)
+        self.max_pinned_bytes: int | None = check_max_pinned_bytes(max_pinned_bytes)
+        self.device: torch.device | None = resolve_device(device)
+        self._node_guessed = False
         if node is None:
-            node, node_guessed = landing_node(resolved)
-        checked = check_node(node)
-        workers = settings["num_workers"]
-        in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
-        in_flight += prefetch if resolved is not None else 0
-        wanted = slots or in_flight + 2
-        # Before DataLoader.__init__, which sets collate_fn through __setattr__.
-        self.device: torch.device | None = resolved
-        self.node: int = checked
-        self.slots: int | None = slots
-        self.prefetch: int = prefetch
+            node, self._node_guessed = landing_node(self.device)
+        self.node: int = check_node(node)
         self.strict: bool = strict
         self.lock: str | bool = lock
-        self.max_pinned_bytes: int | None = cap
-        shared = _pools_of(settings["collate_fn"], checked, lock) or _pools_of_loader_over(
-            settings["dataset"], checked, lock, wanted
+        workers = settings["num_workers"]
+        self._in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
+        self._in_flight += self.prefetch if self.device is not None else 0
+        self._wanted_slots = self.slots or self._in_flight + 2
+        shared = _shared_pools(settings["collate_fn"], settings["dataset"], self.node, lock, self._wanted_slots)
+        self.pools: NodePools = shared or node_pools(
+            self.node, self._wanted_slots, lock=lock, max_pinned_bytes=self.max_pinned_bytes
         )
-        self.pools: NodePools = shared or node_pools(checked, wanted, lock=lock, max_pinned_bytes=cap)
-        self._in_flight = in_flight
         self._fit_pools(shared=shared is not None)
-        self._wanted_slots = wanted
-        self._node_guessed = node_guessed
         self._first_iteration_done = False
         self._through: DataLoader[Any] | None = through
         super().__init__(settings.pop("dataset"), **settings)
@@ -263,7 +249,8 @@ class NumaLoader(DataLoader[T_co]):
     def __setattr__(self, name: str, value: Any) -> None:
         # numafast's part of the settings stays numafast's, whatever is set later.
         if name == "collate_fn" and not _lands_in(value, self.pools, self.strict):
-            value = SlotCollate(_own_collate(value), self.pools, bind_workers=True, strict=self.strict)
+            own = value.collate_fn if isinstance(value, SlotCollate) else value
+            value = SlotCollate(own, self.pools, bind_workers=True, strict=self.strict)
         elif name == "pin_memory":
             value = False
         super().__setattr__(name, value)
@@ -280,12 +267,11 @@ class NumaLoader(DataLoader[T_co]):
         return len(self._through) if self._through is not None else super().__len__()
 
     def _before_first_iteration(self) -> None:
-        """Before the first workers start, in the iterating thread (the user has picked the
-        rank's device by now): check the locking limit, settle the CUDA device, and the
-        node where construction could only guess it."""
+        """In the iterating thread before the first workers start (the rank's device is
+        picked by now): check the locking limit, settle the CUDA device and a guessed node."""
         if self._first_iteration_done:
             return
-        if parse_mode(self.lock, LockMode, "lock") is LockMode.REQUIRED:
+        if self.pools.lock is LockMode.REQUIRED:
             # Pools grow with the batches and when the consumer keeps them, so any finite
             # RLIMIT_MEMLOCK can be met mid-epoch, inside a batch: refused here instead.
             room = memlock_room()
@@ -307,22 +293,22 @@ class NumaLoader(DataLoader[T_co]):
         self._first_iteration_done = True
 
     def _fit_pools(self, *, shared: bool = False) -> None:
-        """Put this loader's in-flight batches (the most of either loader's, for pools
-        ``shared`` with the loader it was made from) and max_pinned_bytes on its pools."""
+        """Put this loader's in-flight batches (for ``shared`` pools, the most of either
+        loader's) and max_pinned_bytes on its pools."""
         self.pools.in_flight = max(self.pools.in_flight, self._in_flight) if shared else self._in_flight
         if self.max_pinned_bytes is not None:
             self.pools.max_pinned_bytes = self.max_pinned_bytes
 
     def _land_on(self, node: int) -> None:
-        """Land on ``node`` instead of the node guessed at construction (before any worker
-        started): its pools, and numafast's collate function over them."""
+        """Move, before any worker started, from the guessed node to ``node``: its pools and
+        numafast's collate function over them."""
         self._node_guessed = False
         if node == self.node:
             return
         self.node = check_node(node)
         self.pools = node_pools(self.node, self._wanted_slots, lock=self.lock, max_pinned_bytes=self.max_pinned_bytes)
         self._fit_pools()
-        self.collate_fn = _own_collate(self.collate_fn)  # wrapped again, over the new pools
+        self.collate_fn = self.collate_fn  # __setattr__ wraps the user's again, over the new pools
         if self._through is not None:
             settings_loader(self._through).collate_fn = self.collate_fn
 
@@ -344,18 +330,12 @@ class NumaLoader(DataLoader[T_co]):
         return batches if self.device is None else _OnDeviceIterator(self, batches)
 
     def stats(self) -> LoaderStats:
-        """How the batches arrived (see :class:`numafast.torch.LoaderStats`) and the
-        counters of the pinned pools in use."""
+        """How the batches arrived, and the counters of the pinned pools in use."""
         return self.pools.stats()
 
     def __repr__(self) -> str:
         target = str(self.device) if self.device is not None else "host"
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
-
-
-def _own_collate(value: Any) -> Any:
-    """The user's collate function inside numafast's (or ``value`` itself)."""
-    return value.collate_fn if isinstance(value, SlotCollate) else value
 
 
 def _lands_in(value: Any, pools: NodePools, strict: bool) -> bool:
@@ -368,35 +348,29 @@ def _lands_in(value: Any, pools: NodePools, strict: bool) -> bool:
 _live_loaders: weakref.WeakSet[NumaLoader[Any]] = weakref.WeakSet()
 
 
-def _pools_of_loader_over(dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
-    """The pools of a live NumaLoader over this very ``dataset`` object, placed alike: this
-    loader is a framework's copy of it, made from the user's arguments (no numafast
-    setting came along). Shared, the user's loader counts the copy's batches too."""
+def _shared_pools(collate_fn: Any, dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
+    """The pools (on ``node``, locked alike) of the loader this one re-creates: the one
+    whose collate function came along, else a live NumaLoader over this very
+    ``dataset``: this one is a framework's copy of it, made from the user's arguments,
+    its batches counted with the user's loader's."""
+    mode = parse_mode(lock, LockMode, "lock")
+    came_along = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
+    if came_along is not None and came_along.node == node and came_along.lock is mode:
+        return came_along
     for loader in list(_live_loaders):
         pools = loader.pools
-        if loader.dataset is dataset and _placed_alike(pools, node, lock) and not pools.closed:
+        if loader.dataset is dataset and pools.node == node and pools.lock is mode and not pools.closed:
             pools.slots = max(pools.slots, slots)  # the pools it makes from now on keep the copy's batches too
             return pools
     return None
 
 
-def _pools_of(collate_fn: Any, node: int, lock: str | bool) -> NodePools | None:
-    """The pools of the loader this one re-creates (its collate function came along),
-    when they are on the same node with the same locking."""
-    pools = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
-    return pools if pools is not None and _placed_alike(pools, node, lock) else None
-
-
-def _placed_alike(pools: NodePools, node: int, lock: str | bool) -> bool:
-    return pools.node == node and pools.lock is parse_mode(lock, LockMode, "lock")
-
-
 def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterator[Any]:
     """The batches of a loader iterated through, its first ``next()`` (which starts its
-    workers) inside the node's scope. A batch beyond those the pools received came
-    past numafast's collate: it is copied into a slot, counted and warned about once.
-    (Counted, not judged by its memory: such a loader may move the batches itself,
-    as Accelerate's does, and read a batch ahead.)"""
+    workers) inside the node's scope. A batch beyond those the pools received came past
+    numafast's collate: it is copied into a slot, counted and warned about once.
+    Counted, not judged by its memory: such a loader may move batches itself and read
+    ahead, as Accelerate's does."""
     pools = owner.pools
     bypassed = (
         f"the batches of this {type(owner._through).__name__} do not come from numafast's collate function (its "
@@ -409,9 +383,7 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
             first = next(iterator)
         except StopIteration:
             return
-    yielded = 0
-    for batch in itertools.chain((first,), iterator):
-        yielded += 1
+    for yielded, batch in enumerate(itertools.chain((first,), iterator), start=1):
         if pools.received() - start < yielded:
             batch = pools.copy_bypassed(batch, bypassed)
         yield batch
@@ -419,7 +391,7 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
 
 def loader_stats(loader: object) -> LoaderStats | None:
     """The :class:`LoaderStats` of the numafast pools behind ``loader`` (a NumaLoader, a
-    DataLoader a framework made from one, or a framework's wrapper around either), or None."""
+    DataLoader a framework made from one, or a wrapper around either), or None."""
     seen: set[int] = set()
     pending = [loader]
     while pending:
@@ -444,13 +416,6 @@ class _OnDevice:
     rebuild: Callable[[list[torch.Tensor]], Any]
 
 
-@dataclass
-class _Raised:
-    """The loader raised this at this batch (met while prefetching)."""
-
-    error: BaseException
-
-
 class _OnDeviceIterator:
     """One pass over a NumaLoader with a CUDA device: the host ``batches``, each copied on
     a side stream ``prefetch`` batches ahead by the thread that iterates."""
@@ -460,7 +425,7 @@ class _OnDeviceIterator:
         self._owner = owner
         self._inner: Iterator[Any] | None = batches
         self._copier = cuda.CopyStream(owner.device)
-        self._ahead: deque[_OnDevice | _Raised] = deque()
+        self._ahead: deque[_OnDevice | Exception] = deque()  # an Exception: the loader raised it at that batch
         self._exhausted = False
 
     def __iter__(self) -> _OnDeviceIterator:
@@ -482,17 +447,15 @@ class _OnDeviceIterator:
             self.close()
             raise StopIteration
         item = self._ahead.popleft()
-        if isinstance(item, _Raised):
-            error = item.error
-            del item
-            raise error
+        if isinstance(item, Exception):
+            raise item
         cuda.hand_over(item.copies, item.ready)
         return item.rebuild(item.copies)
 
     def _queue_copies(self) -> None:
         """Keep the copies of the next ``prefetch`` batches queued on the side stream;
         stop at an error, which the consumer meets at its own batch."""
-        if self._ahead and isinstance(self._ahead[-1], _Raised):
+        if self._ahead and isinstance(self._ahead[-1], Exception):
             return
         while self._inner is not None and not self._exhausted and len(self._ahead) <= self._owner.prefetch:
             try:
@@ -501,7 +464,7 @@ class _OnDeviceIterator:
                 self._exhausted = True
                 return
             except Exception as error:  # the dataset's own exception, in its place
-                self._ahead.append(_Raised(error))
+                self._ahead.append(error)
                 return
             tensors, rebuild = flatten(pinned)
             copies, ready = self._copier.to_device(tensors)
@@ -510,8 +473,7 @@ class _OnDeviceIterator:
             self._ahead.append(_OnDevice(copies, ready, rebuild))
 
     def close(self) -> None:
-        """Stop now: the DataLoader's iterator is dropped (it shuts its workers down, as
-        when its own iterator is dropped) and the queued copies released. Also happens
-        when this iterator is dropped."""
+        """Stop now, as dropping this iterator does: drop the DataLoader's iterator (which
+        shuts its workers down) and the queued copies."""
         self._inner = None
         self._ahead.clear()

@@ -1,10 +1,8 @@
 """This process's loader pools as a whole: every :class:`~numafast.torch.pools.NodePools`
-(what ``max_pinned_bytes`` bounds together, and what is shrunk together), and the idle
-ones, which no loader uses any more, kept for the next loader on their node.
-
-Frameworks re-create loaders (every epoch with Lightning's reload, once in
-Accelerate's or Ray's ``prepare``), and a validation loader is often made per pass:
-each then starts on warm, placed, locked pools (see :func:`~numafast.torch.pools.node_pools`).
+(bounded by ``max_pinned_bytes`` and shrunk together), and the idle ones kept for the
+next loader on their node, which then starts on warm, placed, locked pools: frameworks
+re-create loaders (Lightning's reload every epoch, Accelerate's or Ray's ``prepare``),
+and a validation loader is often made per pass.
 """
 
 from __future__ import annotations
@@ -20,8 +18,8 @@ __all__ = ["close_idle_pools", "pinned_bytes"]
 
 
 class LoaderPools(Protocol):
-    """What this module uses of a :class:`numafast.torch.pools.NodePools` (which imports
-    this module: the owner's side uses the registry, not the other way round)."""
+    """What this module uses of a :class:`numafast.torch.pools.NodePools`, which imports
+    this module."""
 
     node: int
     lock: LockMode
@@ -54,16 +52,15 @@ def _ours() -> list[LoaderPools]:
 
 
 def pinned_bytes() -> int:
-    """Bytes mapped now by the pools of every loader (and pin_memory hook) of this
-    process, page-locked or not: those in use, those retiring until their last slot is
-    back, and idle ones kept for the next loader."""
+    """Bytes mapped now by the pools of every loader and pin_memory hook of this process,
+    page-locked or not: in use, retiring until their last slot is back, or idle."""
     return sum(pool.stats().bytes_mapped for pools in _ours() for pool in [*pools.pools, *pools.retired])
 
 
 def shrink_all() -> None:
-    """Release the grown pools found wholly free in every NodePools of this process, not
-    only the receiving loader's: nothing else looks at the pools of a loader not iterated
-    now (an eval loader whose consumer dropped what it kept, a gone one's idle pools)."""
+    """Release the grown pools found wholly free in every NodePools of this process:
+    nothing else looks at those of a loader not iterated now (an eval loader whose
+    consumer dropped what it kept, a gone one's idle pools)."""
     for pools in _ours():
         if len(pools.pools) > 1 and not pools.closed:
             pools.shrink()
@@ -76,8 +73,8 @@ def use(pools: LoaderPools) -> None:
 
 
 def let_go(pools: LoaderPools) -> None:
-    """One loader fewer uses ``pools``: with none left, they wait idle for the next loader
-    on their node, in place of idle ones there (closed)."""
+    """One loader fewer uses ``pools``: with none left, they replace (and close) the idle
+    ones on their node, for the next loader there."""
     if _pid.pid != pools.owner_pid:
         return  # a forked child's copy: the pools are the parent's
     with _idle_mutex:
@@ -99,8 +96,8 @@ def take_idle(key: IdleKey) -> LoaderPools | None:
 
 
 def close_idle_pools() -> int:
-    """Release the pools no loader uses any more (they are kept for the next loader on
-    their node); returns how many sets of pools were closed."""
+    """Release the pools no loader uses any more, kept for the next loader on their node;
+    returns how many sets of pools were closed."""
     with _idle_mutex:
         idle = list(_idle.values())
         _idle.clear()

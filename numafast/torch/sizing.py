@@ -1,7 +1,5 @@
-"""How large a loader's pools are: slots sized by the batches they hold (with headroom
-for batches that vary), how many slots fit in the bytes left under
-``max_pinned_bytes``, and that bound itself (checked, or its default). Arithmetic
-only: :class:`~numafast.torch.pools.NodePools` decides when to ask."""
+"""How large a loader's pools are: slots sized by their batches, how many fit under
+``max_pinned_bytes``, and that bound. Arithmetic only: NodePools decides when to ask."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ from numafast._validate import integer
 from numafast.errors import InvalidSizeError
 from numafast.pool import pool_bytes, whole_pages
 
-# Slots are this much larger than the batch that sized them, rounded up to SLOT_GRAIN.
+# Slots are this much larger than the batch that sized them (batches vary), rounded up to SLOT_GRAIN.
 HEADROOM = 1.25
 SLOT_GRAIN = 1 << 16
 # The default max_pinned_bytes: this share of the node's memory.
@@ -26,10 +24,10 @@ def slot_bytes_for(nbytes: int) -> int:
 
 
 def grown_slot_bytes(first_slot_bytes: int, largest_batch: int) -> int:
-    """The slots of a pool added for more: as large as the first pool's, or as the
-    batches landed lately need (``largest_batch``) where they need far less. Pools
-    taken over from an earlier loader keep its slot size; a consumer keeping small
-    batches would otherwise grow pools of that size until max_pinned_bytes refused more."""
+    """The slots of a pool added for more: the first pool's size, or what the batches
+    landed lately need (``largest_batch``) where that is far less, as when pools taken
+    over from an earlier loader keep its larger slots: else a consumer keeping small
+    batches would grow pools of that size until max_pinned_bytes refused more."""
     needed = slot_bytes_for(largest_batch)
     return needed if needed * GROWN_SMALLER <= first_slot_bytes else first_slot_bytes
 
@@ -44,9 +42,8 @@ def slots_within(slot_bytes: int, room: int) -> int:
 
 def default_max_pinned_bytes(node: int) -> int:
     """The default bound on the loader pools' bytes: a quarter of ``node``'s memory.
-    (RLIMIT_MEMLOCK bounds the locked part already, where it is finite and the process
-    lacks CAP_IPC_LOCK: past it the kernel refuses to lock, and ``lock='auto'`` goes on
-    unlocked, with a MemlockWarning.)"""
+    (Where RLIMIT_MEMLOCK is finite and the process lacks CAP_IPC_LOCK, the kernel
+    refuses to lock past it too, and ``lock='auto'`` goes on unlocked, with a MemlockWarning.)"""
     return max(_libnuma.node_size64(node)[0] // PINNED_SHARE_OF_NODE, SLOT_GRAIN)
 
 

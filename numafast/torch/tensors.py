@@ -1,8 +1,7 @@
 """Node-local torch tensors: numafast.torch.empty / zeros, over memory numafast maps.
 
 The tensor is a zero-copy view (torch.frombuffer) of the same node-bound, pre-faulted
-memory as :func:`numafast.empty`, which it keeps alive. Importing numafast never
-imports torch; importing this module does.
+memory as :func:`numafast.empty`, which it keeps alive.
 """
 
 from __future__ import annotations
@@ -25,15 +24,13 @@ def empty(
     hugepages: bool = True,
 ) -> torch.Tensor:
     """A new contiguous CPU tensor whose pages are all on ``node`` (or interleaved over
-    ``nodes``; default: the calling thread's node), faulted in and ready to use.
+    ``nodes`` as :func:`numafast.empty` spreads them; default: the calling thread's
+    node), faulted in and ready to use. Its contents are zero.
 
-    ``size`` as for torch.empty (``empty(2, 3)`` or ``empty((2, 3))``); ``dtype`` is a
-    torch.dtype or its name ("float32", "torch.uint8"), by default
-    torch.get_default_dtype(). Its contents are zero. Interleaved
-    memory is spread as :func:`numafast.empty` spreads it: each node gets its
-    share to within one base page, whatever the size.
+    ``size`` as for torch.empty (``empty(2, 3)`` or ``empty((2, 3))``); ``dtype`` a
+    torch.dtype or its name ("float32", "torch.uint8"), by default torch.get_default_dtype().
     """
-    shape = _shape(size)
+    shape = check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
     checked = torch.get_default_dtype() if dtype is None else _dtype(dtype)
     count = math.prod(shape)
     buffer = allocate(count * checked.itemsize, node=node, nodes=nodes, hugepages=hugepages)
@@ -42,25 +39,12 @@ def empty(
     return torch.frombuffer(memoryview(buffer), dtype=checked, count=count).view(shape)
 
 
-def zeros(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | str | None = None,
-    node: int | None = None,
-    nodes: Iterable[int] | None = None,
-    hugepages: bool = True,
-) -> torch.Tensor:
-    """Like :func:`empty`: fresh anonymous pages are zero, so no second pass is needed."""
-    return empty(*size, dtype=dtype, node=node, nodes=nodes, hugepages=hugepages)
-
-
-def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
-    """torch's two spellings, ``(2, 3)`` and ``((2, 3),)``, as one shape."""
-    return check_shape(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+# Fresh anonymous pages are zero: empty's tensor is zeros' already, no second pass needed.
+zeros = empty
 
 
 def _dtype(dtype: object) -> torch.dtype:
-    """A torch.dtype, or one named as torch names it ("float32", "torch.float32");
-    TypeError naming the value and some names otherwise."""
+    """A torch.dtype, or one named as torch names it ("float32", "torch.float32")."""
     if isinstance(dtype, torch.dtype):
         return dtype
     named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
