@@ -83,12 +83,12 @@ class _Token:
 
 @dataclass
 class _Worker:
-    """One of torch's workers: its index in ``_workers``, its pid, its token."""
+    """One of torch's workers: its index in ``_workers``, its pid, its token (None once it
+    started or was condemned)."""
 
     index: int
     pid: int
     token: _Token | None
-    started_at: float | None = None
     restarts: int = 0
 
 
@@ -143,6 +143,7 @@ class _StartWatch:
         self.fork_scope = fork_scope
         self.tokens: list[_Token] = []
         self.workers: list[_Worker] = []
+        self.last_start = 0.0  # when a worker last started (or stopped being waited for)
         self.doomed: list[_Doomed] = []
         self._iterator: weakref.ref[Any] | None = None
 
@@ -216,44 +217,40 @@ class _StartWatch:
         iterator = self._iterator() if self._iterator is not None else None
         if iterator is None or getattr(iterator, "_shutdown", False):
             for worker in self.workers:  # torch ended them; one that wakes up yet exits at once
-                if worker.started_at is None and worker.token is not None:
+                if worker.token is not None:
                     _claim(worker.token.read)
             for doomed in self.doomed:
                 _end(iterator, doomed.process)
             return False
         now = time.monotonic()
-        pending = [worker for worker in self.workers if worker.started_at is None]
-        unclaimed = _unclaimed([worker.token for worker in pending if worker.token is not None])
-        for worker in pending:
-            if worker.token is None or worker.token.read not in unclaimed:
-                worker.started_at = now
-                if worker.token is not None:
-                    self._release(worker.token)
-        starts = [worker.started_at for worker in self.workers if worker.started_at is not None]
-        last_start = max(starts, default=0.0)
+        pending = [(worker, worker.token) for worker in self.workers if worker.token is not None]
+        unclaimed = _unclaimed([token for _worker, token in pending])
+        for worker, token in pending:
+            if token.read not in unclaimed:
+                self._release(worker, token)
+                self.last_start = now
+        started = sum(worker.token is None for worker in self.workers)
+        last_start = self.last_start
         for worker in self.workers:
-            token = worker.token
-            late = token is not None and now >= max(token.forked_at, last_start) + START_DEADLINE_S
-            if worker.started_at is None and late:
-                self._late(iterator, worker, len(starts))
+            if worker.token is not None and now >= max(worker.token.forked_at, last_start) + START_DEADLINE_S:
+                self._late(iterator, worker, worker.token, started)
         self._settle_doomed(iterator)
-        return any(worker.started_at is None for worker in self.workers) or bool(self.doomed)
+        return any(worker.token is not None for worker in self.workers) or bool(self.doomed)
 
-    def _release(self, token: _Token) -> None:
+    def _release(self, worker: _Worker, token: _Token) -> None:
+        """No more waiting for ``worker`` to claim ``token``: it is closed."""
         _close(token)
-        if token in self.tokens:
-            self.tokens.remove(token)
-
-    def _late(self, iterator: Any, worker: _Worker, started: int) -> None:
-        """``worker`` missed its deadline: condemned, then replaced, or its error queued."""
-        assert worker.token is not None
-        waited = time.monotonic() - worker.token.forked_at
-        condemned = _claim(worker.token.read)
-        self._release(worker.token)
-        if not condemned:  # it started after all, just now
-            worker.started_at = time.monotonic()
-            return
+        self.tokens.remove(token)
         worker.token = None
+
+    def _late(self, iterator: Any, worker: _Worker, token: _Token, started: int) -> None:
+        """``worker`` missed its deadline: condemned, then replaced, or its error queued."""
+        waited = time.monotonic() - token.forked_at
+        condemned = _claim(token.read)
+        self._release(worker, token)
+        if not condemned:  # it started after all, just now
+            self.last_start = time.monotonic()
+            return
         stuck = stuck_in(worker.pid)
         old_pid = worker.pid
         why_not = self._replace(iterator, worker)
@@ -298,13 +295,14 @@ class _StartWatch:
         _end(iterator, old)
         global _replaced
         _replaced += 1
-        worker.pid, worker.restarts = replacement.pid, worker.restarts + 1
-        worker.token = self.tokens[-1] if len(self.tokens) == forks + 1 else None
-        if worker.token is not None:
+        worker.pid = replacement.pid
+        worker.restarts += 1
+        if len(self.tokens) == forks + 1:
+            worker.token = self.tokens[-1]
             worker.token.run = None  # the same run, kept in _runs
-        worker.started_at = None if worker.token is not None else time.monotonic()
-        if worker.token is not None:
             worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
+        else:
+            self.last_start = time.monotonic()  # forked without a token: nothing to wait for
         if getattr(iterator, "_shutdown", False):
             _end(iterator, replacement)  # the iteration ended meanwhile
         return None
@@ -318,7 +316,7 @@ class _StartWatch:
         processes = getattr(iterator, "_workers", None)
         process = processes[worker.index] if isinstance(processes, list) and worker.index < len(processes) else None
         task = _first_task(iterator, worker.index)
-        worker.started_at = time.monotonic()  # nothing more to wait for
+        self.last_start = time.monotonic()  # as a start does: the siblings' deadlines count from now
         if process is None:
             return
         if task is not None and _queue_error(iterator, task, worker.index, message):
