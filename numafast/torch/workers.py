@@ -92,14 +92,6 @@ class _Worker:
     restarts: int = 0
 
 
-@dataclass
-class _Doomed:
-    """A stuck worker whose error was queued for batch ``task``: killed once the consumer met it."""
-
-    process: Any
-    task: int
-
-
 _local = threading.local()  # .watch: the watch arming this thread's forks; .pending: the token of its fork
 _open_tokens: set[int] = set()  # every token fd of this process (a child closes its copies)
 _runs: weakref.WeakKeyDictionary[Any, list[_Run | None]] = weakref.WeakKeyDictionary()
@@ -144,7 +136,7 @@ class _StartWatch:
         self.tokens: list[_Token] = []
         self.workers: list[_Worker] = []
         self.last_start = 0.0  # when a worker last started (or stopped being waited for)
-        self.doomed: list[_Doomed] = []
+        self.doomed: list[tuple[Any, int]] = []  # (process, task): see _fail
         self._iterator: weakref.ref[Any] | None = None
 
     # ------------------------------------------------------------ forking (parent side)
@@ -219,8 +211,8 @@ class _StartWatch:
             for worker in self.workers:  # torch ended them; one that wakes up yet exits at once
                 if worker.token is not None:
                     _claim(worker.token.read)
-            for doomed in self.doomed:
-                _end(iterator, doomed.process)
+            for process, _task in self.doomed:
+                _end(iterator, process)
             return False
         now = time.monotonic()
         pending = [(worker, worker.token) for worker in self.workers if worker.token is not None]
@@ -267,12 +259,10 @@ class _StartWatch:
     def _replace(self, iterator: Any, worker: _Worker) -> str | None:
         """Fork ``worker`` again in its place among the iterator's workers and kill the
         stuck one; None when done, else why it cannot be."""
-        processes: Any = getattr(iterator, "_workers", None)
-        old = processes[worker.index] if isinstance(processes, list) and worker.index < len(processes) else None
+        old = _worker_process(iterator, worker.index)
         if old is None or getattr(old, "pid", None) != worker.pid:
             return f"its DataLoader iterator's _workers are not the processes it forked ({_UNKNOWN_TORCH})"
-        runs = _runs.get(iterator, [])
-        run = runs[worker.index] if worker.index < len(runs) else None
+        run = _runs[iterator][worker.index]
         if run is None:
             return "its fork did not come from a multiprocessing Process's start() (a Python numafast does not know)"
         target, args, kwargs, name, daemon = run
@@ -291,7 +281,7 @@ class _StartWatch:
             return f"forking a worker in its place failed ({error!r})"
         finally:
             _local.watch = outer
-        processes[worker.index] = replacement
+        iterator._workers[worker.index] = replacement
         _end(iterator, old)
         global _replaced
         _replaced += 1
@@ -313,14 +303,13 @@ class _StartWatch:
         worker is killed once it has. Where no batch can carry it, the worker is killed
         now and torch's own check of its workers ends the iteration."""
         warnings.warn(message, RuntimeWarning, stacklevel=1)  # whatever happens to the exception
-        processes = getattr(iterator, "_workers", None)
-        process = processes[worker.index] if isinstance(processes, list) and worker.index < len(processes) else None
+        process = _worker_process(iterator, worker.index)
         task = _first_task(iterator, worker.index)
         self.last_start = time.monotonic()  # as a start does: the siblings' deadlines count from now
         if process is None:
             return
         if task is not None and _queue_error(iterator, task, worker.index, message):
-            self.doomed.append(_Doomed(process, task))
+            self.doomed.append((process, task))
         else:
             _kill(process)
 
@@ -328,10 +317,10 @@ class _StartWatch:
         """Kill the stuck workers whose error the consumer has met: torch's own checks
         then see them gone, and the iteration ends as it does when a worker dies."""
         received = getattr(iterator, "_rcvd_idx", None)
-        for doomed in list(self.doomed):
-            if not isinstance(received, int) or received > doomed.task:
-                _end(iterator, doomed.process)
-                self.doomed.remove(doomed)
+        for process, task in list(self.doomed):
+            if not isinstance(received, int) or received > task:
+                _end(iterator, process)
+                self.doomed.remove((process, task))
 
 
 # ------------------------------------------------------------ the child's side
@@ -469,6 +458,12 @@ def _worker_pids(iterator: Any) -> Callable[[tuple[int, ...]], None] | None:
             put(id(iterator), pids)
 
     return set_pids
+
+
+def _worker_process(iterator: Any, index: int) -> Any:
+    """Worker ``index`` of torch's ``_workers``, or None."""
+    processes = getattr(iterator, "_workers", None)
+    return processes[index] if isinstance(processes, list) and index < len(processes) else None
 
 
 def _first_task(iterator: Any, index: int) -> int | None:
