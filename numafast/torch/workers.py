@@ -123,7 +123,9 @@ def watch_starts(
         raise
     finally:
         _local.watch = outer
-    watch.begin(iterator)
+    if watch.attach(iterator):
+        threading.Thread(target=watch.run, args=(weakref.ref(iterator),), name="numafast worker start",
+                         daemon=True).start()  # fmt: skip
     return iterator
 
 
@@ -137,7 +139,6 @@ class _StartWatch:
         self.workers: list[_Worker] = []
         self.last_start = 0.0  # when a worker last started (or stopped being waited for)
         self.doomed: list[tuple[Any, int]] = []  # (process, task): see _fail
-        self._iterator: weakref.ref[Any] | None = None
 
     # ------------------------------------------------------------ forking (parent side)
 
@@ -151,12 +152,9 @@ class _StartWatch:
         self.tokens.append(token)
         return token
 
-    def begin(self, iterator: Any) -> None:
-        """Watch ``iterator``'s workers: torch's ``_workers``, one fork each, in order."""
-        if self._attach(iterator):
-            threading.Thread(target=self._run, name="numafast worker start", daemon=True).start()
-
-    def _attach(self, iterator: Any) -> bool:
+    def attach(self, iterator: Any) -> bool:
+        """Pair the tokens with ``iterator``'s workers (torch's ``_workers``, one fork each, in
+        order); False, the tokens closed, where there is nothing to watch."""
         if not self.tokens:
             return False  # no worker forked (none asked for, or spawned, or served by a forkserver)
         processes = getattr(iterator, "_workers", None)
@@ -167,10 +165,9 @@ class _StartWatch:
         for index, (process, token) in enumerate(zip(processes, self.tokens)):
             token.run = None
             self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token))
-        self._iterator = weakref.ref(iterator)
         return True
 
-    def _begin_once_made(self, made: weakref.ref[Any]) -> None:
+    def run_once_made(self, made: weakref.ref[Any]) -> None:
         """The watch thread of an iterator found forking (:func:`_found_watch`): it begins
         once the iterator has started all its workers (torch then sets ``_worker_pids_set``)."""
         deadline = time.monotonic() + 60
@@ -183,10 +180,10 @@ class _StartWatch:
                 break
             del iterator
             time.sleep(POLL_S)
-        attached = self._attach(iterator)
+        attached = self.attach(iterator)
         del iterator
         if attached:
-            self._run()
+            self.run(made)
 
     def close(self) -> None:
         for token in self.tokens:
@@ -195,18 +192,18 @@ class _StartWatch:
 
     # ------------------------------------------------------------ watching
 
-    def _run(self) -> None:
+    def run(self, made: weakref.ref[Any]) -> None:
+        """The watch thread of an attached watch, until no worker is left to wait for."""
         try:
             looks = 0
-            while self._look():
+            while self._look(made()):  # the iterator is not held between looks
                 looks += 1
                 time.sleep(min(POLL_S, 0.001 * 2 ** min(looks, 8)))
         finally:
             self.close()
 
-    def _look(self) -> bool:
+    def _look(self, iterator: Any) -> bool:
         """One look at the workers; False when there is nothing left to watch."""
-        iterator = self._iterator() if self._iterator is not None else None
         if iterator is None or getattr(iterator, "_shutdown", False):
             for worker in self.workers:  # torch ended them; one that wakes up yet exits at once
                 if worker.token is not None:
@@ -335,8 +332,8 @@ def _after_fork_in_parent() -> None:
     _local.pending = None
     begin, _local.begin = getattr(_local, "begin", None), None
     if begin is not None:  # the first fork of an iterator found forking: its watch thread
-        threading.Thread(target=begin[0]._begin_once_made, args=(begin[1],), name="numafast worker start",
-                         daemon=True).start()  # fmt: skip
+        watch, made = begin
+        threading.Thread(target=watch.run_once_made, args=(made,), name="numafast worker start", daemon=True).start()
 
 
 _found: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()
