@@ -1,32 +1,28 @@
-"""The start of a DataLoader's workers, watched: a worker that never starts is
-replaced (or named in a clear error), not waited for forever.
+"""A DataLoader worker that never starts is replaced, or named in a clear error, not
+waited for forever.
 
-Why a forked worker can be stuck before it runs a line of its own: ``os.fork()``
-copies the interpreter's locks as they are, held ones included, and only the forking
-thread lives on in the child. CPython 3.8 to 3.11.7 (and 3.12.0) walk the child's
-thread states under the interpreter's *head lock* before they re-create that lock
-(gh-112275), and another thread takes the head lock without the GIL whenever it gets
-a thread state: a native thread that calls into Python (torch and NCCL callbacks,
-tokenizers, telemetry, a ctypes callback) does so on every call. If it held the lock
-at the fork, the child waits inside ``os.fork()`` forever, and the DataLoader for
-that worker's batches. (A C library's ``pthread_atfork`` handler waiting on a lock
-held at the fork ends the same way, on any Python.)
+Why a forked worker can be stuck before it runs a line of its own: ``os.fork()`` copies
+the interpreter's locks as they are, held ones included, and only the forking thread
+lives on in the child. CPython 3.8 to 3.11.7 (and 3.12.0) walk the child's thread
+states under the interpreter's *head lock* before they re-create it (gh-112275), and
+another thread takes that lock without the GIL whenever it gets a thread state: a
+native thread that calls into Python (torch and NCCL callbacks, tokenizers, telemetry,
+a ctypes callback) does so on every call. If it held the lock at the fork, the child
+waits inside ``os.fork()`` forever, and the DataLoader for its batches. (A C library's
+``pthread_atfork`` handler waiting on a lock held at the fork ends the same way, on any
+Python.)
 
-So every worker forked under :func:`watch_starts` claims a start token (a pipe
-holding one byte) in an after-fork hook, which runs before multiprocessing's
-bootstrap, so before the worker reads any index. A worker that has not claimed it
-``START_DEADLINE_S`` after its fork (and after its last sibling started) is
-condemned: the parent takes the token itself, so that a worker that was only slow
-exits at once instead of racing its replacement. It is forked again with the same
-target and arguments (worker id, seeds, index queue) in its place among torch's
-workers, and killed: the epoch's batches are unchanged. Where that cannot be done,
-the consumer meets a :class:`WorkerStartError` naming the worker, what it is stuck
-in and the fix at that worker's first batch. Either way a warning says so, once.
-An iterator that :func:`watch_starts` did not make (a loader NumaLoader iterates
-through, Accelerate's ``base_dataloader``) is found as it forks a worker whose
-collate function is numafast's, and watched alike. Nothing is done per batch.
+So each worker claims a start token (a pipe holding one byte) in an after-fork hook,
+which runs before multiprocessing's bootstrap, so before the worker reads any index.
+One that has not by ``START_DEADLINE_S`` is condemned (the parent takes its token),
+forked again with the same target and arguments (worker id, seeds, index queue) in its
+place among torch's workers, and killed: the epoch's batches are unchanged. Where that
+cannot be done, the consumer meets a :class:`WorkerStartError` at that worker's first
+batch. Either way a warning says so, once. Watched are the workers :func:`watch_starts`
+forks and those of a torch iterator found forking with numafast's collate function (a
+loader NumaLoader iterates through, Accelerate's ``base_dataloader``). Nothing is done
+per batch.
 """
-
 from __future__ import annotations
 
 import os
@@ -38,7 +34,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
@@ -92,7 +88,7 @@ class _Worker:
     restarts: int = 0
 
 
-_local = threading.local()  # .watch: the watch arming this thread's forks; .pending: the token of its fork
+_local = threading.local()  # .watch: arming this thread's forks; .pending: its fork's token; .begin: see _found_watch
 _open_tokens: set[int] = set()  # every token fd of this process (a child closes its copies)
 _runs: weakref.WeakKeyDictionary[Any, list[_Run | None]] = weakref.WeakKeyDictionary()
 """Per iterator, what each of its workers runs, to fork it again in its place. Kept with
@@ -130,8 +126,8 @@ def watch_starts(
 
 
 class _StartWatch:
-    """The start tokens of the workers one ``iter()`` forked, and the thread that waits
-    for them to be claimed."""
+    """The start tokens of the workers one iterator forked, and the thread that waits for
+    them to be claimed."""
 
     def __init__(self, fork_scope: Callable[[], AbstractContextManager[Any]]) -> None:
         self.fork_scope = fork_scope
@@ -186,6 +182,7 @@ class _StartWatch:
             self.run(made)
 
     def close(self) -> None:
+        """Close every token still open (the watch is over)."""
         for token in self.tokens:
             _close(token)
         self.tokens.clear()
@@ -295,10 +292,10 @@ class _StartWatch:
         return None
 
     def _fail(self, iterator: Any, worker: _Worker, message: str) -> None:
-        """The consumer meets ``message`` as a :class:`WorkerStartError` at the stuck
-        worker's first batch (put on the result queue as a worker's own error is); the
-        worker is killed once it has. Where no batch can carry it, the worker is killed
-        now and torch's own check of its workers ends the iteration."""
+        """Queue ``message`` as a :class:`WorkerStartError` for the stuck worker's first
+        batch (as a worker's own error is), to kill the worker once the consumer met it;
+        where no batch can carry it, kill it now: torch's own check of its workers then
+        ends the iteration, as when a worker dies."""
         warnings.warn(message, RuntimeWarning, stacklevel=1)  # whatever happens to the exception
         process = _worker_process(iterator, worker.index)
         task = _first_task(iterator, worker.index)
@@ -311,8 +308,7 @@ class _StartWatch:
             _kill(process)
 
     def _settle_doomed(self, iterator: Any) -> None:
-        """Kill the stuck workers whose error the consumer has met: torch's own checks
-        then see them gone, and the iteration ends as it does when a worker dies."""
+        """Kill the stuck workers whose error the consumer has met (see :meth:`_fail`)."""
         received = getattr(iterator, "_rcvd_idx", None)
         for process, task in list(self.doomed):
             if not isinstance(received, int) or received > task:
@@ -320,7 +316,7 @@ class _StartWatch:
                 self.doomed.remove((process, task))
 
 
-# ------------------------------------------------------------ the child's side
+# ------------------------------------------------------------ the fork hooks
 
 
 def _before_fork() -> None:
@@ -369,8 +365,8 @@ def _found_watch() -> _StartWatch | None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child's first step: claim its start token (a watched worker), drop the
-    parent's tokens, and exit at once when the parent has condemned it meanwhile."""
+    """A forked child's first step: claim its start token (a watched worker) and drop the
+    parent's tokens."""
     token: _Token | None = getattr(_local, "pending", None)
     _local.pending = _local.watch = _local.begin = None  # this child's own forks are not watched
     started = token is None or _claim(token.read)
@@ -381,7 +377,7 @@ def _after_fork_in_child() -> None:
             pass
     _open_tokens.clear()
     if not started:
-        os._exit(0)  # another worker runs in this one's place
+        os._exit(0)  # condemned: only slow, it must not race the worker forked in its place
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
@@ -392,7 +388,7 @@ def _process_forking() -> _Run | None:
     frames of its ``start()``, the only place that still has them), or None."""
     from multiprocessing.process import BaseProcess
 
-    frame: FrameType | None = sys._getframe(2)  # above this function and the before-fork hook: the caller of os.fork()
+    frame: FrameType | None = sys._getframe(2)  # the before-fork hook; then the caller of os.fork()
     for _ in range(8):
         if frame is None:
             break
