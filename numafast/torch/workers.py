@@ -67,10 +67,10 @@ _Run = tuple[Any, tuple[Any, ...], dict[str, Any], str, bool]
 
 @dataclass
 class _Token:
-    """A pipe holding one byte; the child reads it to start, the parent to condemn."""
+    """The read end of a pipe holding one byte; the child reads it to start, the parent
+    to condemn."""
 
     read: int
-    write: int
     forked_at: float
     run: _Run | None
     """What the process forked runs (multiprocessing drops it from the Process once
@@ -141,10 +141,11 @@ class _StartWatch:
     def token(self) -> _Token:
         """A new token, for the fork about to happen (the before-fork hook)."""
         read, write = os.pipe()
-        _open_tokens.update((read, write))
+        _open_tokens.add(read)
         os.set_blocking(read, False)  # shared with the child: a claim never waits
         os.write(write, _STARTED)
-        token = _Token(read, write, time.monotonic(), _process_forking())
+        os.close(write)  # nothing more is written: once the byte is taken, a read gets EOF
+        token = _Token(read, time.monotonic(), _process_forking())
         self.tokens.append(token)
         return token
 
@@ -407,7 +408,7 @@ def _claim(read: int) -> bool:
     """Take a token's byte: True for the first to read it (in the child: it starts; in
     the parent: it condemns the child)."""
     try:
-        return os.read(read, 1) == _STARTED
+        return os.read(read, 1) == _STARTED  # b"" (EOF) once taken
     except BlockingIOError:
         return False
     except OSError:
@@ -423,10 +424,9 @@ def _unclaimed(tokens: list[_Token]) -> set[int]:
 
 
 def _close(token: _Token) -> None:
-    for fd in (token.read, token.write):
-        if fd in _open_tokens:
-            _open_tokens.discard(fd)
-            os.close(fd)
+    if token.read in _open_tokens:
+        _open_tokens.discard(token.read)
+        os.close(token.read)
 
 
 # ------------------------------------------------------------ torch's iterator
