@@ -192,6 +192,7 @@ class _StartWatch:
 
     def run(self, made: weakref.ref[Any]) -> None:
         """The watch thread of an attached watch, until no worker is left to wait for."""
+        _local.watch = self  # this thread forks only workers in others' place: their tokens are this watch's
         try:
             looks = 0
             while self._look(made()):  # the iterator is not held between looks
@@ -268,14 +269,11 @@ class _StartWatch:
         replacement = type(old)(target=target, args=args, kwargs=kwargs, name=name)
         replacement.daemon = daemon
         forks = len(self.tokens)
-        outer, _local.watch = getattr(_local, "watch", None), self
         try:
             with self.fork_scope():
                 replacement.start()
         except Exception as error:  # noqa: BLE001 - said in the error the consumer gets
             return f"forking a worker in its place failed ({error!r})"
-        finally:
-            _local.watch = outer
         iterator._workers[worker.index] = replacement
         _end(iterator, old)
         global _replaced
