@@ -120,8 +120,8 @@ def watch_starts(
     finally:
         _local.watch = outer
     if watch.attach(iterator):
-        threading.Thread(target=watch.run, args=(weakref.ref(iterator),), name="numafast worker start",
-                         daemon=True).start()  # fmt: skip
+        made = weakref.ref(iterator)
+        threading.Thread(target=watch.run, args=(made,), name="numafast worker start", daemon=True).start()
     return iterator
 
 
@@ -183,7 +183,6 @@ class _StartWatch:
             self.run(made)
 
     def close(self) -> None:
-        """Close every token still open (the watch is over)."""
         for token in self.tokens:
             _close(token)
         self.tokens.clear()
@@ -239,18 +238,20 @@ class _StartWatch:
         if not condemned:  # it started after all, just now
             self.last_start = time.monotonic()
             return
-        stuck = stuck_in(worker.pid)
-        old_pid = worker.pid
-        why_not = self._replace(iterator, worker)
         what = (
-            f"DataLoader worker {worker.index} (pid {old_pid}) had not started {waited:.1f} s after it was forked "
-            f"({started} of its {len(self.workers)} workers had): {stuck}"
+            f"DataLoader worker {worker.index} (pid {worker.pid}) had not started {waited:.1f} s after it was forked "
+            f"({started} of its {len(self.workers)} workers had): {stuck_in(worker.pid)}"
         )
-        if why_not is None:
-            _warn_once(f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
-                       f"any index, so the epoch's batches are unchanged. {_cause()}; {_FIX}")
+        why_not = self._replace(iterator, worker)
+        if why_not is not None:
+            self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}. {_cause()}; {_FIX}")
             return
-        self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}. {_cause()}; {_FIX}")
+        global _warned
+        if not _warned:
+            _warned = True
+            replaced = (f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
+                        f"any index, so the epoch's batches are unchanged. {_cause()}; {_FIX}")
+            warnings.warn(replaced, RuntimeWarning, stacklevel=1)
 
     def _replace(self, iterator: Any, worker: _Worker) -> str | None:
         """Fork ``worker`` again in its place among the iterator's workers and kill the
@@ -553,10 +554,3 @@ def _cause() -> str:
                 "thread that calls into Python from native code held the interpreter's head lock at the fork")
     return ("This Python has CPython's fork deadlock fixed: a lock held by another thread at the fork (a C library's "
             "pthread_atfork handler?) stopped it")
-
-
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(message, RuntimeWarning, stacklevel=1)
