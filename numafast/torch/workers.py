@@ -136,8 +136,6 @@ class _StartWatch:
         self.last_start = 0.0  # when a worker last started (or stopped being waited for)
         self.doomed: list[tuple[Any, int]] = []  # (process, task): see _fail
 
-    # ------------------------------------------------------------ forking (parent side)
-
     def token(self) -> _Token:
         """A new token, for the fork about to happen (the before-fork hook)."""
         read, write = os.pipe()
@@ -186,8 +184,6 @@ class _StartWatch:
         for token in self.tokens:
             _close(token)
         self.tokens.clear()
-
-    # ------------------------------------------------------------ watching
 
     def run(self, made: weakref.ref[Any]) -> None:
         """The watch thread of an attached watch, until no worker is left to wait for."""
@@ -298,11 +294,11 @@ class _StartWatch:
         ends the iteration, as when a worker dies."""
         warnings.warn(message, RuntimeWarning, stacklevel=1)  # whatever happens to the exception
         process = _worker_process(iterator, worker.index)
-        task = _first_task(iterator, worker.index)
         self.last_start = time.monotonic()  # as a start does: the siblings' deadlines count from now
         if process is None:
             return
-        if task is not None and _queue_error(iterator, task, worker.index, message):
+        task = _queue_error(iterator, worker.index, message)
+        if task is not None:
             self.doomed.append((process, task))
         else:
             _kill(process)
@@ -458,17 +454,17 @@ def _worker_process(iterator: Any, index: int) -> Any:
     return processes[index] if isinstance(processes, list) and index < len(processes) else None
 
 
-def _first_task(iterator: Any, index: int) -> int | None:
-    """The first batch the iterator waits for from worker ``index`` (torch's ``_task_info``)."""
+def _queue_error(iterator: Any, index: int, message: str) -> int | None:
+    """Put ``message`` on the iterator's result queue as worker ``index``'s error for the
+    first batch the iterator waits for from it (torch's ``_task_info``): that batch, or
+    None where there is none or it cannot be done."""
     tasks = getattr(iterator, "_task_info", None)
     if not isinstance(tasks, dict):
         return None
     waiting = [task for task, info in list(tasks.items()) if isinstance(info, tuple) and info == (index,)]
-    return min(waiting, default=None)
-
-
-def _queue_error(iterator: Any, task: int, index: int, message: str) -> bool:
-    """Put ``message`` on the iterator's result queue as worker ``index``'s error for batch ``task``."""
+    if not waiting:
+        return None
+    task: int = min(waiting)
     results: Any = getattr(iterator, "_worker_result_queue", None)
     try:
         from torch._utils import ExceptionWrapper
@@ -477,8 +473,8 @@ def _queue_error(iterator: Any, task: int, index: int, message: str) -> bool:
         wrap: Any = ExceptionWrapper  # untyped in some torch versions
         results.put((task, wrap((WorkerStartError, error, None), where=f"in DataLoader worker process {index}")))
     except Exception:  # noqa: BLE001 - then the worker is killed: torch's own check ends the iteration
-        return False
-    return True
+        return None
+    return task
 
 
 def _end(iterator: Any, process: Any) -> None:
