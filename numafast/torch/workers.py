@@ -23,6 +23,7 @@ forks and those of a torch iterator found forking with numafast's collate functi
 loader NumaLoader iterates through, Accelerate's ``base_dataloader``). Nothing is done
 per batch.
 """
+
 from __future__ import annotations
 
 import os
