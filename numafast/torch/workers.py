@@ -1,30 +1,27 @@
-"""The start of a DataLoader's workers, watched: a worker that never starts is
-replaced (or named in a clear error), not waited for forever.
+"""A DataLoader worker that never starts is replaced, or named in a clear error, not
+waited for forever.
 
-Why a forked worker can be stuck before it runs a line of its own: ``os.fork()``
-copies the interpreter's locks as they are, held ones included, and only the forking
-thread lives on in the child. CPython 3.8 to 3.11.7 (and 3.12.0) walk the child's
-thread states under the interpreter's *head lock* before they re-create that lock
-(gh-112275), and another thread takes the head lock without the GIL whenever it gets
-a thread state: a native thread that calls into Python (torch and NCCL callbacks,
-tokenizers, telemetry, a ctypes callback) does so on every call. If it held the lock
-at the fork, the child waits inside ``os.fork()`` forever, and the DataLoader for
-that worker's batches. (A C library's ``pthread_atfork`` handler waiting on a lock
-held at the fork ends the same way, on any Python.)
+Why a forked worker can be stuck before it runs a line of its own: ``os.fork()`` copies
+the interpreter's locks as they are, held ones included, and only the forking thread
+lives on in the child. CPython 3.8 to 3.11.7 (and 3.12.0) walk the child's thread
+states under the interpreter's *head lock* before they re-create it (gh-112275), and
+another thread takes that lock without the GIL whenever it gets a thread state: a
+native thread that calls into Python (torch and NCCL callbacks, tokenizers, telemetry,
+a ctypes callback) does so on every call. If it held the lock at the fork, the child
+waits inside ``os.fork()`` forever, and the DataLoader for its batches. (A C library's
+``pthread_atfork`` handler waiting on a lock held at the fork ends the same way, on any
+Python.)
 
-So every worker forked under :func:`watch_starts` claims a start token (a pipe
-holding one byte) in an after-fork hook, which runs before multiprocessing's
-bootstrap, so before the worker reads any index. A worker that has not claimed it
-``START_DEADLINE_S`` after its fork (and after its last sibling started) is
-condemned: the parent takes the token itself, so that a worker that was only slow
-exits at once instead of racing its replacement. It is forked again with the same
-target and arguments (worker id, seeds, index queue) in its place among torch's
-workers, and killed: the epoch's batches are unchanged. Where that cannot be done,
-the consumer meets a :class:`WorkerStartError` naming the worker, what it is stuck
-in and the fix at that worker's first batch. Either way a warning says so, once.
-An iterator that :func:`watch_starts` did not make (a loader NumaLoader iterates
-through, Accelerate's ``base_dataloader``) is found as it forks a worker whose
-collate function is numafast's, and watched alike. Nothing is done per batch.
+So each worker claims a start token (a pipe holding one byte) in an after-fork hook,
+which runs before multiprocessing's bootstrap, so before the worker reads any index.
+One that has not by ``START_DEADLINE_S`` is condemned (the parent takes its token),
+forked again with the same target and arguments (worker id, seeds, index queue) in its
+place among torch's workers, and killed: the epoch's batches are unchanged. Where that
+cannot be done, the consumer meets a :class:`WorkerStartError` at that worker's first
+batch. Either way a warning says so, once. Watched are the workers :func:`watch_starts`
+forks and those of a torch iterator found forking with numafast's collate function (a
+loader NumaLoader iterates through, Accelerate's ``base_dataloader``). Nothing is done
+per batch.
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
@@ -71,10 +68,10 @@ _Run = tuple[Any, tuple[Any, ...], dict[str, Any], str, bool]
 
 @dataclass
 class _Token:
-    """A pipe holding one byte; the child reads it to start, the parent to condemn."""
+    """The read end of a pipe holding one byte; the child reads it to start, the parent
+    to condemn."""
 
     read: int
-    write: int
     forked_at: float
     run: _Run | None
     """What the process forked runs (multiprocessing drops it from the Process once
@@ -83,24 +80,16 @@ class _Token:
 
 @dataclass
 class _Worker:
-    """One of torch's workers: its index in ``_workers``, its pid, its token."""
+    """One of torch's workers: its index in ``_workers``, its pid, its token (None once it
+    started or was condemned)."""
 
     index: int
     pid: int
     token: _Token | None
-    started_at: float | None = None
     restarts: int = 0
 
 
-@dataclass
-class _Doomed:
-    """A stuck worker whose error was queued for batch ``task``: killed once the consumer met it."""
-
-    process: Any
-    task: int
-
-
-_local = threading.local()  # .watch: the watch arming this thread's forks; .pending: the token of its fork
+_local = threading.local()  # .watch: arming this thread's forks; .pending: its fork's token; .begin: see _found_watch
 _open_tokens: set[int] = set()  # every token fd of this process (a child closes its copies)
 _runs: weakref.WeakKeyDictionary[Any, list[_Run | None]] = weakref.WeakKeyDictionary()
 """Per iterator, what each of its workers runs, to fork it again in its place. Kept with
@@ -131,39 +120,37 @@ def watch_starts(
         raise
     finally:
         _local.watch = outer
-    watch.begin(iterator)
+    if watch.attach(iterator):
+        made = weakref.ref(iterator)
+        threading.Thread(target=watch.run, args=(made,), name="numafast worker start", daemon=True).start()
     return iterator
 
 
 class _StartWatch:
-    """The start tokens of the workers one ``iter()`` forked, and the thread that waits
-    for them to be claimed."""
+    """The start tokens of the workers one iterator forked, and the thread that waits for
+    them to be claimed."""
 
     def __init__(self, fork_scope: Callable[[], AbstractContextManager[Any]]) -> None:
         self.fork_scope = fork_scope
         self.tokens: list[_Token] = []
         self.workers: list[_Worker] = []
-        self.doomed: list[_Doomed] = []
-        self._iterator: weakref.ref[Any] | None = None
-
-    # ------------------------------------------------------------ forking (parent side)
+        self.last_start = 0.0  # when a worker last started (or stopped being waited for)
+        self.doomed: list[tuple[Any, int]] = []  # (process, task): see _fail
 
     def token(self) -> _Token:
         """A new token, for the fork about to happen (the before-fork hook)."""
         read, write = os.pipe()
-        _open_tokens.update((read, write))
+        _open_tokens.add(read)
         os.set_blocking(read, False)  # shared with the child: a claim never waits
         os.write(write, _STARTED)
-        token = _Token(read, write, time.monotonic(), _process_forking())
+        os.close(write)  # nothing more is written: once the byte is taken, a read gets EOF
+        token = _Token(read, time.monotonic(), _process_forking())
         self.tokens.append(token)
         return token
 
-    def begin(self, iterator: Any) -> None:
-        """Watch ``iterator``'s workers: torch's ``_workers``, one fork each, in order."""
-        if self._attach(iterator):
-            threading.Thread(target=self._run, name="numafast worker start", daemon=True).start()
-
-    def _attach(self, iterator: Any) -> bool:
+    def attach(self, iterator: Any) -> bool:
+        """Pair the tokens with ``iterator``'s workers (torch's ``_workers``, one fork each, in
+        order); False, the tokens closed, where there is nothing to watch."""
         if not self.tokens:
             return False  # no worker forked (none asked for, or spawned, or served by a forkserver)
         processes = getattr(iterator, "_workers", None)
@@ -174,10 +161,9 @@ class _StartWatch:
         for index, (process, token) in enumerate(zip(processes, self.tokens)):
             token.run = None
             self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token))
-        self._iterator = weakref.ref(iterator)
         return True
 
-    def _begin_once_made(self, made: weakref.ref[Any]) -> None:
+    def run_once_made(self, made: weakref.ref[Any]) -> None:
         """The watch thread of an iterator found forking (:func:`_found_watch`): it begins
         once the iterator has started all its workers (torch then sets ``_worker_pids_set``)."""
         deadline = time.monotonic() + 60
@@ -190,92 +176,87 @@ class _StartWatch:
                 break
             del iterator
             time.sleep(POLL_S)
-        attached = self._attach(iterator)
+        attached = self.attach(iterator)
         del iterator
         if attached:
-            self._run()
+            self.run(made)
 
     def close(self) -> None:
         for token in self.tokens:
             _close(token)
         self.tokens.clear()
 
-    # ------------------------------------------------------------ watching
-
-    def _run(self) -> None:
+    def run(self, made: weakref.ref[Any]) -> None:
+        """The watch thread of an attached watch, until no worker is left to wait for."""
+        _local.watch = self  # this thread forks only workers in others' place: their tokens are this watch's
         try:
             looks = 0
-            while self._look():
+            while self._look(made()):  # the iterator is not held between looks
                 looks += 1
                 time.sleep(min(POLL_S, 0.001 * 2 ** min(looks, 8)))
         finally:
             self.close()
 
-    def _look(self) -> bool:
+    def _look(self, iterator: Any) -> bool:
         """One look at the workers; False when there is nothing left to watch."""
-        iterator = self._iterator() if self._iterator is not None else None
         if iterator is None or getattr(iterator, "_shutdown", False):
             for worker in self.workers:  # torch ended them; one that wakes up yet exits at once
-                if worker.started_at is None and worker.token is not None:
+                if worker.token is not None:
                     _claim(worker.token.read)
-            for doomed in self.doomed:
-                _end(iterator, doomed.process)
+            for process, _task in self.doomed:
+                _end(iterator, process)
             return False
         now = time.monotonic()
-        pending = [worker for worker in self.workers if worker.started_at is None]
-        unclaimed = _unclaimed([worker.token for worker in pending if worker.token is not None])
-        for worker in pending:
-            if worker.token is None or worker.token.read not in unclaimed:
-                worker.started_at = now
-                if worker.token is not None:
-                    self._release(worker.token)
-        starts = [worker.started_at for worker in self.workers if worker.started_at is not None]
-        last_start = max(starts, default=0.0)
+        pending = [(worker, worker.token) for worker in self.workers if worker.token is not None]
+        unclaimed = _unclaimed([token for _worker, token in pending])
+        for worker, token in pending:
+            if token.read not in unclaimed:
+                self._release(worker, token)
+                self.last_start = now
+        started = sum(worker.token is None for worker in self.workers)
+        last_start = self.last_start
         for worker in self.workers:
-            token = worker.token
-            late = token is not None and now >= max(token.forked_at, last_start) + START_DEADLINE_S
-            if worker.started_at is None and late:
-                self._late(iterator, worker, len(starts))
+            if worker.token is not None and now >= max(worker.token.forked_at, last_start) + START_DEADLINE_S:
+                self._late(iterator, worker, worker.token, started)
         self._settle_doomed(iterator)
-        return any(worker.started_at is None for worker in self.workers) or bool(self.doomed)
+        return any(worker.token is not None for worker in self.workers) or bool(self.doomed)
 
-    def _release(self, token: _Token) -> None:
+    def _release(self, worker: _Worker, token: _Token) -> None:
+        """No more waiting for ``worker`` to claim ``token``: it is closed."""
         _close(token)
-        if token in self.tokens:
-            self.tokens.remove(token)
-
-    def _late(self, iterator: Any, worker: _Worker, started: int) -> None:
-        """``worker`` missed its deadline: condemned, then replaced, or its error queued."""
-        assert worker.token is not None
-        waited = time.monotonic() - worker.token.forked_at
-        condemned = _claim(worker.token.read)
-        self._release(worker.token)
-        if not condemned:  # it started after all, just now
-            worker.started_at = time.monotonic()
-            return
+        self.tokens.remove(token)
         worker.token = None
-        stuck = stuck_in(worker.pid)
-        old_pid = worker.pid
-        why_not = self._replace(iterator, worker)
-        what = (
-            f"DataLoader worker {worker.index} (pid {old_pid}) had not started {waited:.1f} s after it was forked "
-            f"({started} of its {len(self.workers)} workers had): {stuck}"
-        )
-        if why_not is None:
-            _warn_once(f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
-                       f"any index, so the epoch's batches are unchanged. {_cause()}; {_FIX}")
+
+    def _late(self, iterator: Any, worker: _Worker, token: _Token, started: int) -> None:
+        """``worker`` missed its deadline: condemned, then replaced, or its error queued."""
+        waited = time.monotonic() - token.forked_at
+        condemned = _claim(token.read)
+        self._release(worker, token)
+        if not condemned:  # it started after all, just now
+            self.last_start = time.monotonic()
             return
-        self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}. {_cause()}; {_FIX}")
+        what = (
+            f"DataLoader worker {worker.index} (pid {worker.pid}) had not started {waited:.1f} s after it was forked "
+            f"({started} of its {len(self.workers)} workers had): {stuck_in(worker.pid)}"
+        )
+        why_not = self._replace(iterator, worker)
+        if why_not is not None:
+            self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}. {_cause()}; {_FIX}")
+            return
+        global _warned
+        if not _warned:
+            _warned = True
+            replaced = (f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
+                        f"any index, so the epoch's batches are unchanged. {_cause()}; {_FIX}")
+            warnings.warn(replaced, RuntimeWarning, stacklevel=1)
 
     def _replace(self, iterator: Any, worker: _Worker) -> str | None:
         """Fork ``worker`` again in its place among the iterator's workers and kill the
         stuck one; None when done, else why it cannot be."""
-        processes: Any = getattr(iterator, "_workers", None)
-        old = processes[worker.index] if isinstance(processes, list) and worker.index < len(processes) else None
+        old = _worker_process(iterator, worker.index)
         if old is None or getattr(old, "pid", None) != worker.pid:
             return f"its DataLoader iterator's _workers are not the processes it forked ({_UNKNOWN_TORCH})"
-        runs = _runs.get(iterator, [])
-        run = runs[worker.index] if worker.index < len(runs) else None
+        run = _runs[iterator][worker.index]
         if run is None:
             return "its fork did not come from a multiprocessing Process's start() (a Python numafast does not know)"
         target, args, kwargs, name, daemon = run
@@ -286,57 +267,53 @@ class _StartWatch:
         replacement = type(old)(target=target, args=args, kwargs=kwargs, name=name)
         replacement.daemon = daemon
         forks = len(self.tokens)
-        outer, _local.watch = getattr(_local, "watch", None), self
         try:
             with self.fork_scope():
                 replacement.start()
         except Exception as error:  # noqa: BLE001 - said in the error the consumer gets
             return f"forking a worker in its place failed ({error!r})"
-        finally:
-            _local.watch = outer
-        processes[worker.index] = replacement
+        iterator._workers[worker.index] = replacement
         _end(iterator, old)
         global _replaced
         _replaced += 1
-        worker.pid, worker.restarts = replacement.pid, worker.restarts + 1
-        worker.token = self.tokens[-1] if len(self.tokens) == forks + 1 else None
-        if worker.token is not None:
+        worker.pid = replacement.pid
+        worker.restarts += 1
+        if len(self.tokens) == forks + 1:
+            worker.token = self.tokens[-1]
             worker.token.run = None  # the same run, kept in _runs
-        worker.started_at = None if worker.token is not None else time.monotonic()
-        if worker.token is not None:
             worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
+        else:
+            self.last_start = time.monotonic()  # forked without a token: nothing to wait for
         if getattr(iterator, "_shutdown", False):
             _end(iterator, replacement)  # the iteration ended meanwhile
         return None
 
     def _fail(self, iterator: Any, worker: _Worker, message: str) -> None:
-        """The consumer meets ``message`` as a :class:`WorkerStartError` at the stuck
-        worker's first batch (put on the result queue as a worker's own error is); the
-        worker is killed once it has. Where no batch can carry it, the worker is killed
-        now and torch's own check of its workers ends the iteration."""
+        """Queue ``message`` as a :class:`WorkerStartError` for the stuck worker's first
+        batch (as a worker's own error is), to kill the worker once the consumer met it;
+        where no batch can carry it, kill it now: torch's own check of its workers then
+        ends the iteration, as when a worker dies."""
         warnings.warn(message, RuntimeWarning, stacklevel=1)  # whatever happens to the exception
-        processes = getattr(iterator, "_workers", None)
-        process = processes[worker.index] if isinstance(processes, list) and worker.index < len(processes) else None
-        task = _first_task(iterator, worker.index)
-        worker.started_at = time.monotonic()  # nothing more to wait for
+        process = _worker_process(iterator, worker.index)
+        self.last_start = time.monotonic()  # as a start does: the siblings' deadlines count from now
         if process is None:
             return
-        if task is not None and _queue_error(iterator, task, worker.index, message):
-            self.doomed.append(_Doomed(process, task))
+        task = _queue_error(iterator, worker.index, message)
+        if task is not None:
+            self.doomed.append((process, task))
         else:
             _kill(process)
 
     def _settle_doomed(self, iterator: Any) -> None:
-        """Kill the stuck workers whose error the consumer has met: torch's own checks
-        then see them gone, and the iteration ends as it does when a worker dies."""
+        """Kill the stuck workers whose error the consumer has met (see :meth:`_fail`)."""
         received = getattr(iterator, "_rcvd_idx", None)
-        for doomed in list(self.doomed):
-            if not isinstance(received, int) or received > doomed.task:
-                _end(iterator, doomed.process)
-                self.doomed.remove(doomed)
+        for process, task in list(self.doomed):
+            if not isinstance(received, int) or received > task:
+                _end(iterator, process)
+                self.doomed.remove((process, task))
 
 
-# ------------------------------------------------------------ the child's side
+# ------------------------------------------------------------ the fork hooks
 
 
 def _before_fork() -> None:
@@ -348,8 +325,8 @@ def _after_fork_in_parent() -> None:
     _local.pending = None
     begin, _local.begin = getattr(_local, "begin", None), None
     if begin is not None:  # the first fork of an iterator found forking: its watch thread
-        threading.Thread(target=begin[0]._begin_once_made, args=(begin[1],), name="numafast worker start",
-                         daemon=True).start()  # fmt: skip
+        watch, made = begin
+        threading.Thread(target=watch.run_once_made, args=(made,), name="numafast worker start", daemon=True).start()
 
 
 _found: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()
@@ -385,8 +362,8 @@ def _found_watch() -> _StartWatch | None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child's first step: claim its start token (a watched worker), drop the
-    parent's tokens, and exit at once when the parent has condemned it meanwhile."""
+    """A forked child's first step: claim its start token (a watched worker) and drop the
+    parent's tokens."""
     token: _Token | None = getattr(_local, "pending", None)
     _local.pending = _local.watch = _local.begin = None  # this child's own forks are not watched
     started = token is None or _claim(token.read)
@@ -397,7 +374,7 @@ def _after_fork_in_child() -> None:
             pass
     _open_tokens.clear()
     if not started:
-        os._exit(0)  # another worker runs in this one's place
+        os._exit(0)  # condemned: only slow, it must not race the worker forked in its place
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
@@ -408,7 +385,7 @@ def _process_forking() -> _Run | None:
     frames of its ``start()``, the only place that still has them), or None."""
     from multiprocessing.process import BaseProcess
 
-    frame: FrameType | None = sys._getframe(2)  # above this function and the before-fork hook: the caller of os.fork()
+    frame: FrameType | None = sys._getframe(2)  # the before-fork hook; then the caller of os.fork()
     for _ in range(8):
         if frame is None:
             break
@@ -427,7 +404,7 @@ def _claim(read: int) -> bool:
     """Take a token's byte: True for the first to read it (in the child: it starts; in
     the parent: it condemns the child)."""
     try:
-        return os.read(read, 1) == _STARTED
+        return os.read(read, 1) == _STARTED  # b"" (EOF) once taken
     except BlockingIOError:
         return False
     except OSError:
@@ -443,10 +420,9 @@ def _unclaimed(tokens: list[_Token]) -> set[int]:
 
 
 def _close(token: _Token) -> None:
-    for fd in (token.read, token.write):
-        if fd in _open_tokens:
-            _open_tokens.discard(fd)
-            os.close(fd)
+    if token.read in _open_tokens:
+        _open_tokens.discard(token.read)
+        os.close(token.read)
 
 
 # ------------------------------------------------------------ torch's iterator
@@ -473,17 +449,23 @@ def _worker_pids(iterator: Any) -> Callable[[tuple[int, ...]], None] | None:
     return set_pids
 
 
-def _first_task(iterator: Any, index: int) -> int | None:
-    """The first batch the iterator waits for from worker ``index`` (torch's ``_task_info``)."""
+def _worker_process(iterator: Any, index: int) -> Any:
+    """Worker ``index`` of torch's ``_workers``, or None."""
+    processes = getattr(iterator, "_workers", None)
+    return processes[index] if isinstance(processes, list) and index < len(processes) else None
+
+
+def _queue_error(iterator: Any, index: int, message: str) -> int | None:
+    """Put ``message`` on the iterator's result queue as worker ``index``'s error for the
+    first batch the iterator waits for from it (torch's ``_task_info``): that batch, or
+    None where there is none or it cannot be done."""
     tasks = getattr(iterator, "_task_info", None)
     if not isinstance(tasks, dict):
         return None
     waiting = [task for task, info in list(tasks.items()) if isinstance(info, tuple) and info == (index,)]
-    return min(waiting, default=None)
-
-
-def _queue_error(iterator: Any, task: int, index: int, message: str) -> bool:
-    """Put ``message`` on the iterator's result queue as worker ``index``'s error for batch ``task``."""
+    if not waiting:
+        return None
+    task: int = min(waiting)
     results: Any = getattr(iterator, "_worker_result_queue", None)
     try:
         from torch._utils import ExceptionWrapper
@@ -492,8 +474,8 @@ def _queue_error(iterator: Any, task: int, index: int, message: str) -> bool:
         wrap: Any = ExceptionWrapper  # untyped in some torch versions
         results.put((task, wrap((WorkerStartError, error, None), where=f"in DataLoader worker process {index}")))
     except Exception:  # noqa: BLE001 - then the worker is killed: torch's own check ends the iteration
-        return False
-    return True
+        return None
+    return task
 
 
 def _end(iterator: Any, process: Any) -> None:
@@ -569,10 +551,3 @@ def _cause() -> str:
                 "thread that calls into Python from native code held the interpreter's head lock at the fork")
     return ("This Python has CPython's fork deadlock fixed: a lock held by another thread at the fork (a C library's "
             "pthread_atfork handler?) stopped it")
-
-
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(message, RuntimeWarning, stacklevel=1)
