@@ -184,24 +184,33 @@ class _Fence:
 
 
 class SlotEvents:
-    """A pool's fences: ``self(index, streams)`` records CUDA events on ``device``'s
-    current stream and on each of ``streams`` as slot ``index`` comes back.
+    """A pool's fences: ``self(index)``, as slot ``index`` comes back, records CUDA
+    events on ``device``'s current stream and on each stream named for the slot
+    (:meth:`add_reader`), so that it is reused only after the work queued on them
+    has finished.
 
     ``device`` is the pool's, named explicitly: a slot comes back in whichever thread
     drops its last tensor (PyTorch's pin thread, a framework's prefetch thread), and
     that thread's own current device may be another GPU, or none yet (device 0,
     where asking for its stream would create a context).
 
-    Each slot keeps its own events, one per stream device, and reuses them: a slot is
-    given back again only after it was handed out again, which happens only once its
-    last fence said done, so an event is never re-recorded while still awaited.
+    Each slot reuses its events: a slot is given back again only after it was handed
+    out again, which happens only once its last fence said done, so an event is never
+    re-recorded while still awaited.
     """
 
     def __init__(self, slots: int, device: int) -> None:
         self.device = device
+        self.readers: list[list[Any]] = [[] for _ in range(slots)]
         self.events: list[dict[tuple[torch.device, int], Any]] = [{} for _ in range(slots)]
 
-    def __call__(self, index: int, streams: Sequence[Any]) -> _Fence:
+    def add_reader(self, index: int, stream: Any) -> None:
+        """Name ``stream`` as reading slot ``index`` until the slot comes back."""
+        if stream not in self.readers[index]:
+            self.readers[index].append(stream)
+
+    def __call__(self, index: int) -> _Fence:
+        streams, self.readers[index] = self.readers[index], []
         current = torch.cuda.current_stream(self.device)
         readers = [current, *(stream for stream in streams if stream != current)]
         owned = self.events[index]

@@ -33,11 +33,10 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from numafast import _libnuma, _pid
 from numafast._buffers import PAGE_SIZE
@@ -57,6 +56,9 @@ from numafast.errors import (
 from numafast.memory import allocate
 from numafast.pool_share import PoolHandle, fault_in
 from numafast.topo.files import read_fields
+
+if TYPE_CHECKING:
+    from numafast.cuda import Registration, SlotEvents
 
 __all__ = ["LockMode", "PinnedPool", "PoolStats", "RegisterMode", "Slot"]
 
@@ -135,15 +137,6 @@ class PoolStats:
     closed: bool
 
 
-class _Fence(Protocol):
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
-
-
-class _Registration(Protocol):
-    def unregister(self) -> None: ...
-
-
 class _Resources:
     """A pool's memfd, its mapping, and what pins it, released once in that reverse
     order. Known to the at-fork handler from before the file exists: a child forked
@@ -157,7 +150,7 @@ class _Resources:
         self.fd = -1
         self.region: _libnuma.MappedBuffer | None = None
         self.locked = False
-        self.registration: _Registration | None = None
+        self.registration: Registration | None = None
         self.lock = threading.Lock()
         _pool_files.add(self)
 
@@ -246,20 +239,6 @@ def _shared_mappings_of(inode: int) -> list[tuple[int, int, int]]:
                 low, high = (int(part, 16) for part in fields[0].split(b"-"))
                 found.append((low, high - low, int(fields[2], 16)))
     return found
-
-
-class _StreamFences:
-    """The pool's fence: as slot i comes back, CUDA events on the streams named for it
-    (``record_stream``) and on the current stream, so that it is reused only after
-    the copies queued on them have finished."""
-
-    def __init__(self, slots: int, make_fence: Callable[[int, list[Any]], _Fence]) -> None:
-        self.streams: list[list[Any]] = [[] for _ in range(slots)]
-        self.make_fence = make_fence
-
-    def __call__(self, index: int) -> _Fence:
-        streams, self.streams[index] = self.streams[index], []
-        return self.make_fence(index, streams)
 
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
@@ -389,7 +368,7 @@ class PinnedPool:
                 pretouch=prefault,
             )
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
-            self._fences: _StreamFences | None = None
+            self._fences: SlotEvents | None = None
             if self._device is not None:
                 from numafast import cuda
 
@@ -397,7 +376,7 @@ class PinnedPool:
                     region.address, region.size, device=self._device, unit=whole_pages(slot_bytes),
                     head=_libnuma.slot_table_bytes(slots),
                 )
-                self._fences = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
+                self._fences = cuda.SlotEvents(slots, self._device)
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
@@ -536,8 +515,7 @@ class PinnedPool:
         index = self._slots.index_of(address)
         if index < 0 or self._fences is None:
             return False
-        if stream not in self._fences.streams[index]:
-            self._fences.streams[index].append(stream)
+        self._fences.add_reader(index, stream)
         return True
 
     def contains(self, address: int) -> bool:
