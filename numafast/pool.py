@@ -342,7 +342,7 @@ class PinnedPool:
         device: int | None = None,
     ) -> None:
         global _exit_hook_installed
-        self._node = check_node(node)
+        node = check_node(node)
         slot_bytes = positive_int(slot_bytes, "slot_bytes")
         slots = positive_int(slots, "slots")
         lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
@@ -350,19 +350,19 @@ class PinnedPool:
         self._wait = _wait_of(timeout)
         if device is not None:
             device = check_device_index(device)
-        if _libnuma.node_size64(self._node)[0] == 0:
-            raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
+        if _libnuma.node_size64(node)[0] == 0:
+            raise InvalidNodeError(f"node {node} has no memory (a CPU-only node): a pool needs a node with memory")
         self._device = _registering_device(register_mode, device)
         prefault = prefault or self._device is not None
-        self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
+        self._cpus = tuple(cpus_near([node], allowed_cpus()))
         # Made before memfd_create, the first step that lets go of the GIL (see _Resources).
-        self._resources = resources = _Resources(self._node)
+        self._resources = resources = _Resources(node)
         try:
-            resources.fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
+            resources.fd = os.memfd_create(f"{MEMFD_PREFIX}{node}", os.MFD_CLOEXEC)
             # A child forked before the next line finds the mapping in /proc/self/maps.
             resources.region = region = allocate(
                 pool_bytes(slot_bytes, slots),
-                node=self._node,
+                node=node,
                 hugepages=hugepages,
                 shared_file=resources.fd,
                 pretouch=prefault,
@@ -381,10 +381,8 @@ class PinnedPool:
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
             weakref.finalize(self, self._slots.abandon).atexit = False
-            self._acquire_slot = self._slots.acquire
             # prefault=False: how many bytes of each slot this process has faulted in.
             self._faulted: list[int] | None = None if prefault else [0] * slots
-            self._slot_bytes = slot_bytes
         except BaseException:
             resources.release()
             raise
@@ -402,21 +400,21 @@ class PinnedPool:
         (``numpy.asarray(slot)``, ``torch.frombuffer(slot, dtype=...)``). ``timeout``
         overrides the pool's own (see the class); O(1), no allocation.
         """
-        size, wait = self._slot_bytes, self._wait
+        slots = self._slots
+        size, wait = slots.slot_bytes, self._wait
         if nbytes is not None:
             size = positive_int(nbytes, "nbytes", minimum=0)
-            if size > self._slot_bytes:
+            if size > slots.slot_bytes:
                 raise SlotTooSmallError(
-                    f"{size} bytes asked for, but a slot of this pool holds {self._slot_bytes} bytes"
+                    f"{size} bytes asked for, but a slot of this pool holds {slots.slot_bytes} bytes"
                 )
         if timeout is not _WAIT:
             wait = _wait_of(timeout)
         try:
-            slot: Slot = self._acquire_slot(size, wait)
+            slot: Slot = slots.acquire(size, wait)
         except TimeoutError:
-            slots = self._slots
             raise PoolExhaustedError(
-                f"all {slots.count} slots of the node-{self._node} pool are in use ({slots.in_use} held by "
+                f"all {slots.count} slots of the node-{self.node} pool are in use ({slots.in_use} held by "
                 f"arrays or tensors, {slots.fenced} in flight on the GPU) and none came back within "
                 f"{wait:g} s; drop references to earlier batches, or make the pool larger"
             ) from None
@@ -448,7 +446,7 @@ class PinnedPool:
         try:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
-            raise LookupError(f"node-{self._node} pool: {error}; its batch cannot be read any more") from None
+            raise LookupError(f"node-{self.node} pool: {error}; its batch cannot be read any more") from None
         if self._faulted is not None:
             self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
         return slot
@@ -473,8 +471,8 @@ class PinnedPool:
             fd=self._resources.fd,
             inode=os.fstat(self._resources.fd).st_ino,
             nbytes=self._slots.table.region.size,
-            node=self._node,
-            slot_bytes=self._slot_bytes,
+            node=self.node,
+            slot_bytes=self._slots.slot_bytes,
         )
 
     def settle(self) -> bool:
@@ -504,7 +502,7 @@ class PinnedPool:
                 "inherited): make a new pool in the child"
             ) from None
         if self._slots.closed and not closed_ok:
-            raise PoolClosedError(f"this node-{self._node} pool is closed") from None
+            raise PoolClosedError(f"this node-{self.node} pool is closed") from None
 
     def record_stream(self, address: int, stream: object) -> bool:
         """Name a CUDA stream that reads the slot holding ``address`` (e.g. a tensor's
@@ -528,7 +526,7 @@ class PinnedPool:
         slots = self._slots
         region = slots.table.region
         return PoolStats(
-            node=self._node,
+            node=self.node,
             slots=slots.count,
             slot_bytes=slots.slot_bytes,
             in_use=slots.in_use,
@@ -568,11 +566,11 @@ class PinnedPool:
 
     @property
     def node(self) -> int:
-        return self._node
+        return self._resources.node
 
     @property
     def slot_bytes(self) -> int:
-        return self._slot_bytes
+        return self._slots.slot_bytes
 
     @property
     def slots(self) -> int:
@@ -605,7 +603,7 @@ class PinnedPool:
         pinned = ", ".join(
             word for word, on in (("locked", self.locked), ("CUDA-registered", self.registered)) if on
         ) or "not locked"
-        return f"<PinnedPool node {self._node}: {self._slots.count} x {self._slots.slot_bytes} bytes, {pinned}, {state}>"
+        return f"<PinnedPool node {self.node}: {self._slots.count} x {self._slots.slot_bytes} bytes, {pinned}, {state}>"
 
 
 def whole_pages(nbytes: int) -> int:
