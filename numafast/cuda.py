@@ -140,7 +140,6 @@ class Registration:
                         "before it were unregistered"
                     )
                 self.ranges.append((start, length))
-        self.address: int | None = address
 
     def _error_text(self, code: int) -> str:
         describe = getattr(self.runtime, "cudaGetErrorString", None)
@@ -148,7 +147,7 @@ class Registration:
 
     def unregister(self) -> None:
         """cudaHostUnregister of every piece, last first, once."""
-        ranges, self.ranges, self.address = self.ranges, [], None
+        ranges, self.ranges = self.ranges, []
         if not ranges:
             return
         failures = []
