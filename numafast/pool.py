@@ -71,6 +71,8 @@ MEMFD_PREFIX = "numafast-pool-node"
 CAP_IPC_LOCK = 14
 # Errors of mlock(2) that mean "not this much, not by you".
 LOCK_REFUSALS = (errno.ENOMEM, errno.EPERM, errno.EAGAIN)
+# The bits of a worker's start time that a lease keeps (see src/pool.pxi).
+_LEASE_STARTED_BITS = (1 << 40) - 1
 
 
 class LockMode(str, Enum):
@@ -458,7 +460,13 @@ class PinnedPool:
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
-            if not _leaser_alive(pid, started) and self._slots.reclaim(index, generation, pid):
+            now = _pid.start_time(pid)
+            # A lease keeps its worker's start time (modulo 2**40), so a later process given
+            # the same pid is not taken for it. -1 (not recorded yet) counts as a match:
+            # ending a live worker's lease would let two batches share a slot, while
+            # keeping a dead one's only costs that slot.
+            alive = now is not None and (started < 0 or now & _LEASE_STARTED_BITS == started)
+            if not alive and self._slots.reclaim(index, generation, pid):
                 freed += 1
         return freed
 
@@ -620,22 +628,6 @@ def pool_bytes(slot_bytes: int, slots: int) -> int:
 def pool_of(address: int) -> PinnedPool | None:
     """The live pool whose slots hold ``address``, if any."""
     return next((pool for pool in list(_live_pools) if pool.contains(address)), None)
-
-
-def _leaser_alive(pid: int, started: int) -> bool:
-    """Whether the process that leased a slot still runs: ``pid`` runs (see
-    :func:`numafast._pid.start_time`) and started at ``started`` (modulo 2**40, as the
-    lease recorded it), so it is not a later process given the same pid. ``started``
-    is -1 while the leaser has not recorded it yet: taken for the pid's, since ending
-    a live process's lease would let two batches share a slot, while keeping a dead
-    one's only costs that slot."""
-    now = _pid.start_time(pid)
-    if now is None:
-        return False
-    return started < 0 or now & _LEASE_STARTED_BITS == started
-
-
-_LEASE_STARTED_BITS = (1 << 40) - 1  # the bits of a start time that a lease keeps (see src/pool.pxi)
 
 
 def _wait_of(timeout: object) -> float:
