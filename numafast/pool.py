@@ -1,25 +1,20 @@
 """Node-local pinned buffer pools: :class:`PinnedPool`.
 
-The host side of a host-to-device copy is fastest when it is page-locked and on the
-GPU's own node, and a fresh pinned allocation per batch is slow (``cudaHostAlloc``
-takes a driver-wide lock and has no NUMA flag). A pool pays once: one shared mapping
-of a memfd (a slot table, then ``slots`` x ``slot_bytes``), bound to the node with
-mbind before any page exists, faulted in there by threads pinned to the node's CPUs
-(or slot by slot as slots are first used: ``prefault=False``), page-locked (mlock)
-and, when CUDA is usable, registered with CUDA in chunks.
-Placement must be right before the pages are pinned: memory registered with CUDA is
-pinned for DMA and can no longer migrate.
+A host-to-device copy is fastest from page-locked memory on the GPU's own node, and
+``cudaHostAlloc`` per batch is slow (a driver-wide lock, no NUMA flag). A pool pays
+once: one shared memfd mapping (a slot table, then ``slots`` x ``slot_bytes``), bound
+to the node with mbind before any page exists, faulted in by threads on the node's
+CPUs, page-locked, and registered with CUDA in chunks. Placement must come first:
+memory registered with CUDA is pinned for DMA and can no longer migrate.
 
-Because the memory is a shared file, DataLoader workers can map it too (see
-:mod:`numafast.pool_share`) and collate a batch straight into a slot the main
-process then reads without a copy. Locking and registration stay the main
-process's: neither is inherited by a child. A forked child keeps a private,
-copy-on-write view of the pools it inherited, so it can read what a slot held but
-never writes into a slot the parent may hand out again.
+DataLoader workers map the file too (:mod:`numafast.pool_share`) and collate straight
+into a slot. Neither the lock nor the registration is inherited by a child; a forked
+child gets a private, copy-on-write view of its parent's pools, so it never writes
+into a slot the parent may hand out again.
 
-A slot is handed out with one compare-and-swap and comes back by itself when the
-last array or tensor viewing it is gone; with CUDA, only once the GPU work queued
-on it has finished.
+A slot is handed out with one compare-and-swap and comes back by itself when the last
+array or tensor viewing it is gone; with CUDA, only once the GPU work queued on it
+has finished.
 """
 
 from __future__ import annotations
@@ -79,15 +74,13 @@ class LockMode(str, Enum):
     """How a pool page-locks its memory (``lock=``)."""
 
     AUTO = "auto"
-    """``best-effort``: where the kernel refuses (RLIMIT_MEMLOCK without CAP_IPC_LOCK, 8 MiB
-    for a user on most systems), locking buys nothing the caller asked for: it only
-    keeps the pages resident, and CUDA registration pins them itself, outside
-    RLIMIT_MEMLOCK. So the default never fails for want of that privilege."""
+    """As ``best-effort``: locking only keeps the pages resident, and CUDA registration
+    pins them itself outside RLIMIT_MEMLOCK (8 MiB for a user on most systems, without
+    CAP_IPC_LOCK), so the default never fails for want of that privilege."""
     REQUIRED = "required"
     """Lock every page or raise :class:`MemlockError` naming the limit and the fix (``True``)."""
     BEST_EFFORT = "best-effort"
-    """Lock if the kernel allows; otherwise one warning per process (naming the limit and
-    the fix) and unlocked memory."""
+    """Lock if the kernel allows; otherwise unlocked, with one warning per process."""
     OFF = "off"
     """Never lock (``False``)."""
 
@@ -140,11 +133,11 @@ class PoolStats:
 
 
 class _Resources:
-    """A pool's memfd, its mapping, and what pins it, released once in that reverse
-    order. Known to the at-fork handler from before the file exists: a child forked
-    by another thread at any step of a pool's making (each lets go of the GIL) must
-    turn that mapping private too. Apart from the pool, so that the slots, which
-    outlive a closed pool, hold no reference to it."""
+    """A pool's memfd, its mapping, and what pins them, released once in reverse order.
+    Known to the at-fork handler before the file exists: a child forked by another
+    thread at any step of a pool's making (each lets go of the GIL) must turn that
+    mapping private too. Apart from the pool, so that slots, which outlive a closed
+    pool, hold no reference to it."""
 
     def __init__(self, node: int) -> None:
         self.owner_pid = _pid.pid
@@ -157,11 +150,9 @@ class _Resources:
         _pool_files.add(self)
 
     def view_privately(self) -> None:
-        """In a forked child: every shared mapping of this file becomes a private one of the
-        same file at the same address (see the module doc). The mapping of a pool being
-        made when the child was forked has no object here yet (the thread making it is
-        not in the child): the kernel's list of this process's mappings says where it is.
-        OSError when a mapping cannot be made private."""
+        """In a forked child: make every shared mapping of this file private, at the same
+        address (OSError when one cannot be). A pool being made at the fork has no region
+        here yet (its thread is not in the child): /proc/self/maps says where it is."""
         fd, region = self.fd, self.region
         if fd < 0:
             return  # no file yet, or released: nothing of it is mapped
@@ -215,10 +206,9 @@ class _Resources:
                 _libnuma.munlock(self.region)
 
     def release(self) -> None:
-        """Unpin, unmap, close the file: called once no slot is out and no GPU work is
-        in flight, or by a pool that failed to be made. Nothing in a forked child:
-        arrays it inherited may still read its private view, which goes when the child
-        ends."""
+        """Unpin, unmap, close the file, once no slot is out and no GPU work is in flight
+        (or when making the pool failed). Nothing in a forked child: arrays it inherited
+        may still read its private view."""
         if not _pid.owns(self.owner_pid):
             return
         self.unpin()
@@ -255,12 +245,10 @@ FORK_REMAP_FAILED_STATUS = 70
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker, a subprocess before exec) makes its views of
-    its parent's pools private (see the module doc); workers that fill slots map the
-    file again, shared. A child that cannot ends here, saying why on its standard
-    error, before any code of its own runs: an exception raised in an at-fork hook
-    is only printed, and the child would go on writing into its parent's slots
-    unseen. A DataLoader then reports its worker's exit."""
+    """A forked child makes its views of its parent's pools private (workers that fill
+    slots map the file again, shared). One that cannot exits here, saying why on
+    stderr: an exception raised in an at-fork hook is only printed, and the child
+    would go on writing into its parent's slots unseen."""
     for file in list(_pool_files):
         try:
             file.view_privately()
@@ -307,27 +295,22 @@ _WAIT = object()  # acquire()'s default: the pool's own timeout
 
 
 class PinnedPool:
-    """``slots`` buffers of ``slot_bytes`` each, all on ``node``, page-locked and (with
-    CUDA) registered once, handed out by :meth:`acquire`.
+    """``slots`` buffers of ``slot_bytes`` each on ``node``, page-locked and (with CUDA)
+    registered once, handed out by :meth:`acquire`. A context manager, or call :meth:`close`.
 
-    ``lock`` and ``register`` take a :class:`LockMode` / :class:`RegisterMode` (or
-    True / False). ``timeout`` is what :meth:`acquire` does when every slot is in use:
-    None waits as long as it takes, 0 raises at once, t waits up to t seconds, then
-    raises :class:`PoolExhaustedError`. ``hugepages`` backs the pool with transparent
-    huge pages where the kernel allows.
+    ``lock`` / ``register`` take a :class:`LockMode` / :class:`RegisterMode` (or True /
+    False). ``timeout``, when every slot is in use: None waits as long as it takes, t
+    waits up to t seconds (0: not at all), then raises :class:`PoolExhaustedError`.
+    ``hugepages`` uses transparent huge pages where the kernel allows.
 
-    ``device`` is the CUDA device whose context registers the memory and whose current
-    stream fences the slots (default: the calling thread's current device). The
+    ``device`` (default: the calling thread's current one) is the CUDA device whose
+    context registers the memory and whose current stream fences the slots; the
     registration is portable: copies to every device read the memory as pinned.
 
-    ``prefault=False`` makes a pool cost nothing until its slots are used: the memory
-    is bound and locked (mlock2 MLOCK_ONFAULT: the whole size counts against
-    RLIMIT_MEMLOCK now), and each slot is faulted in on the node the first time this
-    process hands it out or adopts it (a worker faults in the slots it leases): a
-    page is locked once it is in this process's mapping. A pool that registers with
-    CUDA is faulted in at once all the same: registration pins every page.
-
-    Use it as a context manager, or call :meth:`close`.
+    ``prefault=False`` faults each slot in on the node when this process first hands it
+    out or adopts it (a worker faults in those it leases); with mlock2 MLOCK_ONFAULT a
+    page is locked as it is faulted in, but the whole size counts against
+    RLIMIT_MEMLOCK at once. Ignored when registering with CUDA, which pins every page.
     """
 
     def __init__(
@@ -641,9 +624,9 @@ def _wait_of(timeout: object) -> float:
 
 
 def check_device_index(device: object) -> int:
-    """``device`` as a CUDA device index (an int or NumPy integer, >= 0), or a TypeError
-    / InvalidGpuError naming the value. Whether the device exists is the
-    registration's to check: counting devices is for a process that uses CUDA."""
+    """``device`` as a CUDA device index (an int or NumPy integer, >= 0). Whether it
+    exists is checked only by a pool that registers: counting devices is for a
+    process that uses CUDA."""
     if isinstance(device, bool) or not isinstance(device, numbers.Integral):
         raise TypeError(f"device={device!r}: give a CUDA device index (0, 1, ...) or None for the current device")
     if int(device) < 0:
@@ -652,9 +635,8 @@ def check_device_index(device: object) -> int:
 
 
 def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
-    """The device a pool registers through (``device``, checked against the devices this
-    process sees, else the calling thread's current one); None when it does not
-    register. CudaUnavailable when it must and cannot."""
+    """The device a pool registers through (``device``, else the calling thread's current
+    one); None when it does not register, CudaUnavailable when it must and cannot."""
     if mode is RegisterMode.OFF or mode is RegisterMode.AUTO and "torch" not in sys.modules:
         return None
     try:
@@ -674,8 +656,8 @@ def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
 
 
 def _memlock_limits() -> tuple[int, int, str, bool]:
-    """RLIMIT_MEMLOCK (soft, hard), what this process locks already (/proc/self/status's
-    VmLck, "unknown" without it), and whether it has CAP_IPC_LOCK (which lifts the limit)."""
+    """RLIMIT_MEMLOCK (soft, hard), what this process locks already (VmLck, "unknown"
+    without it), and whether it has CAP_IPC_LOCK."""
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     status = read_fields(Path("/proc/self/status")) or {}
     capable = bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
@@ -683,8 +665,8 @@ def _memlock_limits() -> tuple[int, int, str, bool]:
 
 
 def memlock_room() -> int | None:
-    """Bytes this process may still page-lock: None when unlimited (RLIMIT_MEMLOCK is, or
-    the process has CAP_IPC_LOCK)."""
+    """Bytes this process may still page-lock; None when unlimited (RLIMIT_MEMLOCK
+    infinity, or CAP_IPC_LOCK)."""
     soft, _hard, locked, capable = _memlock_limits()
     if soft == resource.RLIM_INFINITY or capable:
         return None
