@@ -74,11 +74,9 @@ def current_index() -> int:
     return int(torch.cuda.current_device())
 
 
-def on_device(index: int) -> AbstractContextManager[Any]:
-    """Make ``index`` the calling thread's current device for a block, and restore the
-    one before without creating a context on it (torch's device guard)."""
-    guard: AbstractContextManager[Any] = torch.cuda.device(index)
-    return guard
+# Makes a device the calling thread's current one for a block, and restores the one
+# before without creating a context on it (torch's device guard).
+on_device: Callable[[int], AbstractContextManager[Any]] = torch.cuda.device
 
 
 def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
