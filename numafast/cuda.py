@@ -91,11 +91,12 @@ def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
     per_piece = max(limit // unit, 1) * unit
     ranges = []
     start, end = address, address + nbytes
-    first = min(head + per_piece, nbytes)
+    length = head + per_piece
     while start < end:
-        length = min(first if start == address else per_piece, end - start)
+        length = min(length, end - start)
         ranges.append((start, length))
         start += length
+        length = per_piece
     return ranges
 
 
