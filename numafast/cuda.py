@@ -1,12 +1,9 @@
-"""The one module of numafast that touches ``torch.cuda``, through PyTorch's public API
-only: registering pool memory with CUDA, the events that keep a pool slot from being
-reused while a copy still reads it, the side stream NumaLoader copies on, the GPUs'
-identities for the topology and the bench's transfer timings.
+"""The one module of numafast that touches ``torch.cuda`` (public API only): registering
+pool memory, the events that keep a slot from reuse while a copy still reads it, the
+side stream NumaLoader copies on, the GPUs' identities and the bench's timings.
 
-It sits in the core (the pools and the topology use it, as does numafast.torch) and
-is imported only where used, after PyTorch: nothing here runs without a usable CUDA
-device, and everything that calls in checks :func:`usable` first, so numafast
-works wherever torch or a GPU is missing.
+Imported only where used, after PyTorch, by callers that check :func:`usable` first,
+so numafast works wherever torch or a GPU is missing.
 """
 
 from __future__ import annotations
@@ -68,9 +65,9 @@ def initialized() -> bool:
 
 def current_index() -> int:
     """The calling thread's current CUDA device. CUDA keeps it per thread: a thread
-    that never chose one (a serving thread, PyTorch's pin thread before it sets
-    one) is on device 0. Initialises torch's CUDA state, which a loader does only
-    once it iterates (the user picks the rank's device after building it)."""
+    that never chose one (a serving thread, PyTorch's pin thread before it sets one)
+    is on device 0. Initialises torch's CUDA state, which a loader does only once it
+    iterates (the user picks the rank's device after building it)."""
     return int(torch.cuda.current_device())
 
 
@@ -82,10 +79,9 @@ on_device: Callable[[int], AbstractContextManager[Any]] = torch.cuda.device
 def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
                     limit: int = REGISTER_CHUNK_BYTES) -> list[tuple[int, int]]:
     """``[address, address + nbytes)`` cut into ``(start, length)`` pieces of whole
-    ``unit``s (a pool's slot stride) of at most ``limit`` bytes each, the first one
-    holding ``head`` bytes more (the slot table): no slot is split between two
-    registrations, since a copy must read from one. A unit larger than ``limit`` is
-    a piece of its own."""
+    ``unit``s (a pool's slot stride) of at most ``limit`` bytes each (a larger unit is
+    a piece of its own), the first also holding the ``head`` (the slot table): no slot
+    is split between two registrations, since a copy must read from one."""
     if nbytes <= 0 or unit <= 0 or head < 0 or head > nbytes:
         raise ValueError(f"cannot cut {nbytes} bytes in units of {unit} after a head of {head}")
     per_piece = max(limit // unit, 1) * unit
@@ -102,22 +98,18 @@ def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
 
 class Registration:
     """Host memory registered with CUDA (cudaHostRegister) in the pieces of
-    :func:`register_ranges`: copies from and to it run as DMA from page-locked
-    memory. The driver pins the pages for DMA, so they can no longer migrate:
-    register only memory that is already where it should be. A failure part way
-    unregisters the pieces already done, in reverse: never half-registered.
+    :func:`register_ranges`, so that copies run as DMA. The driver pins the pages, so
+    they can no longer migrate: register only memory already where it should be. A
+    failure part way unregisters the pieces done, in reverse.
 
     Every call runs with ``device`` current: the runtime registers through the current
-    device's context and creates that context if the thread has none, so a call
-    from a thread that never chose a device (the pools' serving thread, a thread
-    dropping the last tensor of a closed pool) would otherwise make a context on
-    device 0, hundreds of MiB of GPU memory, in every rank of a multi-GPU job.
+    device's context and creates it if the thread has none, so a thread that never
+    chose a device (the pools' serving thread, one dropping the last tensor of a closed
+    pool) would make a context on device 0, hundreds of MiB of GPU memory, in every
+    rank of a multi-GPU job.
 
-    ``runtime`` is what answers ``cudaHostRegister`` / ``cudaHostUnregister`` /
-    ``cudaGetErrorString``: ``torch.cuda.cudart()`` unless given; ``device_guard``
-    makes a device current for a block (:func:`on_device` unless given). A test can
-    give recorders to check the order of calls and the device each names; that
-    tests this class, not CUDA.
+    ``runtime`` (default ``torch.cuda.cudart()``) and ``device_guard`` (default
+    :data:`on_device`) let a test record the calls and the device each runs under.
     """
 
     def __init__(self, address: int, nbytes: int, *, device: int, unit: int | None = None, head: int = 0,
@@ -161,9 +153,8 @@ class Registration:
 
 class _Fence:
     """Events recorded on every stream that may still read a slot, asked under the
-    pool's ``device``: a fence is also asked from the thread that makes room for
-    workers, whose current device is 0, where an unguarded CUDA call would make a
-    context on a GPU that rank does not use."""
+    pool's ``device``: the thread that makes room for workers asks too, and its current
+    device is 0, where an unguarded CUDA call would make a context the rank does not use."""
 
     __slots__ = ("device", "events")
 
@@ -270,15 +261,12 @@ def device_uuids() -> dict[str, str]:
 
 def transfer_gbps(host: Any, device: int, *, to_device: bool, streams: int, repetitions: int, warmup: int = 2) -> list[float]:
     """GB/s of each of ``repetitions`` copies between the page-locked buffer ``host``
-    and CUDA device ``device`` (host to device, or back), timed with CUDA events.
-
-    With ``streams`` > 1 the buffer is cut into that many parts copied on as many
-    streams at once: one big copy can hide what several concurrent ones show.
-    """
+    and CUDA device ``device`` (either way), timed with CUDA events. ``streams`` > 1
+    copies as many parts at once: one big copy can hide what concurrent ones show."""
     pinned = torch.frombuffer(host, dtype=torch.uint8)
     nbytes = pinned.numel()
     target = torch.device("cuda", device)
-    on_device = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    on_gpu = torch.empty(nbytes, dtype=torch.uint8, device=target)
     bounds = [nbytes * part // streams for part in range(streams + 1)]
     with torch.cuda.device(target):
         lanes = [_Stream(target) for _ in range(streams)]
@@ -291,9 +279,9 @@ def transfer_gbps(host: Any, device: int, *, to_device: bool, streams: int, repe
                 lane.wait_stream(main)
                 with torch.cuda.stream(lane):
                     if to_device:
-                        on_device[low:high].copy_(pinned[low:high], non_blocking=True)
+                        on_gpu[low:high].copy_(pinned[low:high], non_blocking=True)
                     else:
-                        pinned[low:high].copy_(on_device[low:high], non_blocking=True)
+                        pinned[low:high].copy_(on_gpu[low:high], non_blocking=True)
             for lane in lanes:
                 main.wait_stream(lane)
             end.record(main)
