@@ -173,19 +173,17 @@ class _Fence:
 
 
 class SlotEvents:
-    """A pool's fences: ``self(index)``, as slot ``index`` comes back, records CUDA
-    events on ``device``'s current stream and on each stream named for the slot
-    (:meth:`add_reader`), so that it is reused only after the work queued on them
-    has finished.
+    """A pool's fences: ``self(index)``, as slot ``index`` comes back, records events on
+    ``device``'s current stream and on each stream named by :meth:`add_reader`.
 
     ``device`` is the pool's, named explicitly: a slot comes back in whichever thread
-    drops its last tensor (PyTorch's pin thread, a framework's prefetch thread), and
-    that thread's own current device may be another GPU, or none yet (device 0,
-    where asking for its stream would create a context).
+    drops its last tensor (PyTorch's pin thread, a framework's prefetch thread), whose
+    current device may be another GPU, or none yet (device 0, where asking for its
+    stream would create a context).
 
-    Each slot reuses its events: a slot is given back again only after it was handed
-    out again, which happens only once its last fence said done, so an event is never
-    re-recorded while still awaited.
+    A slot reuses its events: it is given back again only after it was handed out
+    again, so once its last fence said done: an event is never re-recorded while
+    still awaited.
     """
 
     def __init__(self, slots: int, device: int) -> None:
@@ -205,7 +203,7 @@ class SlotEvents:
         owned = self.events[index]
         events = []
         for position, stream in enumerate(readers):
-            key = (stream.device, position)
+            key = (stream.device, position)  # an event records only on its first stream's device
             event = owned.get(key)
             if event is None:
                 event = owned[key] = _Event()
