@@ -20,6 +20,7 @@ has finished.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import numbers
 import os
@@ -176,10 +177,8 @@ class _Resources:
         except LibnumaError as error:
             if error.errno not in LOCK_REFUSALS:
                 raise
-            try:  # mlock may have locked a part before it gave up: never a half-locked pool
+            with contextlib.suppress(LibnumaError):  # mlock may have locked a part before it gave up
                 _libnuma.munlock(region)
-            except LibnumaError:
-                pass
             if mode is LockMode.REQUIRED:
                 raise MemlockError(_memlock_message(region.size, self.node, error, "or pass lock='best-effort' to "
                                                     "go on unlocked")) from error  # fmt: skip
@@ -379,12 +378,9 @@ class PinnedPool:
     # ------------------------------------------------------------ use
 
     def acquire(self, nbytes: int | None = None, timeout: float | None | object = _WAIT) -> Slot:
-        """A slot whose buffer is its first ``nbytes`` bytes (default: all ``slot_bytes``).
-
-        Give it back by dropping it and every array or tensor made over it
-        (``numpy.asarray(slot)``, ``torch.frombuffer(slot, dtype=...)``). ``timeout``
-        overrides the pool's own (see the class); O(1), no allocation.
-        """
+        """A slot whose buffer is its first ``nbytes`` bytes (default: all), given back once it
+        and every array or tensor made over it (``numpy.asarray(slot)``,
+        ``torch.frombuffer(slot, dtype=...)``) are gone. ``timeout`` overrides the pool's."""
         slots = self._slots
         size, wait = slots.slot_bytes, self._wait
         if nbytes is not None:
@@ -423,9 +419,8 @@ class PinnedPool:
                 fault_in(part)
 
     def adopt(self, index: int, generation: int, nbytes: int) -> Slot:
-        """Slot ``index``, which a worker process leased in ``generation`` (see
-        :meth:`share`) and filled with ``nbytes`` bytes, as a slot of this process:
-        it comes back to the pool like any other. LookupError when that lease has
+        """Slot ``index``, leased by a worker in ``generation`` (see :meth:`share`) and filled
+        with ``nbytes`` bytes, as a slot of this process. LookupError when that lease has
         ended (the worker died and the slot was reclaimed, or it was adopted already)."""
         self._check(closed_ok=not self._slots.drained)  # a closed pool still takes its workers' batches
         try:
@@ -468,8 +463,7 @@ class PinnedPool:
 
     def settle(self) -> bool:
         """For a closed pool: release its memory once no slot is out (held, in flight or
-        leased to a worker); True once released. Also records the fences of slots given
-        back since the last look (see :meth:`numafast._libnuma.SlotPool.settle`)."""
+        leased); True once released. Also records fences of slots given back since last time."""
         self.reclaim_orphans()
         return self._slots.settle()
 
@@ -496,10 +490,9 @@ class PinnedPool:
             raise PoolClosedError(f"this node-{self.node} pool is closed") from None
 
     def record_stream(self, address: int, stream: object) -> bool:
-        """Name a CUDA stream that reads the slot holding ``address`` (e.g. a tensor's
-        ``data_ptr()``), like ``Tensor.record_stream``: when that slot comes back, it is
-        reused only after the work queued on ``stream`` by then has finished. False when
-        the address is not in this pool or the pool is not registered with CUDA."""
+        """Like ``Tensor.record_stream``: the slot holding ``address`` (a ``data_ptr()``) is
+        reused only after the work queued on ``stream`` by the time it comes back has
+        finished. False when the address is not in this pool or it is not registered."""
         self._check()
         index = self._slots.index_of(address)
         if index < 0 or self._fences is None:
@@ -532,8 +525,8 @@ class PinnedPool:
             waits=slots.waits,
             wait_seconds=slots.waited_seconds,
             bytes_mapped=0 if region.freed else region.size,
-            bytes_locked=region.size if self._resources.locked else 0,
-            bytes_registered=region.size if self._resources.registration is not None else 0,
+            bytes_locked=region.size if self.locked else 0,
+            bytes_registered=region.size if self.registered else 0,
             lock_possible=not self._lock_note,
             lock_note=self._lock_note,
             closed=slots.closed,
@@ -541,9 +534,8 @@ class PinnedPool:
 
     def close(self) -> None:
         """Hand out no more slots (waiters raise PoolClosedError), wait for GPU work in
-        flight, and release the memory now or, if slots are still viewed, when the last
-        of them is gone. Closing twice is a no-op; in a forked child it only marks the
-        child's copy closed (the parent's memory is not there to release)."""
+        flight, and release the memory once the last slot is gone. Idempotent; in a
+        forked child it only marks the child's copy closed."""
         self._slots.close()
 
     def __enter__(self) -> PinnedPool:
