@@ -161,9 +161,14 @@ class _Resources:
             if not region.freed:
                 _libnuma.remap_private(region, fd)
             return
-        inode = os.fstat(fd).st_ino
-        for address, length, offset in _shared_mappings_of(inode):
-            _libnuma.remap_private_at(address, length, fd, offset)
+        inode = b"%d" % os.fstat(fd).st_ino
+        with open("/proc/self/maps", "rb") as maps:
+            lines = maps.readlines()  # all read before any mapping changes
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 6 and fields[4] == inode and fields[1][3:4] == b"s" and b"/memfd:" in fields[5]:
+                low, high = (int(part, 16) for part in fields[0].split(b"-"))
+                _libnuma.remap_private_at(low, high - low, fd, int(fields[2], 16))
 
     def lock_pages(self, mode: LockMode, *, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
@@ -217,19 +222,6 @@ class _Resources:
         fd, self.fd = self.fd, -1  # forgotten before closed: its number may be reused
         if fd >= 0:
             os.close(fd)
-
-
-def _shared_mappings_of(inode: int) -> list[tuple[int, int, int]]:
-    """``(address, length, file offset)`` of each shared mapping of the memfd ``inode``
-    in this process, as /proc/self/maps lists them."""
-    found = []
-    with open("/proc/self/maps", "rb") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) >= 6 and fields[4] == b"%d" % inode and fields[1][3:4] == b"s" and b"/memfd:" in fields[5]:
-                low, high = (int(part, 16) for part in fields[0].split(b"-"))
-                found.append((low, high - low, int(fields[2], 16)))
-    return found
 
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
