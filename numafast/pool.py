@@ -328,8 +328,8 @@ class PinnedPool:
             device = check_device_index(device)
         if _libnuma.node_size64(node)[0] == 0:
             raise InvalidNodeError(f"node {node} has no memory (a CPU-only node): a pool needs a node with memory")
-        self._device = _registering_device(register_mode, device)
-        prefault = prefault or self._device is not None
+        device = _registering_device(register_mode, device)
+        prefault = prefault or device is not None
         self._cpus = tuple(cpus_near([node], allowed_cpus()))
         # Made before memfd_create, the first step that lets go of the GIL (see _Resources).
         self._resources = resources = _Resources(node)
@@ -345,14 +345,14 @@ class PinnedPool:
             )
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
             self._fences: SlotEvents | None = None
-            if self._device is not None:
+            if device is not None:
                 from numafast import cuda
 
                 resources.registration = cuda.Registration(
-                    region.address, region.size, device=self._device, unit=whole_pages(slot_bytes),
+                    region.address, region.size, device=device, unit=whole_pages(slot_bytes),
                     head=_libnuma.slot_table_bytes(slots),
                 )
-                self._fences = cuda.SlotEvents(slots, self._device)
+                self._fences = cuda.SlotEvents(slots, device)
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
@@ -559,7 +559,7 @@ class PinnedPool:
     @property
     def device(self) -> int | None:
         """The CUDA device the pool is registered through; None when not registered."""
-        return self._device
+        return None if self._fences is None else self._fences.device
 
     @property
     def closed(self) -> bool:
