@@ -121,20 +121,21 @@ class Registration:
         self.ranges: list[tuple[int, int]] = []
         with device_guard(device):
             for start, length in register_ranges(address, nbytes, unit=unit or nbytes, head=head, limit=limit):
-                code = int(self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE))
-                if code != 0:
+                error = self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE)
+                if int(error) != 0:
                     done = len(self.ranges)
                     self.unregister()
                     raise RuntimeError(
                         f"cudaHostRegister of {length} bytes at {start:#x} (piece {done + 1} of {nbytes} bytes at "
-                        f"{address:#x}, device {device}) failed: {self._error_text(code)}; the {done} pieces "
+                        f"{address:#x}, device {device}) failed: {self._error_text(error)}; the {done} pieces "
                         "before it were unregistered"
                     )
                 self.ranges.append((start, length))
 
-    def _error_text(self, code: int) -> str:
-        describe = getattr(self.runtime, "cudaGetErrorString", None)
-        return f"cudaError {code}" + (f": {describe(code)}" if describe is not None else "")
+    def _error_text(self, error: Any) -> str:
+        # torch's cudaGetErrorString takes the cudaError its calls return (a pybind11 enum),
+        # not an int: given int(error) it raises TypeError.
+        return f"cudaError {int(error)}: {self.runtime.cudaGetErrorString(error)}"
 
     def unregister(self) -> None:
         """cudaHostUnregister of every piece, last first, once."""
@@ -144,9 +145,9 @@ class Registration:
         failures = []
         with self._device_guard(self.device):
             for start, _length in reversed(ranges):
-                code = int(self.runtime.cudaHostUnregister(start))
-                if code != 0:
-                    failures.append(f"{start:#x}: {self._error_text(code)}")
+                error = self.runtime.cudaHostUnregister(start)
+                if int(error) != 0:
+                    failures.append(f"{start:#x}: {self._error_text(error)}")
         if failures:
             raise RuntimeError(f"cudaHostUnregister failed at {', '.join(failures)}")
 
