@@ -587,8 +587,7 @@ def whole_pages(nbytes: int) -> int:
 
 
 def pool_bytes(slot_bytes: int, slots: int) -> int:
-    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then the
-    slots, each in whole pages."""
+    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then whole-page slots."""
     return _libnuma.slot_table_bytes(slots) + whole_pages(slot_bytes) * slots
 
 
@@ -598,8 +597,8 @@ def pool_of(address: int) -> PinnedPool | None:
 
 
 def _wait_of(timeout: object) -> float:
-    """``timeout`` (None: as long as it takes) as SlotPool.acquire takes it (-1.0: as long
-    as it takes), or a ValueError naming it."""
+    """``timeout`` as SlotPool.acquire takes it (None, as long as it takes, is -1.0), or a
+    ValueError naming it."""
     if timeout is None:
         return -1.0
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout < 0 or timeout != timeout:
