@@ -65,9 +65,9 @@ def initialized() -> bool:
 
 def current_index() -> int:
     """The calling thread's current CUDA device. CUDA keeps it per thread: a thread
-    that never chose one (a serving thread, PyTorch's pin thread before it sets one)
-    is on device 0. Initialises torch's CUDA state, which a loader does only once it
-    iterates (the user picks the rank's device after building it)."""
+    that never chose one (a serving thread, PyTorch's pin thread before it sets
+    one) is on device 0. Initialises torch's CUDA state, which a loader does only
+    once it iterates (the user picks the rank's device after building it)."""
     return int(torch.cuda.current_device())
 
 
@@ -108,8 +108,9 @@ class Registration:
     pool) would make a context on device 0, hundreds of MiB of GPU memory, in every
     rank of a multi-GPU job.
 
-    ``runtime`` (default ``torch.cuda.cudart()``) and ``device_guard`` (default
-    :data:`on_device`) let a test record the calls and the device each runs under.
+    ``runtime`` answers cudaHostRegister / cudaHostUnregister / cudaGetErrorString
+    (default ``torch.cuda.cudart()``); with ``device_guard`` (default :data:`on_device`)
+    it lets a test record the calls and the device each runs under.
     """
 
     def __init__(self, address: int, nbytes: int, *, device: int, unit: int | None = None, head: int = 0,
