@@ -1,12 +1,9 @@
-"""The one module of numafast that touches ``torch.cuda``, through PyTorch's public API
-only: registering pool memory with CUDA, the events that keep a pool slot from being
-reused while a copy still reads it, the side stream NumaLoader copies on, the GPUs'
-identities for the topology and the bench's transfer timings.
+"""The one module of numafast that touches ``torch.cuda`` (public API only): registering
+pool memory, the events that keep a slot from reuse while a copy still reads it, the
+side stream NumaLoader copies on, the GPUs' identities and the bench's timings.
 
-It sits in the core (the pools and the topology use it, as does numafast.torch) and
-is imported only where used, after PyTorch: nothing here runs without a usable CUDA
-device, and everything that calls in checks :func:`usable` first, so numafast
-works wherever torch or a GPU is missing.
+Imported only where used, after PyTorch, by callers that check :func:`usable` first,
+so numafast works wherever torch or a GPU is missing.
 """
 
 from __future__ import annotations
@@ -74,51 +71,46 @@ def current_index() -> int:
     return int(torch.cuda.current_device())
 
 
-def on_device(index: int) -> AbstractContextManager[Any]:
-    """Make ``index`` the calling thread's current device for a block, and restore the
-    one before without creating a context on it (torch's device guard)."""
-    guard: AbstractContextManager[Any] = torch.cuda.device(index)
-    return guard
+# Makes a device the calling thread's current one for a block, and restores the one
+# before without creating a context on it (torch's device guard).
+on_device: Callable[[int], AbstractContextManager[Any]] = torch.cuda.device
 
 
 def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
                     limit: int = REGISTER_CHUNK_BYTES) -> list[tuple[int, int]]:
     """``[address, address + nbytes)`` cut into ``(start, length)`` pieces of whole
-    ``unit``s (a pool's slot stride) of at most ``limit`` bytes each, the first one
-    holding ``head`` bytes more (the slot table): no slot is split between two
-    registrations, since a copy must read from one. A unit larger than ``limit`` is
-    a piece of its own."""
+    ``unit``s (a pool's slot stride) of at most ``limit`` bytes each (a larger unit is
+    a piece of its own), the first also holding the ``head`` (the slot table): no slot
+    is split between two registrations, since a copy must read from one."""
     if nbytes <= 0 or unit <= 0 or head < 0 or head > nbytes:
         raise ValueError(f"cannot cut {nbytes} bytes in units of {unit} after a head of {head}")
     per_piece = max(limit // unit, 1) * unit
     ranges = []
     start, end = address, address + nbytes
-    first = min(head + per_piece, nbytes)
+    length = head + per_piece
     while start < end:
-        length = min(first if start == address else per_piece, end - start)
+        length = min(length, end - start)
         ranges.append((start, length))
         start += length
+        length = per_piece
     return ranges
 
 
 class Registration:
     """Host memory registered with CUDA (cudaHostRegister) in the pieces of
-    :func:`register_ranges`: copies from and to it run as DMA from page-locked
-    memory. The driver pins the pages for DMA, so they can no longer migrate:
-    register only memory that is already where it should be. A failure part way
-    unregisters the pieces already done, in reverse: never half-registered.
+    :func:`register_ranges`, so that copies run as DMA. The driver pins the pages, so
+    they can no longer migrate: register only memory already where it should be. A
+    failure part way unregisters the pieces done, in reverse.
 
     Every call runs with ``device`` current: the runtime registers through the current
-    device's context and creates that context if the thread has none, so a call
-    from a thread that never chose a device (the pools' serving thread, a thread
-    dropping the last tensor of a closed pool) would otherwise make a context on
-    device 0, hundreds of MiB of GPU memory, in every rank of a multi-GPU job.
+    device's context and creates it if the thread has none, so a thread that never
+    chose a device (the pools' serving thread, one dropping the last tensor of a closed
+    pool) would make a context on device 0, hundreds of MiB of GPU memory, in every
+    rank of a multi-GPU job.
 
-    ``runtime`` is what answers ``cudaHostRegister`` / ``cudaHostUnregister`` /
-    ``cudaGetErrorString``: ``torch.cuda.cudart()`` unless given; ``device_guard``
-    makes a device current for a block (:func:`on_device` unless given). A test can
-    give recorders to check the order of calls and the device each names; that
-    tests this class, not CUDA.
+    ``runtime`` answers cudaHostRegister / cudaHostUnregister / cudaGetErrorString
+    (default ``torch.cuda.cudart()``); with ``device_guard`` (default :data:`on_device`)
+    it lets a test record the calls and the device each runs under.
     """
 
     def __init__(self, address: int, nbytes: int, *, device: int, unit: int | None = None, head: int = 0,
@@ -130,42 +122,41 @@ class Registration:
         self.ranges: list[tuple[int, int]] = []
         with device_guard(device):
             for start, length in register_ranges(address, nbytes, unit=unit or nbytes, head=head, limit=limit):
-                code = int(self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE))
-                if code != 0:
+                error = self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE)
+                if int(error) != 0:
                     done = len(self.ranges)
                     self.unregister()
                     raise RuntimeError(
                         f"cudaHostRegister of {length} bytes at {start:#x} (piece {done + 1} of {nbytes} bytes at "
-                        f"{address:#x}, device {device}) failed: {self._error_text(code)}; the {done} pieces "
+                        f"{address:#x}, device {device}) failed: {self._error_text(error)}; the {done} pieces "
                         "before it were unregistered"
                     )
                 self.ranges.append((start, length))
-        self.address: int | None = address
 
-    def _error_text(self, code: int) -> str:
-        describe = getattr(self.runtime, "cudaGetErrorString", None)
-        return f"cudaError {code}" + (f": {describe(code)}" if describe is not None else "")
+    def _error_text(self, error: Any) -> str:
+        # torch's cudaGetErrorString takes the cudaError its calls return (a pybind11 enum),
+        # not an int: given int(error) it raises TypeError.
+        return f"cudaError {int(error)}: {self.runtime.cudaGetErrorString(error)}"
 
     def unregister(self) -> None:
         """cudaHostUnregister of every piece, last first, once."""
-        ranges, self.ranges, self.address = self.ranges, [], None
+        ranges, self.ranges = self.ranges, []
         if not ranges:
             return
         failures = []
         with self._device_guard(self.device):
             for start, _length in reversed(ranges):
-                code = int(self.runtime.cudaHostUnregister(start))
-                if code != 0:
-                    failures.append(f"{start:#x}: {self._error_text(code)}")
+                error = self.runtime.cudaHostUnregister(start)
+                if int(error) != 0:
+                    failures.append(f"{start:#x}: {self._error_text(error)}")
         if failures:
             raise RuntimeError(f"cudaHostUnregister failed at {', '.join(failures)}")
 
 
 class _Fence:
     """Events recorded on every stream that may still read a slot, asked under the
-    pool's ``device``: a fence is also asked from the thread that makes room for
-    workers, whose current device is 0, where an unguarded CUDA call would make a
-    context on a GPU that rank does not use."""
+    pool's ``device``: the thread that makes room for workers asks too, and its current
+    device is 0, where an unguarded CUDA call would make a context the rank does not use."""
 
     __slots__ = ("device", "events")
 
@@ -184,30 +175,37 @@ class _Fence:
 
 
 class SlotEvents:
-    """A pool's fences: ``self(index, streams)`` records CUDA events on ``device``'s
-    current stream and on each of ``streams`` as slot ``index`` comes back.
+    """A pool's fences: ``self(index)``, as slot ``index`` comes back, records events on
+    ``device``'s current stream and on each stream named by :meth:`add_reader`.
 
     ``device`` is the pool's, named explicitly: a slot comes back in whichever thread
-    drops its last tensor (PyTorch's pin thread, a framework's prefetch thread), and
-    that thread's own current device may be another GPU, or none yet (device 0,
-    where asking for its stream would create a context).
+    drops its last tensor (PyTorch's pin thread, a framework's prefetch thread), whose
+    current device may be another GPU, or none yet (device 0, where asking for its
+    stream would create a context).
 
-    Each slot keeps its own events, one per stream device, and reuses them: a slot is
-    given back again only after it was handed out again, which happens only once its
-    last fence said done, so an event is never re-recorded while still awaited.
+    A slot reuses its events: it is given back again only after it was handed out
+    again, so once its last fence said done: an event is never re-recorded while
+    still awaited.
     """
 
     def __init__(self, slots: int, device: int) -> None:
         self.device = device
+        self.readers: list[list[Any]] = [[] for _ in range(slots)]
         self.events: list[dict[tuple[torch.device, int], Any]] = [{} for _ in range(slots)]
 
-    def __call__(self, index: int, streams: Sequence[Any]) -> _Fence:
+    def add_reader(self, index: int, stream: Any) -> None:
+        """Name ``stream`` as reading slot ``index`` until the slot comes back."""
+        if stream not in self.readers[index]:
+            self.readers[index].append(stream)
+
+    def __call__(self, index: int) -> _Fence:
+        streams, self.readers[index] = self.readers[index], []
         current = torch.cuda.current_stream(self.device)
         readers = [current, *(stream for stream in streams if stream != current)]
         owned = self.events[index]
         events = []
         for position, stream in enumerate(readers):
-            key = (stream.device, position)
+            key = (stream.device, position)  # an event records only on its first stream's device
             event = owned.get(key)
             if event is None:
                 event = owned[key] = _Event()
@@ -263,15 +261,12 @@ def device_uuids() -> dict[str, str]:
 
 def transfer_gbps(host: Any, device: int, *, to_device: bool, streams: int, repetitions: int, warmup: int = 2) -> list[float]:
     """GB/s of each of ``repetitions`` copies between the page-locked buffer ``host``
-    and CUDA device ``device`` (host to device, or back), timed with CUDA events.
-
-    With ``streams`` > 1 the buffer is cut into that many parts copied on as many
-    streams at once: one big copy can hide what several concurrent ones show.
-    """
+    and CUDA device ``device`` (either way), timed with CUDA events. ``streams`` > 1
+    copies as many parts at once: one big copy can hide what concurrent ones show."""
     pinned = torch.frombuffer(host, dtype=torch.uint8)
     nbytes = pinned.numel()
     target = torch.device("cuda", device)
-    on_device = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    on_gpu = torch.empty(nbytes, dtype=torch.uint8, device=target)
     bounds = [nbytes * part // streams for part in range(streams + 1)]
     with torch.cuda.device(target):
         lanes = [_Stream(target) for _ in range(streams)]
@@ -284,9 +279,9 @@ def transfer_gbps(host: Any, device: int, *, to_device: bool, streams: int, repe
                 lane.wait_stream(main)
                 with torch.cuda.stream(lane):
                     if to_device:
-                        on_device[low:high].copy_(pinned[low:high], non_blocking=True)
+                        on_gpu[low:high].copy_(pinned[low:high], non_blocking=True)
                     else:
-                        pinned[low:high].copy_(on_device[low:high], non_blocking=True)
+                        pinned[low:high].copy_(on_gpu[low:high], non_blocking=True)
             for lane in lanes:
                 main.wait_stream(lane)
             end.record(main)

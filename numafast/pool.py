@@ -1,30 +1,26 @@
 """Node-local pinned buffer pools: :class:`PinnedPool`.
 
-The host side of a host-to-device copy is fastest when it is page-locked and on the
-GPU's own node, and a fresh pinned allocation per batch is slow (``cudaHostAlloc``
-takes a driver-wide lock and has no NUMA flag). A pool pays once: one shared mapping
-of a memfd (a slot table, then ``slots`` x ``slot_bytes``), bound to the node with
-mbind before any page exists, faulted in there by threads pinned to the node's CPUs
-(or slot by slot as slots are first used: ``prefault=False``), page-locked (mlock)
-and, when CUDA is usable, registered with CUDA in chunks.
-Placement must be right before the pages are pinned: memory registered with CUDA is
-pinned for DMA and can no longer migrate.
+A host-to-device copy is fastest from page-locked memory on the GPU's own node, and
+``cudaHostAlloc`` per batch is slow (a driver-wide lock, no NUMA flag). A pool pays
+once: one shared memfd mapping (a slot table, then ``slots`` x ``slot_bytes``), bound
+to the node with mbind before any page exists, faulted in by threads on the node's
+CPUs, page-locked, and registered with CUDA in chunks. Placement must come first:
+memory registered with CUDA is pinned for DMA and can no longer migrate.
 
-Because the memory is a shared file, DataLoader workers can map it too (see
-:mod:`numafast.pool_share`) and collate a batch straight into a slot the main
-process then reads without a copy. Locking and registration stay the main
-process's: neither is inherited by a child. A forked child keeps a private,
-copy-on-write view of the pools it inherited, so it can read what a slot held but
-never writes into a slot the parent may hand out again.
+DataLoader workers map the file too (:mod:`numafast.pool_share`) and collate straight
+into a slot. Neither the lock nor the registration is inherited by a child; a forked
+child gets a private, copy-on-write view of its parent's pools, so it never writes
+into a slot the parent may hand out again.
 
-A slot is handed out with one compare-and-swap and comes back by itself when the
-last array or tensor viewing it is gone; with CUDA, only once the GPU work queued
-on it has finished.
+A slot is handed out with one compare-and-swap and comes back by itself when the last
+array or tensor viewing it is gone; with CUDA, only once the GPU work queued on it
+has finished.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import numbers
 import os
@@ -33,11 +29,10 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from numafast import _libnuma, _pid
 from numafast._buffers import PAGE_SIZE
@@ -58,6 +53,9 @@ from numafast.memory import allocate
 from numafast.pool_share import PoolHandle, fault_in
 from numafast.topo.files import read_fields
 
+if TYPE_CHECKING:
+    from numafast.cuda import Registration, SlotEvents
+
 __all__ = ["LockMode", "PinnedPool", "PoolStats", "RegisterMode", "Slot"]
 
 Slot = _libnuma.Slot
@@ -69,21 +67,21 @@ MEMFD_PREFIX = "numafast-pool-node"
 CAP_IPC_LOCK = 14
 # Errors of mlock(2) that mean "not this much, not by you".
 LOCK_REFUSALS = (errno.ENOMEM, errno.EPERM, errno.EAGAIN)
+# The bits of a worker's start time that a lease keeps (see src/pool.pxi).
+_LEASE_STARTED_BITS = (1 << 40) - 1
 
 
 class LockMode(str, Enum):
     """How a pool page-locks its memory (``lock=``)."""
 
     AUTO = "auto"
-    """``best-effort``: where the kernel refuses (RLIMIT_MEMLOCK without CAP_IPC_LOCK, 8 MiB
-    for a user on most systems), locking buys nothing the caller asked for: it only
-    keeps the pages resident, and CUDA registration pins them itself, outside
-    RLIMIT_MEMLOCK. So the default never fails for want of that privilege."""
+    """As ``best-effort``: locking only keeps the pages resident, and CUDA registration
+    pins them itself outside RLIMIT_MEMLOCK (8 MiB for a user on most systems, without
+    CAP_IPC_LOCK), so the default never fails for want of that privilege."""
     REQUIRED = "required"
     """Lock every page or raise :class:`MemlockError` naming the limit and the fix (``True``)."""
     BEST_EFFORT = "best-effort"
-    """Lock if the kernel allows; otherwise one warning per process (naming the limit and
-    the fix) and unlocked memory."""
+    """Lock if the kernel allows; otherwise unlocked, with one warning per process."""
     OFF = "off"
     """Never lock (``False``)."""
 
@@ -135,21 +133,12 @@ class PoolStats:
     closed: bool
 
 
-class _Fence(Protocol):
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
-
-
-class _Registration(Protocol):
-    def unregister(self) -> None: ...
-
-
 class _Resources:
-    """A pool's memfd, its mapping, and what pins it, released once in that reverse
-    order. Known to the at-fork handler from before the file exists: a child forked
-    by another thread at any step of a pool's making (each lets go of the GIL) must
-    turn that mapping private too. Apart from the pool, so that the slots, which
-    outlive a closed pool, hold no reference to it."""
+    """A pool's memfd, its mapping, and what pins them, released once in reverse order.
+    Known to the at-fork handler before the file exists: a child forked by another
+    thread at any step of a pool's making (each lets go of the GIL) must turn that
+    mapping private too. Apart from the pool, so that slots, which outlive a closed
+    pool, hold no reference to it."""
 
     def __init__(self, node: int) -> None:
         self.owner_pid = _pid.pid
@@ -157,16 +146,14 @@ class _Resources:
         self.fd = -1
         self.region: _libnuma.MappedBuffer | None = None
         self.locked = False
-        self.registration: _Registration | None = None
+        self.registration: Registration | None = None
         self.lock = threading.Lock()
         _pool_files.add(self)
 
     def view_privately(self) -> None:
-        """In a forked child: every shared mapping of this file becomes a private one of the
-        same file at the same address (see the module doc). The mapping of a pool being
-        made when the child was forked has no object here yet (the thread making it is
-        not in the child): the kernel's list of this process's mappings says where it is.
-        OSError when a mapping cannot be made private."""
+        """In a forked child: make every shared mapping of this file private, at the same
+        address (OSError when one cannot be). A pool being made at the fork has no region
+        here yet (its thread is not in the child): /proc/self/maps says where it is."""
         fd, region = self.fd, self.region
         if fd < 0:
             return  # no file yet, or released: nothing of it is mapped
@@ -174,9 +161,14 @@ class _Resources:
             if not region.freed:
                 _libnuma.remap_private(region, fd)
             return
-        inode = os.fstat(fd).st_ino
-        for address, length, offset in _shared_mappings_of(inode):
-            _libnuma.remap_private_at(address, length, fd, offset)
+        inode = b"%d" % os.fstat(fd).st_ino
+        with open("/proc/self/maps", "rb") as maps:
+            lines = maps.readlines()  # all read before any mapping changes
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 6 and fields[4] == inode and fields[1][3:4] == b"s" and b"/memfd:" in fields[5]:
+                low, high = (int(part, 16) for part in fields[0].split(b"-"))
+                _libnuma.remap_private_at(low, high - low, fd, int(fields[2], 16))
 
     def lock_pages(self, mode: LockMode, *, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
@@ -190,10 +182,8 @@ class _Resources:
         except LibnumaError as error:
             if error.errno not in LOCK_REFUSALS:
                 raise
-            try:  # mlock may have locked a part before it gave up: never a half-locked pool
+            with contextlib.suppress(LibnumaError):  # mlock may have locked a part before it gave up
                 _libnuma.munlock(region)
-            except LibnumaError:
-                pass
             if mode is LockMode.REQUIRED:
                 raise MemlockError(_memlock_message(region.size, self.node, error, "or pass lock='best-effort' to "
                                                     "go on unlocked")) from error  # fmt: skip
@@ -220,10 +210,9 @@ class _Resources:
                 _libnuma.munlock(self.region)
 
     def release(self) -> None:
-        """Unpin, unmap, close the file: called once no slot is out and no GPU work is
-        in flight, or by a pool that failed to be made. Nothing in a forked child:
-        arrays it inherited may still read its private view, which goes when the child
-        ends."""
+        """Unpin, unmap, close the file, once no slot is out and no GPU work is in flight
+        (or when making the pool failed). Nothing in a forked child: arrays it inherited
+        may still read its private view."""
         if not _pid.owns(self.owner_pid):
             return
         self.unpin()
@@ -233,33 +222,6 @@ class _Resources:
         fd, self.fd = self.fd, -1  # forgotten before closed: its number may be reused
         if fd >= 0:
             os.close(fd)
-
-
-def _shared_mappings_of(inode: int) -> list[tuple[int, int, int]]:
-    """``(address, length, file offset)`` of each shared mapping of the memfd ``inode``
-    in this process, as /proc/self/maps lists them."""
-    found = []
-    with open("/proc/self/maps", "rb") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) >= 6 and fields[4] == b"%d" % inode and fields[1][3:4] == b"s" and b"/memfd:" in fields[5]:
-                low, high = (int(part, 16) for part in fields[0].split(b"-"))
-                found.append((low, high - low, int(fields[2], 16)))
-    return found
-
-
-class _StreamFences:
-    """The pool's fence: as slot i comes back, CUDA events on the streams named for it
-    (``record_stream``) and on the current stream, so that it is reused only after
-    the copies queued on them have finished."""
-
-    def __init__(self, slots: int, make_fence: Callable[[int, list[Any]], _Fence]) -> None:
-        self.streams: list[list[Any]] = [[] for _ in range(slots)]
-        self.make_fence = make_fence
-
-    def __call__(self, index: int) -> _Fence:
-        streams, self.streams[index] = self.streams[index], []
-        return self.make_fence(index, streams)
 
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
@@ -274,12 +236,10 @@ FORK_REMAP_FAILED_STATUS = 70
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker, a subprocess before exec) makes its views of
-    its parent's pools private (see the module doc); workers that fill slots map the
-    file again, shared. A child that cannot ends here, saying why on its standard
-    error, before any code of its own runs: an exception raised in an at-fork hook
-    is only printed, and the child would go on writing into its parent's slots
-    unseen. A DataLoader then reports its worker's exit."""
+    """A forked child makes its views of its parent's pools private (workers that fill
+    slots map the file again, shared). One that cannot exits here, saying why on
+    stderr: an exception raised in an at-fork hook is only printed, and the child
+    would go on writing into its parent's slots unseen."""
     for file in list(_pool_files):
         try:
             file.view_privately()
@@ -326,27 +286,22 @@ _WAIT = object()  # acquire()'s default: the pool's own timeout
 
 
 class PinnedPool:
-    """``slots`` buffers of ``slot_bytes`` each, all on ``node``, page-locked and (with
-    CUDA) registered once, handed out by :meth:`acquire`.
+    """``slots`` buffers of ``slot_bytes`` each on ``node``, page-locked and (with CUDA)
+    registered once, handed out by :meth:`acquire`. A context manager, or call :meth:`close`.
 
-    ``lock`` and ``register`` take a :class:`LockMode` / :class:`RegisterMode` (or
-    True / False). ``timeout`` is what :meth:`acquire` does when every slot is in use:
-    None waits as long as it takes, 0 raises at once, t waits up to t seconds, then
-    raises :class:`PoolExhaustedError`. ``hugepages`` backs the pool with transparent
-    huge pages where the kernel allows.
+    ``lock`` / ``register`` take a :class:`LockMode` / :class:`RegisterMode` (or True /
+    False). ``timeout``, when every slot is in use: None waits as long as it takes, t
+    waits up to t seconds (0: not at all), then raises :class:`PoolExhaustedError`.
+    ``hugepages`` uses transparent huge pages where the kernel allows.
 
-    ``device`` is the CUDA device whose context registers the memory and whose current
-    stream fences the slots (default: the calling thread's current device). The
+    ``device`` (default: the calling thread's current one) is the CUDA device whose
+    context registers the memory and whose current stream fences the slots; the
     registration is portable: copies to every device read the memory as pinned.
 
-    ``prefault=False`` makes a pool cost nothing until its slots are used: the memory
-    is bound and locked (mlock2 MLOCK_ONFAULT: the whole size counts against
-    RLIMIT_MEMLOCK now), and each slot is faulted in on the node the first time this
-    process hands it out or adopts it (a worker faults in the slots it leases): a
-    page is locked once it is in this process's mapping. A pool that registers with
-    CUDA is faulted in at once all the same: registration pins every page.
-
-    Use it as a context manager, or call :meth:`close`.
+    ``prefault=False`` faults each slot in on the node when this process first hands it
+    out or adopts it (a worker faults in those it leases); with mlock2 MLOCK_ONFAULT a
+    page is locked as it is faulted in, but the whole size counts against
+    RLIMIT_MEMLOCK at once. Ignored when registering with CUDA, which pins every page.
     """
 
     def __init__(
@@ -363,7 +318,7 @@ class PinnedPool:
         device: int | None = None,
     ) -> None:
         global _exit_hook_installed
-        self._node = check_node(node)
+        node = check_node(node)
         slot_bytes = positive_int(slot_bytes, "slot_bytes")
         slots = positive_int(slots, "slots")
         lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
@@ -371,41 +326,39 @@ class PinnedPool:
         self._wait = _wait_of(timeout)
         if device is not None:
             device = check_device_index(device)
-        if _libnuma.node_size64(self._node)[0] == 0:
-            raise InvalidNodeError(f"node {self._node} has no memory (a CPU-only node): a pool needs a node with memory")
-        self._device = _registering_device(register_mode, device)
-        prefault = prefault or self._device is not None
-        self._cpus = tuple(cpus_near([self._node], allowed_cpus()))
+        if _libnuma.node_size64(node)[0] == 0:
+            raise InvalidNodeError(f"node {node} has no memory (a CPU-only node): a pool needs a node with memory")
+        device = _registering_device(register_mode, device)
+        prefault = prefault or device is not None
+        self._cpus = tuple(cpus_near([node], allowed_cpus()))
         # Made before memfd_create, the first step that lets go of the GIL (see _Resources).
-        self._resources = resources = _Resources(self._node)
+        self._resources = resources = _Resources(node)
         try:
-            resources.fd = os.memfd_create(f"{MEMFD_PREFIX}{self._node}", os.MFD_CLOEXEC)
+            resources.fd = os.memfd_create(f"{MEMFD_PREFIX}{node}", os.MFD_CLOEXEC)
             # A child forked before the next line finds the mapping in /proc/self/maps.
             resources.region = region = allocate(
                 pool_bytes(slot_bytes, slots),
-                node=self._node,
+                node=node,
                 hugepages=hugepages,
                 shared_file=resources.fd,
                 pretouch=prefault,
             )
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
-            self._fences: _StreamFences | None = None
-            if self._device is not None:
+            self._fences: SlotEvents | None = None
+            if device is not None:
                 from numafast import cuda
 
                 resources.registration = cuda.Registration(
-                    region.address, region.size, device=self._device, unit=whole_pages(slot_bytes),
+                    region.address, region.size, device=device, unit=whole_pages(slot_bytes),
                     head=_libnuma.slot_table_bytes(slots),
                 )
-                self._fences = _StreamFences(slots, cuda.SlotEvents(slots, self._device))
+                self._fences = cuda.SlotEvents(slots, device)
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
             weakref.finalize(self, self._slots.abandon).atexit = False
-            self._acquire_slot = self._slots.acquire
             # prefault=False: how many bytes of each slot this process has faulted in.
             self._faulted: list[int] | None = None if prefault else [0] * slots
-            self._slot_bytes = slot_bytes
         except BaseException:
             resources.release()
             raise
@@ -417,27 +370,24 @@ class PinnedPool:
     # ------------------------------------------------------------ use
 
     def acquire(self, nbytes: int | None = None, timeout: float | None | object = _WAIT) -> Slot:
-        """A slot whose buffer is its first ``nbytes`` bytes (default: all ``slot_bytes``).
-
-        Give it back by dropping it and every array or tensor made over it
-        (``numpy.asarray(slot)``, ``torch.frombuffer(slot, dtype=...)``). ``timeout``
-        overrides the pool's own (see the class); O(1), no allocation.
-        """
-        size, wait = self._slot_bytes, self._wait
+        """A slot whose buffer is its first ``nbytes`` bytes (default: all), given back once it
+        and every array or tensor made over it (``numpy.asarray(slot)``,
+        ``torch.frombuffer(slot, dtype=...)``) are gone. ``timeout`` overrides the pool's."""
+        slots = self._slots
+        size, wait = slots.slot_bytes, self._wait
         if nbytes is not None:
             size = positive_int(nbytes, "nbytes", minimum=0)
-            if size > self._slot_bytes:
+            if size > slots.slot_bytes:
                 raise SlotTooSmallError(
-                    f"{size} bytes asked for, but a slot of this pool holds {self._slot_bytes} bytes"
+                    f"{size} bytes asked for, but a slot of this pool holds {slots.slot_bytes} bytes"
                 )
         if timeout is not _WAIT:
             wait = _wait_of(timeout)
         try:
-            slot: Slot = self._acquire_slot(size, wait)
+            slot: Slot = slots.acquire(size, wait)
         except TimeoutError:
-            slots = self._slots
             raise PoolExhaustedError(
-                f"all {slots.count} slots of the node-{self._node} pool are in use ({slots.in_use} held by "
+                f"all {slots.count} slots of the node-{self.node} pool are in use ({slots.in_use} held by "
                 f"arrays or tensors, {slots.fenced} in flight on the GPU) and none came back within "
                 f"{wait:g} s; drop references to earlier batches, or make the pool larger"
             ) from None
@@ -461,15 +411,14 @@ class PinnedPool:
                 fault_in(part)
 
     def adopt(self, index: int, generation: int, nbytes: int) -> Slot:
-        """Slot ``index``, which a worker process leased in ``generation`` (see
-        :meth:`share`) and filled with ``nbytes`` bytes, as a slot of this process:
-        it comes back to the pool like any other. LookupError when that lease has
+        """Slot ``index``, leased by a worker in ``generation`` (see :meth:`share`) and filled
+        with ``nbytes`` bytes, as a slot of this process. LookupError when that lease has
         ended (the worker died and the slot was reclaimed, or it was adopted already)."""
         self._check(closed_ok=not self._slots.drained)  # a closed pool still takes its workers' batches
         try:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
-            raise LookupError(f"node-{self._node} pool: {error}; its batch cannot be read any more") from None
+            raise LookupError(f"node-{self.node} pool: {error}; its batch cannot be read any more") from None
         if self._faulted is not None:
             self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
         return slot
@@ -481,7 +430,13 @@ class PinnedPool:
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
-            if not _leaser_alive(pid, started) and self._slots.reclaim(index, generation, pid):
+            now = _pid.start_time(pid)
+            # A lease keeps its worker's start time (modulo 2**40), so a later process given
+            # the same pid is not taken for it. -1 (not recorded yet) counts as a match:
+            # ending a live worker's lease would let two batches share a slot, while
+            # keeping a dead one's only costs that slot.
+            alive = now is not None and (started < 0 or now & _LEASE_STARTED_BITS == started)
+            if not alive and self._slots.reclaim(index, generation, pid):
                 freed += 1
         return freed
 
@@ -494,14 +449,13 @@ class PinnedPool:
             fd=self._resources.fd,
             inode=os.fstat(self._resources.fd).st_ino,
             nbytes=self._slots.table.region.size,
-            node=self._node,
-            slot_bytes=self._slot_bytes,
+            node=self.node,
+            slot_bytes=self._slots.slot_bytes,
         )
 
     def settle(self) -> bool:
         """For a closed pool: release its memory once no slot is out (held, in flight or
-        leased to a worker); True once released. Also records the fences of slots given
-        back since the last look (see :meth:`numafast._libnuma.SlotPool.settle`)."""
+        leased); True once released. Also records fences of slots given back since last time."""
         self.reclaim_orphans()
         return self._slots.settle()
 
@@ -525,19 +479,17 @@ class PinnedPool:
                 "inherited): make a new pool in the child"
             ) from None
         if self._slots.closed and not closed_ok:
-            raise PoolClosedError(f"this node-{self._node} pool is closed") from None
+            raise PoolClosedError(f"this node-{self.node} pool is closed") from None
 
     def record_stream(self, address: int, stream: object) -> bool:
-        """Name a CUDA stream that reads the slot holding ``address`` (e.g. a tensor's
-        ``data_ptr()``), like ``Tensor.record_stream``: when that slot comes back, it is
-        reused only after the work queued on ``stream`` by then has finished. False when
-        the address is not in this pool or the pool is not registered with CUDA."""
+        """Like ``Tensor.record_stream``: the slot holding ``address`` (a ``data_ptr()``) is
+        reused only after the work queued on ``stream`` by the time it comes back has
+        finished. False when the address is not in this pool or it is not registered."""
         self._check()
         index = self._slots.index_of(address)
         if index < 0 or self._fences is None:
             return False
-        if stream not in self._fences.streams[index]:
-            self._fences.streams[index].append(stream)
+        self._fences.add_reader(index, stream)
         return True
 
     def contains(self, address: int) -> bool:
@@ -550,7 +502,7 @@ class PinnedPool:
         slots = self._slots
         region = slots.table.region
         return PoolStats(
-            node=self._node,
+            node=self.node,
             slots=slots.count,
             slot_bytes=slots.slot_bytes,
             in_use=slots.in_use,
@@ -565,8 +517,8 @@ class PinnedPool:
             waits=slots.waits,
             wait_seconds=slots.waited_seconds,
             bytes_mapped=0 if region.freed else region.size,
-            bytes_locked=region.size if self._resources.locked else 0,
-            bytes_registered=region.size if self._resources.registration is not None else 0,
+            bytes_locked=region.size if self.locked else 0,
+            bytes_registered=region.size if self.registered else 0,
             lock_possible=not self._lock_note,
             lock_note=self._lock_note,
             closed=slots.closed,
@@ -574,9 +526,8 @@ class PinnedPool:
 
     def close(self) -> None:
         """Hand out no more slots (waiters raise PoolClosedError), wait for GPU work in
-        flight, and release the memory now or, if slots are still viewed, when the last
-        of them is gone. Closing twice is a no-op; in a forked child it only marks the
-        child's copy closed (the parent's memory is not there to release)."""
+        flight, and release the memory once the last slot is gone. Idempotent; in a
+        forked child it only marks the child's copy closed."""
         self._slots.close()
 
     def __enter__(self) -> PinnedPool:
@@ -590,11 +541,11 @@ class PinnedPool:
 
     @property
     def node(self) -> int:
-        return self._node
+        return self._resources.node
 
     @property
     def slot_bytes(self) -> int:
-        return self._slot_bytes
+        return self._slots.slot_bytes
 
     @property
     def slots(self) -> int:
@@ -608,7 +559,7 @@ class PinnedPool:
     @property
     def device(self) -> int | None:
         """The CUDA device the pool is registered through; None when not registered."""
-        return self._device
+        return None if self._fences is None else self._fences.device
 
     @property
     def closed(self) -> bool:
@@ -627,7 +578,7 @@ class PinnedPool:
         pinned = ", ".join(
             word for word, on in (("locked", self.locked), ("CUDA-registered", self.registered)) if on
         ) or "not locked"
-        return f"<PinnedPool node {self._node}: {self._slots.count} x {self._slots.slot_bytes} bytes, {pinned}, {state}>"
+        return f"<PinnedPool node {self.node}: {self._slots.count} x {self._slots.slot_bytes} bytes, {pinned}, {state}>"
 
 
 def whole_pages(nbytes: int) -> int:
@@ -636,8 +587,7 @@ def whole_pages(nbytes: int) -> int:
 
 
 def pool_bytes(slot_bytes: int, slots: int) -> int:
-    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then the
-    slots, each in whole pages."""
+    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then whole-page slots."""
     return _libnuma.slot_table_bytes(slots) + whole_pages(slot_bytes) * slots
 
 
@@ -646,25 +596,9 @@ def pool_of(address: int) -> PinnedPool | None:
     return next((pool for pool in list(_live_pools) if pool.contains(address)), None)
 
 
-def _leaser_alive(pid: int, started: int) -> bool:
-    """Whether the process that leased a slot still runs: ``pid`` runs (see
-    :func:`numafast._pid.start_time`) and started at ``started`` (modulo 2**40, as the
-    lease recorded it), so it is not a later process given the same pid. ``started``
-    is -1 while the leaser has not recorded it yet: taken for the pid's, since ending
-    a live process's lease would let two batches share a slot, while keeping a dead
-    one's only costs that slot."""
-    now = _pid.start_time(pid)
-    if now is None:
-        return False
-    return started < 0 or now & _LEASE_STARTED_BITS == started
-
-
-_LEASE_STARTED_BITS = (1 << 40) - 1  # the bits of a start time that a lease keeps (see src/pool.pxi)
-
-
 def _wait_of(timeout: object) -> float:
-    """``timeout`` (None: as long as it takes) as SlotPool.acquire takes it (-1.0: as long
-    as it takes), or a ValueError naming it."""
+    """``timeout`` as SlotPool.acquire takes it (None, as long as it takes, is -1.0), or a
+    ValueError naming it."""
     if timeout is None:
         return -1.0
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout < 0 or timeout != timeout:
@@ -673,9 +607,9 @@ def _wait_of(timeout: object) -> float:
 
 
 def check_device_index(device: object) -> int:
-    """``device`` as a CUDA device index (an int or NumPy integer, >= 0), or a TypeError
-    / InvalidGpuError naming the value. Whether the device exists is the
-    registration's to check: counting devices is for a process that uses CUDA."""
+    """``device`` as a CUDA device index (an int or NumPy integer, >= 0). Whether it
+    exists is checked only by a pool that registers: counting devices is for a
+    process that uses CUDA."""
     if isinstance(device, bool) or not isinstance(device, numbers.Integral):
         raise TypeError(f"device={device!r}: give a CUDA device index (0, 1, ...) or None for the current device")
     if int(device) < 0:
@@ -684,9 +618,8 @@ def check_device_index(device: object) -> int:
 
 
 def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
-    """The device a pool registers through (``device``, checked against the devices this
-    process sees, else the calling thread's current one); None when it does not
-    register. CudaUnavailable when it must and cannot."""
+    """The device a pool registers through (``device``, else the calling thread's current
+    one); None when it does not register, CudaUnavailable when it must and cannot."""
     if mode is RegisterMode.OFF or mode is RegisterMode.AUTO and "torch" not in sys.modules:
         return None
     try:
@@ -706,8 +639,8 @@ def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
 
 
 def _memlock_limits() -> tuple[int, int, str, bool]:
-    """RLIMIT_MEMLOCK (soft, hard), what this process locks already (/proc/self/status's
-    VmLck, "unknown" without it), and whether it has CAP_IPC_LOCK (which lifts the limit)."""
+    """RLIMIT_MEMLOCK (soft, hard), what this process locks already (VmLck, "unknown"
+    without it), and whether it has CAP_IPC_LOCK."""
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     status = read_fields(Path("/proc/self/status")) or {}
     capable = bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
@@ -715,8 +648,8 @@ def _memlock_limits() -> tuple[int, int, str, bool]:
 
 
 def memlock_room() -> int | None:
-    """Bytes this process may still page-lock: None when unlimited (RLIMIT_MEMLOCK is, or
-    the process has CAP_IPC_LOCK)."""
+    """Bytes this process may still page-lock; None when unlimited (RLIMIT_MEMLOCK
+    infinity, or CAP_IPC_LOCK)."""
     soft, _hard, locked, capable = _memlock_limits()
     if soft == resource.RLIM_INFINITY or capable:
         return None
