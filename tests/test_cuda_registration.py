@@ -9,6 +9,7 @@ real registration is tested in test_pool_cuda.py where a GPU is).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,10 +45,22 @@ def test_nonsense_is_refused(size: int, unit: int, head: int) -> None:
         cuda.register_ranges(0, size, unit=unit, head=head)
 
 
+class CudaError(enum.Enum):
+    """What ``torch.cuda.cudart()``'s calls return: its ``cudaError``, a pybind11 enum that
+    ``int()`` turns into the code, and the only type its ``cudaGetErrorString`` takes."""
+
+    success = 0
+    memory_allocation = 2
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+
 class Recorder:
-    """Answers cudaHostRegister / cudaHostUnregister as the runtime would, failing the
-    ``fail_at``-th registration, and records every call; as the device guard, records
-    which device each call ran under (None: outside any guard)."""
+    """Answers cudaHostRegister / cudaHostUnregister / cudaGetErrorString with the types
+    torch's runtime binding has, failing the ``fail_at``-th registration, and records
+    every call; as the device guard, records which device each call ran under (None:
+    outside any guard)."""
 
     def __init__(self, fail_at: int | None = None) -> None:
         self.calls: list[tuple[str, int]] = []
@@ -63,18 +76,20 @@ class Recorder:
         finally:
             self.current = before
 
-    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> CudaError:  # noqa: N802 - CUDA's name
         self.calls.append(("register", address))
         self.devices.append(self.current)
         registered = sum(1 for call, _ in self.calls if call == "register")
-        return 2 if registered == self.fail_at else 0  # 2: cudaErrorMemoryAllocation
+        return CudaError.memory_allocation if registered == self.fail_at else CudaError.success
 
-    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+    def cudaHostUnregister(self, address: int) -> CudaError:  # noqa: N802
         self.calls.append(("unregister", address))
         self.devices.append(self.current)
-        return 0
+        return CudaError.success
 
-    def cudaGetErrorString(self, code: int) -> str:  # noqa: N802
+    def cudaGetErrorString(self, error: CudaError) -> str:  # noqa: N802
+        if not isinstance(error, CudaError):  # as pybind11 refuses an int for the enum
+            raise TypeError("cudaGetErrorString(): incompatible function arguments")
         return "out of memory"
 
 
