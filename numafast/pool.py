@@ -159,7 +159,7 @@ class _Resources:
             return  # no file yet, or released: nothing of it is mapped
         if region is not None:
             if not region.freed:
-                _libnuma.remap_private(region, fd)
+                _libnuma.remap_private(region.address, whole_pages(region.size), fd, 0)
             return
         inode = b"%d" % os.fstat(fd).st_ino
         with open("/proc/self/maps", "rb") as maps:
@@ -168,7 +168,7 @@ class _Resources:
             fields = line.split(maxsplit=5)
             if len(fields) >= 6 and fields[4] == inode and fields[1][3:4] == b"s" and b"/memfd:" in fields[5]:
                 low, high = (int(part, 16) for part in fields[0].split(b"-"))
-                _libnuma.remap_private_at(low, high - low, fd, int(fields[2], 16))
+                _libnuma.remap_private(low, high - low, fd, int(fields[2], 16))
 
     def lock_pages(self, mode: LockMode, *, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""

@@ -252,24 +252,6 @@ cdef MappedBuffer _map(str call, size_t size, size_t alignment, int flags, int f
     return MappedBuffer._wrap(start, size, length, False)
 
 
-def remap_private(MappedBuffer region not None, int fd) -> None:
-    """Replace ``region`` (a shared mapping of ``fd``) by a private mapping of the same
-    file at the same address: reads still see the file's pages, writes go to private
-    copies. What a forked child does with its parent's pools, so that it can read a
-    batch it inherited but never write into a slot the parent may hand out again."""
-    cdef char *start
-    cdef int err = 0
-    if region.address == NULL:
-        return
-    with nogil:
-        libc_errno.errno = 0
-        start = <char *>numa_api.mmap(region.address, region.mapped, PROT_READ | PROT_WRITE,
-                                      MAP_PRIVATE | MAP_FIXED, fd, 0)
-        err = libc_errno.errno
-    if start == <char *>MAP_FAILED:
-        _fail("mmap (MAP_PRIVATE | MAP_FIXED)", err, f"{region.mapped} bytes at {<uintptr_t>region.address:#x}")
-
-
 def alloc_onnode(size_t size, int node) -> MappedBuffer:
     """numa_alloc_onnode(): ``size`` bytes bound to ``node``, not yet touched; freed by numa_free."""
     cdef void *start

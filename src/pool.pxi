@@ -103,10 +103,12 @@ cdef int _lock_pages(object buf, bint lock, bint on_fault) except -1:
     return 0
 
 
-def remap_private_at(uintptr_t address, size_t length, int fd, size_t offset) -> None:
+def remap_private(uintptr_t address, size_t length, int fd, size_t offset) -> None:
     """Map ``length`` bytes of file ``fd`` from ``offset`` private and read-write at
-    ``address``, over what is there (MAP_FIXED): remap_private for a pool a forked child
-    finds in /proc/self/maps but holds no object for (its parent was making it)."""
+    ``address``, over what is there (MAP_FIXED): reads still see the file's pages, writes
+    go to private copies. What a forked child does with its parent's pools (those it
+    holds no object for too, found in /proc/self/maps), so that it can read a batch it
+    inherited but never write into a slot the parent may hand out again."""
     cdef void *start
     cdef int err = 0
     if address % _PAGE or length % _PAGE or offset % _PAGE or length == 0:
