@@ -56,6 +56,7 @@ _SHUTDOWN_WAIT_S = 30.0  # torch's shutdown joins each worker for up to 5 s befo
 _STARTED = b"s"  # a token's one byte: whoever reads it decides whether the worker started
 
 Iterated = TypeVar("Iterated")
+Held = TypeVar("Held")
 
 
 class WorkerStartError(RuntimeError):
@@ -342,23 +343,16 @@ def _found_watch() -> _StartWatch | None:
         kind = getattr(module, "_MultiProcessingDataLoaderIter", None)
         if kind is None:
             return None
-        frame: FrameType | None = sys._getframe(2)
-        for _ in range(16):
-            if frame is None:
-                return None
-            if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), kind):
-                iterator = frame.f_locals["self"]
-                if not isinstance(getattr(iterator, "_collate_fn", None), SlotCollate):
-                    return None
-                watch = _found.get(iterator)
-                if watch is None:
-                    watch = _found[iterator] = _StartWatch(nullcontext)
-                    _local.begin = (watch, weakref.ref(iterator))
-                return watch
-            frame = frame.f_back
+        iterator = _held_above(sys._getframe(2), 16, kind, "self", function="__init__")
+        if iterator is None or not isinstance(getattr(iterator, "_collate_fn", None), SlotCollate):
+            return None
+        watch = _found.get(iterator)
+        if watch is None:
+            watch = _found[iterator] = _StartWatch(nullcontext)
+            _local.begin = (watch, weakref.ref(iterator))
+        return watch
     except Exception:  # noqa: BLE001 - never a reason for a fork to fail
-        pass
-    return None
+        return None
 
 
 def _after_fork_in_child() -> None:
@@ -385,17 +379,27 @@ def _process_forking() -> _Run | None:
     frames of its ``start()``, the only place that still has them), or None."""
     from multiprocessing.process import BaseProcess
 
-    frame: FrameType | None = sys._getframe(2)  # the before-fork hook; then the caller of os.fork()
-    for _ in range(8):
+    frame = sys._getframe(2)  # the before-fork hook; then the caller of os.fork(), up to start()
+    process = _held_above(frame, 8, BaseProcess, "process_obj", "self")
+    if process is None:
+        return None
+    target, args, kwargs = (getattr(process, part, None) for part in ("_target", "_args", "_kwargs"))
+    if callable(target) and isinstance(args, tuple) and isinstance(kwargs, dict):
+        return target, args, dict(kwargs), process.name, bool(process.daemon)
+    return None
+
+
+def _held_above(frame: FrameType | None, depth: int, kind: type[Held], *names: str, function: str = "") -> Held | None:
+    """The first ``kind`` in a local of one of ``names``, in ``frame`` or its callers (``depth``
+    frames at most; those of a function so named, where ``function`` is given), or None."""
+    for _ in range(depth):
         if frame is None:
-            break
-        for name in ("process_obj", "self"):
-            process = frame.f_locals.get(name)
-            if isinstance(process, BaseProcess):
-                target, args, kwargs = (getattr(process, part, None) for part in ("_target", "_args", "_kwargs"))
-                if callable(target) and isinstance(args, tuple) and isinstance(kwargs, dict):
-                    return target, args, dict(kwargs), process.name, bool(process.daemon)
-                return None
+            return None
+        if not function or frame.f_code.co_name == function:
+            for name in names:
+                held = frame.f_locals.get(name)
+                if isinstance(held, kind):
+                    return held
         frame = frame.f_back
     return None
 
