@@ -238,7 +238,7 @@ class _StartWatch:
             return
         what = (
             f"DataLoader worker {worker.index} (pid {worker.pid}) had not started {waited:.1f} s after it was forked "
-            f"({started} of its {len(self.workers)} workers had): {stuck_in(worker.pid)}"
+            f"({started} of its {len(self.workers)} workers had): {_stuck_in(worker.pid)}"
         )
         why_not = self._replace(iterator, worker)
         if why_not is not None:
@@ -512,7 +512,7 @@ def _kill(process: Any) -> None:
 # ------------------------------------------------------------ what to tell the user
 
 
-def stuck_in(pid: int) -> str:
+def _stuck_in(pid: int) -> str:
     """What process ``pid`` is blocked in, as /proc tells (its state, kernel wait channel,
     system call, and kernel stack where readable)."""
     proc = Path(f"/proc/{pid}")
