@@ -65,6 +65,11 @@ MEMFD_PREFIX = "numafast-pool-node"
 
 # CAP_IPC_LOCK (linux/capability.h): lets a process lock memory beyond RLIMIT_MEMLOCK.
 CAP_IPC_LOCK = 14
+# How to raise RLIMIT_MEMLOCK, for every message that refuses or skips locking.
+MEMLOCK_FIX = (
+    "`ulimit -l unlimited` in the shell that starts the job, `docker run --ulimit memlock=-1`, "
+    "`LimitMEMLOCK=infinity` in a systemd unit, or `* - memlock unlimited` in /etc/security/limits.conf"
+)
 # Errors of mlock(2) that mean "not this much, not by you".
 LOCK_REFUSALS = (errno.ENOMEM, errno.EPERM, errno.EAGAIN)
 # The bits of a worker's start time that a lease keeps (see src/pool.pxi).
@@ -670,8 +675,6 @@ def _memlock_message(nbytes: int, node: int, error: LibnumaError, otherwise: str
         f"page-locking the {nbytes}-byte pool on node {node} failed ({why}): RLIMIT_MEMLOCK is "
         f"{limit(soft)} (hard {limit(hard)}), this process already locks {locked}, and it "
         f"{'has' if capable else 'lacks'} CAP_IPC_LOCK. Raise the limit by at least {need_kib} KiB: "
-        "`ulimit -l unlimited` in the shell that starts the job, `docker run --ulimit memlock=-1`, "
-        "`LimitMEMLOCK=infinity` in a systemd unit, or `* - memlock unlimited` in "
-        f"/etc/security/limits.conf; {otherwise}"
+        f"{MEMLOCK_FIX}; {otherwise}"
     )
 
