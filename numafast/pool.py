@@ -637,10 +637,15 @@ def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
         return None
     if device is None:
         return cuda.current_index()
-    count = cuda.device_count()
-    if device >= count:
-        raise InvalidGpuError(f"device={device}: this process sees {count} CUDA devices (0 to {count - 1})")
+    check_visible(device, cuda.device_count(), f"device={device}")
     return device
+
+
+def check_visible(index: int, count: int, given: str) -> None:
+    """InvalidGpuError, naming the argument as ``given``, unless CUDA device ``index`` is
+    one of the ``count`` this process sees."""
+    if index >= count:
+        raise InvalidGpuError(f"{given}: this process sees {count} CUDA devices (0 to {count - 1})")
 
 
 def _memlock_limits() -> tuple[int, int, str, bool]:
