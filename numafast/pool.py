@@ -379,12 +379,12 @@ class PinnedPool:
         and every array or tensor made over it (``numpy.asarray(slot)``,
         ``torch.frombuffer(slot, dtype=...)``) are gone. ``timeout`` overrides the pool's."""
         slots = self._slots
-        size, wait = slots.slot_bytes, self._wait
+        size, wait = slots.table.slot_bytes, self._wait
         if nbytes is not None:
             size = positive_int(nbytes, "nbytes", minimum=0)
-            if size > slots.slot_bytes:
+            if size > slots.table.slot_bytes:
                 raise SlotTooSmallError(
-                    f"{size} bytes asked for, but a slot of this pool holds {slots.slot_bytes} bytes"
+                    f"{size} bytes asked for, but a slot of this pool holds {self.slot_bytes} bytes"
                 )
         if timeout is not _WAIT:
             wait = _wait_of(timeout)
@@ -392,7 +392,7 @@ class PinnedPool:
             slot: Slot = slots.acquire(size, wait)
         except TimeoutError:
             raise PoolExhaustedError(
-                f"all {slots.count} slots of the node-{self.node} pool are in use ({slots.in_use} held by "
+                f"all {self.slots} slots of the node-{self.node} pool are in use ({slots.in_use} held by "
                 f"arrays or tensors, {slots.fenced} in flight on the GPU) and none came back within "
                 f"{wait:g} s; drop references to earlier batches, or make the pool larger"
             ) from None
@@ -455,7 +455,7 @@ class PinnedPool:
             inode=os.fstat(self._resources.fd).st_ino,
             nbytes=self._slots.table.region.size,
             node=self.node,
-            slot_bytes=self._slots.slot_bytes,
+            slot_bytes=self.slot_bytes,
         )
 
     def settle(self) -> bool:
@@ -508,8 +508,8 @@ class PinnedPool:
         region = slots.table.region
         return PoolStats(
             node=self.node,
-            slots=slots.count,
-            slot_bytes=slots.slot_bytes,
+            slots=self.slots,
+            slot_bytes=self.slot_bytes,
             in_use=slots.in_use,
             free=slots.free_slots,
             in_flight=slots.fenced,
@@ -550,11 +550,11 @@ class PinnedPool:
 
     @property
     def slot_bytes(self) -> int:
-        return self._slots.slot_bytes
+        return self._slots.table.slot_bytes
 
     @property
     def slots(self) -> int:
-        return self._slots.count
+        return self._slots.table.count
 
     @property
     def cpus(self) -> tuple[int, ...]:
@@ -579,11 +579,11 @@ class PinnedPool:
         return self._resources.registration is not None
 
     def __repr__(self) -> str:
-        state = "closed" if self._slots.closed else f"{self._slots.in_use}/{self._slots.count} in use"
+        state = "closed" if self._slots.closed else f"{self._slots.in_use}/{self.slots} in use"
         pinned = ", ".join(
             word for word, on in (("locked", self.locked), ("CUDA-registered", self.registered)) if on
         ) or "not locked"
-        return f"<PinnedPool node {self.node}: {self._slots.count} x {self._slots.slot_bytes} bytes, {pinned}, {state}>"
+        return f"<PinnedPool node {self.node}: {self.slots} x {self.slot_bytes} bytes, {pinned}, {state}>"
 
 
 def whole_pages(nbytes: int) -> int:
