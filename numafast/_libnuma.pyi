@@ -157,9 +157,6 @@ class SlotTable:
 class SlotPool:
     """Equal slots of one shared mapping after its slot table; a slot comes back when its Slot is gone."""
     table: SlotTable
-    slot_bytes: int
-    stride: int
-    count: int
     in_use: int
     peak: int
     fenced: int

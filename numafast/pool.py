@@ -65,6 +65,11 @@ MEMFD_PREFIX = "numafast-pool-node"
 
 # CAP_IPC_LOCK (linux/capability.h): lets a process lock memory beyond RLIMIT_MEMLOCK.
 CAP_IPC_LOCK = 14
+# How to raise RLIMIT_MEMLOCK, for every message that refuses or skips locking.
+MEMLOCK_FIX = (
+    "`ulimit -l unlimited` in the shell that starts the job, `docker run --ulimit memlock=-1`, "
+    "`LimitMEMLOCK=infinity` in a systemd unit, or `* - memlock unlimited` in /etc/security/limits.conf"
+)
 # Errors of mlock(2) that mean "not this much, not by you".
 LOCK_REFUSALS = (errno.ENOMEM, errno.EPERM, errno.EAGAIN)
 # The bits of a worker's start time that a lease keeps (see src/pool.pxi).
@@ -374,12 +379,12 @@ class PinnedPool:
         and every array or tensor made over it (``numpy.asarray(slot)``,
         ``torch.frombuffer(slot, dtype=...)``) are gone. ``timeout`` overrides the pool's."""
         slots = self._slots
-        size, wait = slots.slot_bytes, self._wait
+        size, wait = slots.table.slot_bytes, self._wait
         if nbytes is not None:
             size = positive_int(nbytes, "nbytes", minimum=0)
-            if size > slots.slot_bytes:
+            if size > slots.table.slot_bytes:
                 raise SlotTooSmallError(
-                    f"{size} bytes asked for, but a slot of this pool holds {slots.slot_bytes} bytes"
+                    f"{size} bytes asked for, but a slot of this pool holds {self.slot_bytes} bytes"
                 )
         if timeout is not _WAIT:
             wait = _wait_of(timeout)
@@ -387,7 +392,7 @@ class PinnedPool:
             slot: Slot = slots.acquire(size, wait)
         except TimeoutError:
             raise PoolExhaustedError(
-                f"all {slots.count} slots of the node-{self.node} pool are in use ({slots.in_use} held by "
+                f"all {self.slots} slots of the node-{self.node} pool are in use ({slots.in_use} held by "
                 f"arrays or tensors, {slots.fenced} in flight on the GPU) and none came back within "
                 f"{wait:g} s; drop references to earlier batches, or make the pool larger"
             ) from None
@@ -450,7 +455,7 @@ class PinnedPool:
             inode=os.fstat(self._resources.fd).st_ino,
             nbytes=self._slots.table.region.size,
             node=self.node,
-            slot_bytes=self._slots.slot_bytes,
+            slot_bytes=self.slot_bytes,
         )
 
     def settle(self) -> bool:
@@ -503,8 +508,8 @@ class PinnedPool:
         region = slots.table.region
         return PoolStats(
             node=self.node,
-            slots=slots.count,
-            slot_bytes=slots.slot_bytes,
+            slots=self.slots,
+            slot_bytes=self.slot_bytes,
             in_use=slots.in_use,
             free=slots.free_slots,
             in_flight=slots.fenced,
@@ -545,11 +550,11 @@ class PinnedPool:
 
     @property
     def slot_bytes(self) -> int:
-        return self._slots.slot_bytes
+        return self._slots.table.slot_bytes
 
     @property
     def slots(self) -> int:
-        return self._slots.count
+        return self._slots.table.count
 
     @property
     def cpus(self) -> tuple[int, ...]:
@@ -574,11 +579,11 @@ class PinnedPool:
         return self._resources.registration is not None
 
     def __repr__(self) -> str:
-        state = "closed" if self._slots.closed else f"{self._slots.in_use}/{self._slots.count} in use"
+        state = "closed" if self._slots.closed else f"{self._slots.in_use}/{self.slots} in use"
         pinned = ", ".join(
             word for word, on in (("locked", self.locked), ("CUDA-registered", self.registered)) if on
         ) or "not locked"
-        return f"<PinnedPool node {self.node}: {self._slots.count} x {self._slots.slot_bytes} bytes, {pinned}, {state}>"
+        return f"<PinnedPool node {self.node}: {self.slots} x {self.slot_bytes} bytes, {pinned}, {state}>"
 
 
 def whole_pages(nbytes: int) -> int:
@@ -632,10 +637,15 @@ def _registering_device(mode: RegisterMode, device: int | None) -> int | None:
         return None
     if device is None:
         return cuda.current_index()
-    count = cuda.device_count()
-    if device >= count:
-        raise InvalidGpuError(f"device={device}: this process sees {count} CUDA devices (0 to {count - 1})")
+    check_visible(device, cuda.device_count(), f"device={device}")
     return device
+
+
+def check_visible(index: int, count: int, given: str) -> None:
+    """InvalidGpuError, naming the argument as ``given``, unless CUDA device ``index`` is
+    one of the ``count`` this process sees."""
+    if index >= count:
+        raise InvalidGpuError(f"{given}: this process sees {count} CUDA devices (0 to {count - 1})")
 
 
 def _memlock_limits() -> tuple[int, int, str, bool]:
@@ -670,8 +680,6 @@ def _memlock_message(nbytes: int, node: int, error: LibnumaError, otherwise: str
         f"page-locking the {nbytes}-byte pool on node {node} failed ({why}): RLIMIT_MEMLOCK is "
         f"{limit(soft)} (hard {limit(hard)}), this process already locks {locked}, and it "
         f"{'has' if capable else 'lacks'} CAP_IPC_LOCK. Raise the limit by at least {need_kib} KiB: "
-        "`ulimit -l unlimited` in the shell that starts the job, `docker run --ulimit memlock=-1`, "
-        "`LimitMEMLOCK=infinity` in a systemd unit, or `* - memlock unlimited` in "
-        f"/etc/security/limits.conf; {otherwise}"
+        f"{MEMLOCK_FIX}; {otherwise}"
     )
 

@@ -363,9 +363,6 @@ cdef class SlotPool:
 
     cdef readonly SlotTable table
     cdef char *base
-    cdef readonly size_t slot_bytes
-    cdef readonly size_t stride
-    cdef readonly Py_ssize_t count
     cdef readonly Py_ssize_t in_use
     cdef readonly Py_ssize_t peak
     cdef readonly Py_ssize_t fenced  # in flight: returned, being fenced, or in fences
@@ -397,9 +394,6 @@ cdef class SlotPool:
         self.owner_pid = nf_pid()  # from here on, __dealloc__ destroys the two
         self.table = SlotTable.create(region, slot_bytes, count)
         self.base = region.address + self.table.header_bytes
-        self.slot_bytes = slot_bytes
-        self.stride = self.table.stride
-        self.count = count
         self.fence = fence
         self.fences = {}
         self.on_drained = on_drained
@@ -435,8 +429,8 @@ cdef class SlotPool:
             raise RuntimeError(
                 f"this pool belongs to process {self.owner_pid}; a forked child only reads the slots "
                 "it inherited: make a new pool in the child")
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.slot_bytes} bytes")
+        if nbytes > self.table.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit in a slot of {self.table.slot_bytes} bytes")
         return 0
 
     def acquire(self, size_t nbytes, double timeout=-1.0) -> Slot:
@@ -507,7 +501,7 @@ cdef class SlotPool:
                     self.waits += 1
                 remaining = start + timeout - _monotonic() if timeout >= 0 else _WAIT_STEP_S
                 if remaining <= 0:
-                    raise TimeoutError(f"all {self.count} slots in use ({self.in_use} held, "
+                    raise TimeoutError(f"all {self.table.count} slots in use ({self.in_use} held, "
                                        f"{self.fenced} in flight) after {timeout:g} s")
                 wake_at = _monotonic() + min(remaining, _FENCE_POLL_S if self.fenced else _WAIT_STEP_S)
                 deadline.tv_sec = <time_t>wake_at
@@ -583,7 +577,7 @@ cdef class SlotPool:
         cdef uint64_t owner = <uint64_t>self.owner_pid
         if self.fenced == len(self.fences):
             return 0  # none returned since the last look
-        for index in range(self.count):
+        for index in range(self.table.count):
             word = nf_load64(self.table._slot_word(index))
             if _state(word) != _RETURNED or not self.table._change(index, _generation(word), _RETURNED, owner,
                                                                    _FENCED, owner, False):
@@ -649,7 +643,7 @@ cdef class SlotPool:
         for index, fence in list(self.fences.items()):
             fence.synchronize()
             self._unfence(index, fence)
-        for index in range(self.count):
+        for index in range(self.table.count):
             while True:
                 word = nf_load64(self.table._slot_word(index))
                 state = _state(word)
@@ -697,8 +691,8 @@ cdef class SlotPool:
         cdef Py_ssize_t index
         if address < start:
             return -1
-        index = <Py_ssize_t>((address - start) // self.stride)
-        if index >= self.count or address - start - index * self.stride >= self.slot_bytes:
+        index = <Py_ssize_t>((address - start) // self.table.stride)
+        if index >= self.table.count or address - start - index * self.table.stride >= self.table.slot_bytes:
             return -1
         return index
 
@@ -853,15 +847,15 @@ cdef class Slot:
     @property
     def address(self) -> int:
         """Where this slot's memory starts."""
-        return <uintptr_t>(self.pool.base + self.index * self.pool.stride)
+        return <uintptr_t>(self.pool.base + self.index * self.pool.table.stride)
 
     @property
     def capacity(self) -> int:
         """The pool's slot size: the most bytes this slot can hold."""
-        return self.pool.slot_bytes
+        return self.pool.table.slot_bytes
 
     def __getbuffer__(self, Py_buffer *view, int flags):
-        view.buf = self.pool.base + self.index * self.pool.stride
+        view.buf = self.pool.base + self.index * self.pool.table.stride
         view.obj = self
         view.len = <Py_ssize_t>self.nbytes
         view.readonly = 0
@@ -885,5 +879,5 @@ cdef class Slot:
         raise TypeError(_NOT_PICKLED)
 
     def __repr__(self) -> str:
-        return (f"<Slot {self.index}: {self.nbytes} of {self.pool.slot_bytes} bytes at "
+        return (f"<Slot {self.index}: {self.nbytes} of {self.pool.table.slot_bytes} bytes at "
                 f"{self.address:#x}, {self.exports} exports>")

@@ -46,7 +46,7 @@ def address_of(array: np.ndarray) -> int:
 
 def pool_range(pool: numafast.PinnedPool) -> tuple[int, int]:
     start = pool._slots.address
-    return start, pool.slots * pool._slots.stride
+    return start, pool.slots * pool._slots.table.stride
 
 
 def run_child(code: str, *args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -91,7 +91,7 @@ def test_a_pool_made_without_prefault_faults_each_slot_in_on_its_node_when_first
     node = NODES[-1]
     with numafast.PinnedPool(node, 100_000, 3, register="off", prefault=False, hugepages=False) as pool:
         start, length = pool_range(pool)
-        stride = pool._slots.stride
+        stride = pool._slots.table.stride
         assert set(pagemap_nodes(start, length)) == {None}  # not a page yet
         assert "lo" in smaps_of(start)["VmFlags"].split()  # locked all the same: each page as it comes
         assert pool.stats().bytes_locked == _libnuma.slot_table_bytes(3) + length

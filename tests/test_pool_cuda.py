@@ -54,8 +54,8 @@ def test_registration_in_chunks_pins_every_slot_and_unpins_them_all() -> None:
     with numafast.PinnedPool(NODE, 3 * MIB, 6, register="off") as pool:
         region = pool._resources.region
         registration = cuda.Registration(
-            region.address, region.size, device=0, unit=pool._slots.stride, head=numafast._libnuma.slot_table_bytes(6),
-            limit=8 * MIB,
+            region.address, region.size, device=0, unit=pool._slots.table.stride,
+            head=numafast._libnuma.slot_table_bytes(6), limit=8 * MIB,
         )
         assert len(registration.ranges) == 3  # two 3 MiB slots a piece
         slots = [pool.acquire() for _ in range(6)]

@@ -18,6 +18,7 @@ from numafast import cuda
 from numafast.affinity.apply import local_rank_from_environment
 from numafast.errors import CudaUnavailable, InvalidGpuError, LocalRankError
 from numafast.pages import local_node
+from numafast.pool import check_visible
 from numafast.topo import topology
 
 __all__ = ["gpu_node", "iteration_gpu", "landing_node", "resolve_device", "settled_gpu"]
@@ -44,9 +45,8 @@ def resolve_device(device: object) -> torch.device | None:
         raise ValueError(f"device {device!r}: NumaLoader copies to a CUDA device or yields host batches (None, 'cpu')")
     if not cuda.usable():
         raise CudaUnavailable(f"device {device!r}: {cuda.why_not_usable()}")
-    count = cuda.device_count()
-    if resolved.index is not None and resolved.index >= count:
-        raise InvalidGpuError(f"device {device!r}: this process sees {count} CUDA devices (0 to {count - 1})")
+    if resolved.index is not None:
+        check_visible(resolved.index, cuda.device_count(), f"device {device!r}")
     return resolved
 
 

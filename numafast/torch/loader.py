@@ -29,7 +29,7 @@ from numafast import cuda
 from numafast._validate import check_node, positive_int
 from numafast.binding import bind, numa_local
 from numafast.errors import MemlockError
-from numafast.pool import LockMode, memlock_room, parse_mode
+from numafast.pool import MEMLOCK_FIX, LockMode, memlock_room, parse_mode
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
@@ -278,10 +278,9 @@ class NumaLoader(DataLoader[T_co]):
             if room is not None:
                 raise MemlockError(
                     f"lock='required', but this process may page-lock only {room // 1024} KiB more (RLIMIT_MEMLOCK, "
-                    "without CAP_IPC_LOCK), and a loader's pools grow with its batches: run with `ulimit -l "
-                    "unlimited` (docker run --ulimit memlock=-1, LimitMEMLOCK=infinity in a systemd unit), or pass "
-                    "lock='auto' to lock where the kernel allows and go on unlocked, with one warning, where it "
-                    "does not"
+                    f"without CAP_IPC_LOCK), and a loader's pools grow with its batches: raise the limit "
+                    f"({MEMLOCK_FIX}), or pass lock='auto' to lock where the kernel allows and go on unlocked, with "
+                    "one warning, where it does not"
                 )
         index = iteration_gpu(self.device)
         if index is not None:
