@@ -303,8 +303,9 @@ class PinnedPool:
     context registers the memory and whose current stream fences the slots; the
     registration is portable: copies to every device read the memory as pinned.
 
-    ``prefault=False`` faults each slot in on the node when this process first hands it
-    out or adopts it (a worker faults in those it leases); with mlock2 MLOCK_ONFAULT a
+    ``prefault=False`` makes a pool cost nothing until used: each slot is faulted in on
+    the node when this process first hands it out or adopts it (a worker faults in
+    those it leases); with mlock2 MLOCK_ONFAULT a
     page is locked as it is faulted in, but the whole size counts against
     RLIMIT_MEMLOCK at once. Ignored when registering with CUDA, which pins every page.
     """

@@ -1,8 +1,10 @@
 """A pinned pool seen from another process: a DataLoader worker maps the owner's pool
 file (:class:`PoolView`, from :meth:`PinnedPool.share`'s :class:`PoolHandle`), leases
 a slot, writes its batch there and sends the slot's index and generation; the owner
-adopts the slot (:meth:`PinnedPool.adopt`) and reads the batch without a copy. A dead
-worker's lease is ended by the owner (:meth:`PinnedPool.reclaim_orphans`).
+adopts the slot (:meth:`PinnedPool.adopt`) and reads the batch without a copy. The
+file's lock and CUDA registration stay the owner's. A dead worker's lease is ended by
+the owner (:meth:`PinnedPool.reclaim_orphans`); the generation, bumped whenever a slot
+becomes free, makes a late message about it harmless.
 """
 
 from __future__ import annotations
