@@ -127,6 +127,7 @@ def gather_copy(
 # ---------------------------------------------------------------- pinned pools (src/pool.pxi)
 
 SLOT_STATES: dict[str, int]
+LEASE_STARTED_BITS: int
 
 def mlock(buf: _BufferLike, on_fault: bool = False) -> None: ...
 def munlock(buf: _BufferLike) -> None: ...

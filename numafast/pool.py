@@ -72,8 +72,6 @@ MEMLOCK_FIX = (
 )
 # Errors of mlock(2) that mean "not this much, not by you".
 LOCK_REFUSALS = (errno.ENOMEM, errno.EPERM, errno.EAGAIN)
-# The bits of a worker's start time that a lease keeps (see src/pool.pxi).
-_LEASE_STARTED_BITS = (1 << 40) - 1
 
 
 class LockMode(str, Enum):
@@ -441,7 +439,7 @@ class PinnedPool:
             # the same pid is not taken for it. -1 (not recorded yet) counts as a match:
             # ending a live worker's lease would let two batches share a slot, while
             # keeping a dead one's only costs that slot.
-            alive = now is not None and (started < 0 or now & _LEASE_STARTED_BITS == started)
+            alive = now is not None and (started < 0 or now & _libnuma.LEASE_STARTED_BITS == started)
             if not alive and self._slots.reclaim(index, generation, pid):
                 freed += 1
         return freed

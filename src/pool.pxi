@@ -154,6 +154,7 @@ cdef Py_ssize_t _TABLE_HEADER_WORDS = 8
 cdef uint64_t _PID_BITS = 0xffffffff
 cdef uint64_t _STATE_BITS = 0xff
 cdef uint64_t _STARTED_BITS = (<uint64_t>1 << 40) - 1
+LEASE_STARTED_BITS = _STARTED_BITS  # the bits of a leaser's start time that leases() gives
 
 cdef enum _SlotState:
     _FREE = 0
