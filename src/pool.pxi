@@ -595,11 +595,9 @@ cdef class SlotPool:
                 warnings.warn(f"slot {index} is retired: its fence could not be recorded ({error!r})",
                               RuntimeWarning, stacklevel=2)
                 continue
+            self.fences[index] = fence
             if self.closed:
-                self.fenced -= 1
-                self._make_free(index, word, _FENCED)
-            else:
-                self.fences[index] = fence
+                self._unfence(index, fence)
         return 0
 
     def reap(self, bint wait=False) -> None:
