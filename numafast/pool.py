@@ -389,11 +389,9 @@ class PinnedPool:
             wait = _wait_of(timeout)
         try:
             slot: Slot = slots.acquire(size, wait)
-        except TimeoutError:
+        except TimeoutError as error:
             raise PoolExhaustedError(
-                f"all {self.slots} slots of the node-{self.node} pool are in use ({slots.in_use} held by "
-                f"arrays or tensors, {slots.fenced} in flight on the GPU) and none came back within "
-                f"{wait:g} s; drop references to earlier batches, or make the pool larger"
+                f"node-{self.node} pool: {error}; drop references to earlier batches, or make the pool larger"
             ) from None
         except RuntimeError:  # the extension's refusal: say it in numafast's words
             self._check()

@@ -502,8 +502,9 @@ cdef class SlotPool:
                     self.waits += 1
                 remaining = start + timeout - _monotonic() if timeout >= 0 else _WAIT_STEP_S
                 if remaining <= 0:
-                    raise TimeoutError(f"all {self.table.count} slots in use ({self.in_use} held, "
-                                       f"{self.fenced} in flight) after {timeout:g} s")
+                    raise TimeoutError(f"all {self.table.count} slots are in use ({self.in_use} held by arrays or "
+                                       f"tensors, {self.fenced} in flight on the GPU) and none came back within "
+                                       f"{timeout:g} s")
                 wake_at = _monotonic() + min(remaining, _FENCE_POLL_S if self.fenced else _WAIT_STEP_S)
                 deadline.tv_sec = <time_t>wake_at
                 deadline.tv_nsec = <long>((wake_at - deadline.tv_sec) * 1e9)
