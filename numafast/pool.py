@@ -503,15 +503,16 @@ class PinnedPool:
         self._check(closed_ok=True)
         slots = self._slots
         region = slots.table.region
+        states = slots.table.states()
         return PoolStats(
             node=self.node,
             slots=self.slots,
             slot_bytes=self.slot_bytes,
             in_use=slots.in_use,
-            free=slots.free_slots,
+            free=states.count(_libnuma.SLOT_STATES["free"]),
             in_flight=slots.fenced,
             retired=slots.lost,
-            leased=slots.leased,
+            leased=states.count(_libnuma.SLOT_STATES["leased"]),
             adopted=slots.adopted,
             reclaimed=slots.reclaimed,
             peak_in_use=slots.peak,

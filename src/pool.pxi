@@ -411,16 +411,6 @@ cdef class SlotPool:
         """Where slot 0 starts; slot i starts ``i * stride`` bytes later."""
         return <uintptr_t>self.base
 
-    @property
-    def free_slots(self) -> int:
-        """Slots ready to be handed out now."""
-        return self.table.states().count(_FREE)
-
-    @property
-    def leased(self) -> int:
-        """Slots that worker processes lease now (filling them, or their batch on its way)."""
-        return self.table.states().count(_LEASED)
-
     cdef inline bint _owned(self) noexcept:
         """Whether this process made the pool (not a forked child's copy)."""
         return self.owner_pid == nf_pid()
