@@ -162,7 +162,7 @@ class _Resources:
             return  # no file yet, or released: nothing of it is mapped
         if region is not None:
             if not region.freed:
-                _libnuma.remap_private(region.address, whole_pages(region.size), fd, 0)
+                _libnuma.remap_private(region.address, region.size, fd, 0)
             return
         inode = b"%d" % os.fstat(fd).st_ino
         with open("/proc/self/maps", "rb") as maps:
