@@ -214,10 +214,9 @@ class _Resources:
 
     def release(self) -> None:
         """Unpin, unmap, close the file, once no slot is out and no GPU work is in flight
-        (or when making the pool failed). Nothing in a forked child: arrays it inherited
-        may still read its private view."""
-        if not _pid.owns(self.owner_pid):
-            return
+        (or when making the pool failed). Only in the owner (SlotPool.settle calls
+        on_drained there alone): in a forked child, arrays it inherited may still read
+        its private view."""
         self.unpin()
         if self.region is not None:
             self.region.free()
