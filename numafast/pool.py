@@ -302,9 +302,9 @@ class PinnedPool:
 
     ``prefault=False`` makes a pool cost nothing until used: each slot is faulted in on
     the node when this process first hands it out or adopts it (a worker faults in
-    those it leases); with mlock2 MLOCK_ONFAULT a
-    page is locked as it is faulted in, but the whole size counts against
-    RLIMIT_MEMLOCK at once. Ignored when registering with CUDA, which pins every page.
+    those it leases); with mlock2 MLOCK_ONFAULT a page is locked as it is faulted in,
+    but the whole size counts against RLIMIT_MEMLOCK at once. Ignored when registering
+    with CUDA, which pins every page.
     """
 
     def __init__(
@@ -395,14 +395,14 @@ class PinnedPool:
         except RuntimeError:  # the extension's refusal: say it in numafast's words
             self._check()
             raise
-        if self._faulted is not None:
-            self._fault_in(slot.index, slot.nbytes)
+        self._fault_in(slot.index, slot.nbytes)
         return slot
 
     def _fault_in(self, index: int, nbytes: int) -> None:
         """Fault in the first ``nbytes`` of slot ``index`` now, in one call, as far as this
         process has not yet (a pool made with ``prefault=False``)."""
-        assert self._faulted is not None
+        if self._faulted is None:
+            return  # prefault=True: every page was faulted in when the pool was made
         done = self._faulted[index]
         if nbytes > done:
             end = whole_pages(nbytes)  # a slot's stride is whole pages too
@@ -420,8 +420,7 @@ class PinnedPool:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
             raise LookupError(f"node-{self.node} pool: {error}; its batch cannot be read any more") from None
-        if self._faulted is not None:
-            self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
+        self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
         return slot
 
     def reclaim_orphans(self) -> int:
