@@ -737,30 +737,25 @@ cdef uint64_t *_seqlock_words(Py_buffer *view, Py_ssize_t payload) except NULL:
     return <uint64_t *>view.buf
 
 
-def seqlock_write(buf, payload) -> int:
+def seqlock_write(buf, bytes payload not None) -> int:
     """Write ``payload`` (whole 64-bit words) into the seqlock at the start of ``buf``;
     the new, even sequence number. One writer: the GIL, held throughout, keeps this
     process's threads apart; no other process may write."""
-    cdef Py_buffer view, data
+    cdef Py_buffer view
     cdef uint64_t *words
-    cdef const uint64_t *source
+    cdef const uint64_t *source = <const uint64_t *>PyBytes_AS_STRING(payload)  # a bytes object's data: 8-byte aligned
     cdef uint64_t sequence
     cdef Py_ssize_t i
     _hold(buf, &view, True)
     try:
-        _hold(payload, &data, False)
-        try:
-            words = _seqlock_words(&view, data.len)
-            source = <const uint64_t *>data.buf
-            sequence = nf_load64_relaxed(&words[0]) | 1  # odd: being written (only this process writes it)
-            nf_store64_relaxed(&words[0], sequence)
-            nf_fence_release()  # no payload store becomes visible before the odd sequence
-            for i in range(data.len // 8):
-                nf_store64_relaxed(&words[1 + i], source[i])
-            nf_store64(&words[0], sequence + 1)  # release: the whole payload before the even sequence
-            return <int64_t>(sequence + 1)
-        finally:
-            PyBuffer_Release(&data)
+        words = _seqlock_words(&view, len(payload))
+        sequence = nf_load64_relaxed(&words[0]) | 1  # odd: being written (only this process writes it)
+        nf_store64_relaxed(&words[0], sequence)
+        nf_fence_release()  # no payload store becomes visible before the odd sequence
+        for i in range(len(payload) // 8):
+            nf_store64_relaxed(&words[1 + i], source[i])
+        nf_store64(&words[0], sequence + 1)  # release: the whole payload before the even sequence
+        return <int64_t>(sequence + 1)
     finally:
         PyBuffer_Release(&view)
 
