@@ -76,7 +76,7 @@ class _Token:
     forked_at: float
     run: _Run | None
     """What the process forked runs (multiprocessing drops it from the Process once
-    started); moved to ``_runs`` when the watch attaches."""
+    started); moved to ``_runs`` when the watch attaches: None for a replacement's fork."""
 
 
 @dataclass
@@ -145,7 +145,7 @@ class _StartWatch:
         os.set_blocking(read, False)  # shared with the child: a claim never waits
         os.write(write, _STARTED)
         os.close(write)  # nothing more is written: once the byte is taken, a read gets EOF
-        token = _Token(read, time.monotonic(), _process_forking())
+        token = _Token(read, time.monotonic(), None if self.workers else _process_forking())
         self.tokens.append(token)
         return token
 
@@ -281,7 +281,6 @@ class _StartWatch:
         worker.restarts += 1
         if len(self.tokens) == forks + 1:
             worker.token = self.tokens[-1]
-            worker.token.run = None  # the same run, kept in _runs
             worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
         else:
             self.last_start = time.monotonic()  # forked without a token: nothing to wait for
