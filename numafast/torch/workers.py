@@ -462,21 +462,15 @@ def _queue_error(iterator: Any, index: int, message: str) -> int | None:
     """Put ``message`` on the iterator's result queue as worker ``index``'s error for the
     first batch the iterator waits for from it (torch's ``_task_info``): that batch, or
     None where there is none or it cannot be done."""
-    tasks = getattr(iterator, "_task_info", None)
-    if not isinstance(tasks, dict):
-        return None
-    waiting = [task for task, info in list(tasks.items()) if isinstance(info, tuple) and info == (index,)]
-    if not waiting:
-        return None
-    task: int = min(waiting)
-    results: Any = getattr(iterator, "_worker_result_queue", None)
     try:
         from torch._utils import ExceptionWrapper
 
-        error = WorkerStartError(message)
+        waiting = [task for task, info in list(iterator._task_info.items()) if info == (index,)]
+        task: int = min(waiting)
         wrap: Any = ExceptionWrapper  # untyped in some torch versions
-        results.put((task, wrap((WorkerStartError, error, None), where=f"in DataLoader worker process {index}")))
-    except Exception:  # noqa: BLE001 - then the worker is killed: torch's own check ends the iteration
+        error = wrap((WorkerStartError, WorkerStartError(message), None), where=f"in DataLoader worker process {index}")
+        iterator._worker_result_queue.put((task, error))
+    except Exception:  # noqa: BLE001 - none waiting, or not torch's iterator as known: then the worker is killed
         return None
     return task
 
