@@ -208,11 +208,10 @@ class _StartWatch:
                 _end(iterator, process)
             return False
         now = time.monotonic()
-        pending = [(worker, worker.token) for worker in self.workers if worker.token is not None]
-        unclaimed = _unclaimed([token for _worker, token in pending])
-        for worker, token in pending:
-            if token.read not in unclaimed:
-                self._release(worker, token)
+        unclaimed = _unclaimed(self.tokens)  # the pending workers' tokens are this watch's open ones
+        for worker in self.workers:
+            if worker.token is not None and worker.token.read not in unclaimed:
+                self._release(worker, worker.token)
                 self.last_start = now
         started = sum(worker.token is None for worker in self.workers)
         last_start = self.last_start
