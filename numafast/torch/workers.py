@@ -164,31 +164,13 @@ class _StartWatch:
             self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token))
         return True
 
-    def run_once_made(self, made: weakref.ref[Any]) -> None:
-        """The watch thread of an iterator found forking (:func:`_found_watch`): it begins
-        once the iterator has started all its workers (torch then sets ``_worker_pids_set``)."""
-        deadline = time.monotonic() + 60
-        while True:
-            iterator = made()
-            if iterator is None or getattr(iterator, "_shutdown", False) or time.monotonic() > deadline:
-                self.close()
-                return
-            if getattr(iterator, "_worker_pids_set", False) is True:
-                break
-            del iterator
-            time.sleep(POLL_S)
-        attached = self.attach(iterator)
-        del iterator
-        if attached:
-            self.run(made)
-
     def close(self) -> None:
         for token in self.tokens:
             _close(token)
         self.tokens.clear()
 
     def run(self, made: weakref.ref[Any]) -> None:
-        """The watch thread of an attached watch, until no worker is left to wait for."""
+        """The watch thread, until no worker is left to wait for."""
         _local.watch = self  # this thread forks only workers in others' place: their tokens are this watch's
         try:
             looks = 0
@@ -199,7 +181,10 @@ class _StartWatch:
             self.close()
 
     def _look(self, iterator: Any) -> bool:
-        """One look at the workers; False when there is nothing left to watch."""
+        """One look at the workers; False when there is nothing left to watch. The watch of
+        an iterator found forking (:func:`_found_watch`) attaches at its first look once the
+        iterator has started all its workers (torch then sets ``_worker_pids_set``), or gives
+        up 60 s after the first fork."""
         if iterator is None or getattr(iterator, "_shutdown", False):
             for worker in self.workers:  # torch ended them; one that wakes up yet exits at once
                 if worker.token is not None:
@@ -207,6 +192,10 @@ class _StartWatch:
             for process, _task in self.doomed:
                 _end(iterator, process)
             return False
+        if not self.workers:
+            if getattr(iterator, "_worker_pids_set", False) is not True:
+                return bool(self.tokens) and time.monotonic() < self.tokens[0].forked_at + 60
+            return self.attach(iterator)
         now = time.monotonic()
         unclaimed = _unclaimed(self.tokens)  # the pending workers' tokens are this watch's open ones
         for worker in self.workers:
@@ -325,7 +314,7 @@ def _after_fork_in_parent() -> None:
     begin, _local.begin = getattr(_local, "begin", None), None
     if begin is not None:  # the first fork of an iterator found forking: its watch thread
         watch, made = begin
-        threading.Thread(target=watch.run_once_made, args=(made,), name="numafast worker start", daemon=True).start()
+        threading.Thread(target=watch.run, args=(made,), name="numafast worker start", daemon=True).start()
 
 
 _found: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()
