@@ -69,8 +69,7 @@ _Run = tuple[Any, tuple[Any, ...], dict[str, Any], str, bool]
 
 @dataclass
 class _Token:
-    """The read end of a pipe holding one byte; the child reads it to start, the parent
-    to condemn."""
+    """A start token: the read end of a pipe holding one byte (who reads it: :func:`_claim`)."""
 
     read: int
     forked_at: float
