@@ -63,8 +63,8 @@ class WorkerStartError(RuntimeError):
     """A DataLoader worker never started (stuck in ``os.fork()``) and could not be replaced."""
 
 
-_Run = tuple[Any, tuple[Any, ...], dict[str, Any], str, bool]
-"""What a forked Process runs: its target, arguments, name and daemon flag."""
+_Run = dict[str, Any]
+"""What a forked Process runs, as its constructor's arguments: target, args, kwargs, name, daemon."""
 
 
 @dataclass
@@ -247,13 +247,11 @@ class _StartWatch:
         run = _runs[iterator][worker.index]
         if run is None:
             return "its fork did not come from a multiprocessing Process's start() (a Python numafast does not know)"
-        target, args, kwargs, name, daemon = run
         if _worker_pids(iterator) is None:
             return f"torch's signal handling has no _set_worker_pids and _remove_worker_pids ({_UNKNOWN_TORCH})"
         if worker.restarts >= MAX_RESTARTS:
             return f"the {MAX_RESTARTS} workers forked in its place did not start either"
-        replacement = type(old)(target=target, args=args, kwargs=kwargs, name=name)
-        replacement.daemon = daemon
+        replacement = type(old)(**run)
         forks = len(self.tokens)
         try:
             with self.fork_scope():
@@ -371,7 +369,7 @@ def _process_forking() -> _Run | None:
         return None
     target, args, kwargs = (getattr(process, part, None) for part in ("_target", "_args", "_kwargs"))
     if callable(target) and isinstance(args, tuple) and isinstance(kwargs, dict):
-        return target, args, dict(kwargs), process.name, bool(process.daemon)
+        return dict(target=target, args=args, kwargs=kwargs, name=process.name, daemon=bool(process.daemon))
     return None
 
 
