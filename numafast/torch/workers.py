@@ -180,10 +180,7 @@ class _StartWatch:
             self.close()
 
     def _look(self, iterator: Any) -> bool:
-        """One look at the workers; False when there is nothing left to watch. The watch of
-        an iterator found forking (:func:`_found_watch`) attaches at its first look once the
-        iterator has started all its workers (torch then sets ``_worker_pids_set``), or gives
-        up 60 s after the first fork."""
+        """One look at the workers; False when there is nothing left to watch."""
         if iterator is None or getattr(iterator, "_shutdown", False):
             for worker in self.workers:  # torch ended them; one that wakes up yet exits at once
                 if worker.token is not None:
@@ -191,7 +188,7 @@ class _StartWatch:
             for process, _task in self.doomed:
                 _end(iterator, process)
             return False
-        if not self.workers:
+        if not self.workers:  # found forking (_found_watch): it attaches once torch started all the workers
             if getattr(iterator, "_worker_pids_set", False) is not True:
                 return bool(self.tokens) and time.monotonic() < self.tokens[0].forked_at + 60
             return self.attach(iterator)
