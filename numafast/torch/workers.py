@@ -63,20 +63,19 @@ class WorkerStartError(RuntimeError):
     """A DataLoader worker never started (stuck in ``os.fork()``) and could not be replaced."""
 
 
-_Run = tuple[Any, tuple[Any, ...], dict[str, Any], str, bool]
-"""What a forked Process runs: its target, arguments, name and daemon flag."""
+_Run = dict[str, Any]
+"""What a forked Process runs, as its constructor's arguments: target, args, kwargs, name, daemon."""
 
 
 @dataclass
 class _Token:
-    """The read end of a pipe holding one byte; the child reads it to start, the parent
-    to condemn."""
+    """A start token: the read end of a pipe holding one byte (who reads it: :func:`_claim`)."""
 
     read: int
     forked_at: float
     run: _Run | None
     """What the process forked runs (multiprocessing drops it from the Process once
-    started); moved to ``_runs`` when the watch attaches."""
+    started); moved to ``_runs`` when the watch attaches: None for a replacement's fork."""
 
 
 @dataclass
@@ -145,7 +144,7 @@ class _StartWatch:
         os.set_blocking(read, False)  # shared with the child: a claim never waits
         os.write(write, _STARTED)
         os.close(write)  # nothing more is written: once the byte is taken, a read gets EOF
-        token = _Token(read, time.monotonic(), _process_forking())
+        token = _Token(read, time.monotonic(), None if self.workers else _process_forking())
         self.tokens.append(token)
         return token
 
@@ -164,31 +163,13 @@ class _StartWatch:
             self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token))
         return True
 
-    def run_once_made(self, made: weakref.ref[Any]) -> None:
-        """The watch thread of an iterator found forking (:func:`_found_watch`): it begins
-        once the iterator has started all its workers (torch then sets ``_worker_pids_set``)."""
-        deadline = time.monotonic() + 60
-        while True:
-            iterator = made()
-            if iterator is None or getattr(iterator, "_shutdown", False) or time.monotonic() > deadline:
-                self.close()
-                return
-            if getattr(iterator, "_worker_pids_set", False) is True:
-                break
-            del iterator
-            time.sleep(POLL_S)
-        attached = self.attach(iterator)
-        del iterator
-        if attached:
-            self.run(made)
-
     def close(self) -> None:
         for token in self.tokens:
             _close(token)
         self.tokens.clear()
 
     def run(self, made: weakref.ref[Any]) -> None:
-        """The watch thread of an attached watch, until no worker is left to wait for."""
+        """The watch thread, until no worker is left to wait for."""
         _local.watch = self  # this thread forks only workers in others' place: their tokens are this watch's
         try:
             looks = 0
@@ -207,12 +188,15 @@ class _StartWatch:
             for process, _task in self.doomed:
                 _end(iterator, process)
             return False
+        if not self.workers:  # found forking (_found_watch): it attaches once torch started all the workers
+            if getattr(iterator, "_worker_pids_set", False) is not True:
+                return bool(self.tokens) and time.monotonic() < self.tokens[0].forked_at + 60
+            return self.attach(iterator)
         now = time.monotonic()
-        pending = [(worker, worker.token) for worker in self.workers if worker.token is not None]
-        unclaimed = _unclaimed([token for _worker, token in pending])
-        for worker, token in pending:
-            if token.read not in unclaimed:
-                self._release(worker, token)
+        unclaimed = _unclaimed(self.tokens)  # the pending workers' tokens are this watch's open ones
+        for worker in self.workers:
+            if worker.token is not None and worker.token.read not in unclaimed:
+                self._release(worker, worker.token)
                 self.last_start = now
         started = sum(worker.token is None for worker in self.workers)
         last_start = self.last_start
@@ -260,13 +244,11 @@ class _StartWatch:
         run = _runs[iterator][worker.index]
         if run is None:
             return "its fork did not come from a multiprocessing Process's start() (a Python numafast does not know)"
-        target, args, kwargs, name, daemon = run
         if _worker_pids(iterator) is None:
             return f"torch's signal handling has no _set_worker_pids and _remove_worker_pids ({_UNKNOWN_TORCH})"
         if worker.restarts >= MAX_RESTARTS:
             return f"the {MAX_RESTARTS} workers forked in its place did not start either"
-        replacement = type(old)(target=target, args=args, kwargs=kwargs, name=name)
-        replacement.daemon = daemon
+        replacement = type(old)(**run)
         forks = len(self.tokens)
         try:
             with self.fork_scope():
@@ -281,7 +263,6 @@ class _StartWatch:
         worker.restarts += 1
         if len(self.tokens) == forks + 1:
             worker.token = self.tokens[-1]
-            worker.token.run = None  # the same run, kept in _runs
             worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
         else:
             self.last_start = time.monotonic()  # forked without a token: nothing to wait for
@@ -327,7 +308,7 @@ def _after_fork_in_parent() -> None:
     begin, _local.begin = getattr(_local, "begin", None), None
     if begin is not None:  # the first fork of an iterator found forking: its watch thread
         watch, made = begin
-        threading.Thread(target=watch.run_once_made, args=(made,), name="numafast worker start", daemon=True).start()
+        threading.Thread(target=watch.run, args=(made,), name="numafast worker start", daemon=True).start()
 
 
 _found: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()
@@ -385,7 +366,7 @@ def _process_forking() -> _Run | None:
         return None
     target, args, kwargs = (getattr(process, part, None) for part in ("_target", "_args", "_kwargs"))
     if callable(target) and isinstance(args, tuple) and isinstance(kwargs, dict):
-        return target, args, dict(kwargs), process.name, bool(process.daemon)
+        return dict(target=target, args=args, kwargs=kwargs, name=process.name, daemon=bool(process.daemon))
     return None
 
 
@@ -463,21 +444,15 @@ def _queue_error(iterator: Any, index: int, message: str) -> int | None:
     """Put ``message`` on the iterator's result queue as worker ``index``'s error for the
     first batch the iterator waits for from it (torch's ``_task_info``): that batch, or
     None where there is none or it cannot be done."""
-    tasks = getattr(iterator, "_task_info", None)
-    if not isinstance(tasks, dict):
-        return None
-    waiting = [task for task, info in list(tasks.items()) if isinstance(info, tuple) and info == (index,)]
-    if not waiting:
-        return None
-    task: int = min(waiting)
-    results: Any = getattr(iterator, "_worker_result_queue", None)
     try:
         from torch._utils import ExceptionWrapper
 
-        error = WorkerStartError(message)
+        waiting = [task for task, info in list(iterator._task_info.items()) if info == (index,)]
+        task: int = min(waiting)
         wrap: Any = ExceptionWrapper  # untyped in some torch versions
-        results.put((task, wrap((WorkerStartError, error, None), where=f"in DataLoader worker process {index}")))
-    except Exception:  # noqa: BLE001 - then the worker is killed: torch's own check ends the iteration
+        error = wrap((WorkerStartError, WorkerStartError(message), None), where=f"in DataLoader worker process {index}")
+        iterator._worker_result_queue.put((task, error))
+    except Exception:  # noqa: BLE001 - none waiting, or not torch's iterator as known: then the worker is killed
         return None
     return task
 
