@@ -288,9 +288,8 @@ class NumaLoader(DataLoader[T_co]):
         self._first_iteration_done = True
 
     def _take_pools(self, shared: NodePools | None = None) -> None:
-        """Land on ``shared`` pools, else on the node's own (:func:`node_pools`), with this
-        loader's in-flight batches (for shared pools, the most of either loader's) and
-        max_pinned_bytes on them."""
+        """Land on ``shared`` pools, else on the node's (:func:`node_pools`), putting this loader's
+        in-flight batches (on shared ones, the most of either loader's) and max_pinned_bytes on them."""
         self.pools: NodePools = shared or node_pools(
             self.node, self._wanted_slots, lock=self.lock, max_pinned_bytes=self.max_pinned_bytes
         )
