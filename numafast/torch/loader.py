@@ -53,7 +53,6 @@ class _FromLoader:
 
 FROM_LOADER: Any = _FromLoader()
 
-# DataLoader.__init__'s options (all but the dataset) and their defaults.
 DATALOADER_DEFAULTS: dict[str, Any] = {
     name: parameter.default
     for name, parameter in inspect.signature(DataLoader.__init__).parameters.items()
