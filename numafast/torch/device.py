@@ -10,6 +10,7 @@ device is 0).
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 
 import torch
@@ -60,12 +61,10 @@ def settled_gpu(device: torch.device | None) -> int | None:
         return None
     count = cuda.device_count()
     if device is None:  # not for 'cuda': that means the current device, not the rank's
-        try:
+        with contextlib.suppress(LocalRankError):  # no launcher's local rank
             local_rank = local_rank_from_environment()[0]
-        except LocalRankError:
-            local_rank = None
-        if local_rank is not None and local_rank < count:
-            return local_rank
+            if local_rank < count:
+                return local_rank
     return 0 if count == 1 else None
 
 

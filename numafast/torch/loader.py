@@ -53,7 +53,6 @@ class _FromLoader:
 
 FROM_LOADER: Any = _FromLoader()
 
-# DataLoader.__init__'s options (all but the dataset) and their defaults.
 DATALOADER_DEFAULTS: dict[str, Any] = {
     name: parameter.default
     for name, parameter in inspect.signature(DataLoader.__init__).parameters.items()
@@ -230,11 +229,7 @@ class NumaLoader(DataLoader[T_co]):
         self._in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
         self._in_flight += self.prefetch if self.device is not None else 0
         self._wanted_slots = self.slots or self._in_flight + 2
-        shared = _shared_pools(settings["collate_fn"], settings["dataset"], self.node, lock, self._wanted_slots)
-        self.pools: NodePools = shared or node_pools(
-            self.node, self._wanted_slots, lock=lock, max_pinned_bytes=self.max_pinned_bytes
-        )
-        self._fit_pools(shared=shared is not None)
+        self._take_pools(_shared_pools(settings["collate_fn"], settings["dataset"], self.node, lock, self._wanted_slots))
         self._first_iteration_done = False
         self._through: DataLoader[Any] | None = through
         super().__init__(settings.pop("dataset"), **settings)
@@ -291,9 +286,12 @@ class NumaLoader(DataLoader[T_co]):
             self.pools.use_device(index)
         self._first_iteration_done = True
 
-    def _fit_pools(self, *, shared: bool = False) -> None:
-        """Put this loader's in-flight batches (for ``shared`` pools, the most of either
-        loader's) and max_pinned_bytes on its pools."""
+    def _take_pools(self, shared: NodePools | None = None) -> None:
+        """Land on ``shared`` pools, else on the node's (:func:`node_pools`), putting this loader's
+        in-flight batches (on shared ones, the most of either loader's) and max_pinned_bytes on them."""
+        self.pools: NodePools = shared or node_pools(
+            self.node, self._wanted_slots, lock=self.lock, max_pinned_bytes=self.max_pinned_bytes
+        )
         self.pools.in_flight = max(self.pools.in_flight, self._in_flight) if shared else self._in_flight
         if self.max_pinned_bytes is not None:
             self.pools.max_pinned_bytes = self.max_pinned_bytes
@@ -305,8 +303,7 @@ class NumaLoader(DataLoader[T_co]):
         if node == self.node:
             return
         self.node = check_node(node)
-        self.pools = node_pools(self.node, self._wanted_slots, lock=self.lock, max_pinned_bytes=self.max_pinned_bytes)
-        self._fit_pools()
+        self._take_pools()
         self.collate_fn = self.collate_fn  # __setattr__ wraps the user's again, over the new pools
         if self._through is not None:
             settings_loader(self._through).collate_fn = self.collate_fn
