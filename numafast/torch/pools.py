@@ -260,11 +260,12 @@ class NodePools:
         needed = SlotMeasure().collated(samples) if first and direct else 0
         if not direct or (first and not needed):  # another collate function, or no bytes to lay out
             return self._copy(collate_fn(samples), first)
-        acquired = self._acquire(needed or self.pools[0].slot_bytes)
-        if acquired is None:  # no room for another pool
+        try:
+            slot = self._acquire(needed or self.pools[0].slot_bytes)[0]
+        except _NoRoom:
             return self._unpinned(collate_fn(samples))
-        packer = SlotPacker(memoryview(acquired[0]))
-        del acquired  # the batch's tensors hold the slot now: it comes back when the last of them goes
+        packer = SlotPacker(memoryview(slot))
+        del slot  # the batch's tensors hold the slot now: it comes back when the last of them goes
         try:
             batch = packer.collate(samples)
         except SlotFull:
@@ -442,20 +443,18 @@ class NodePools:
             return True
 
         def acquire(nbytes: int, _leaves: int) -> tuple[Slot, Sequence[int]]:
-            acquired = self._acquire(nbytes)
-            if acquired is None:
-                raise _NoRoom(f"no slot for a {nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
+            slot, pool = self._acquire(nbytes)
             self.bytes_copied += nbytes
-            return acquired[0], acquired[1].cpus
+            return slot, pool.cpus
 
         try:
             return place(batch, acquire, lambda opaque: self._warn_unpinned(sorted(opaque), _OPAQUE), keep)
         finally:
             self._warn_unpinned(sorted(unpinned))
 
-    def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool] | None:
+    def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
         """A slot of ``nbytes`` for a copy here: a free one, else one in flight to the GPU
-        (free soon), else a new pool's; None when no room may be made."""
+        (free soon), else a new pool's; _NoRoom, saying why, when no room may be made."""
         for _attempt in range(_ACQUIRE_ATTEMPTS):
             with self._mutex:
                 if self.closed:
@@ -468,8 +467,9 @@ class NodePools:
             if busy:
                 return busy[0].acquire(nbytes, None), busy[0]
             if not self.make_room(nbytes, more=True):
-                return None
-        return None  # each new slot was taken by a worker before this thread: the batch goes unpinned
+                break
+        # Refused, or each new slot was taken by a worker before this thread: the batch goes unpinned.
+        raise _NoRoom(f"no slot for a {nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
 
     # ------------------------------------------------------------ warnings
 
