@@ -14,6 +14,7 @@ on the node (:mod:`numafast.torch.process_pools`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import multiprocessing
 import os
@@ -170,7 +171,8 @@ class NodePools:
         # the garbage collector may run a gone loader's let_go, which takes that mutex.
         with self._server_mutex:
             if self._server is None:
-                self._server = self.board.serve_requests(_make_room_in(weakref.ref(self)), f"numafast pools, node {self.node}")
+                make_room = functools.partial(_make_room_in, weakref.ref(self))
+                self._server = self.board.serve_requests(make_room, f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
         weakref.finalize(user, process_pools.let_go, self).atexit = False
 
@@ -549,17 +551,13 @@ def _user_level() -> int:
     return 2
 
 
-def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
+def _make_room_in(pools: weakref.ref[NodePools], nbytes: int, more: bool) -> None:
     """``make_room`` for the serving thread, which must neither keep the pools alive nor
     die of a pool that cannot be made (the copy of the batch meets the error again)."""
-
-    def make_room(nbytes: int, more: bool) -> None:
-        target = pools()
-        if target is not None:
-            with contextlib.suppress(Exception):  # raised again by the copy in the main process
-                target.make_room(nbytes, more)
-
-    return make_room
+    target = pools()
+    if target is not None:
+        with contextlib.suppress(Exception):  # raised again by the copy in the main process
+            target.make_room(nbytes, more)
 
 
 def node_pools(
