@@ -151,8 +151,7 @@ class NodePools:
         """The settings and counters of a loader starting on these pools (new, or idle ones
         ``taken_over`` from a loader gone since: its first batches may need larger slots)."""
         self.max_pinned_bytes = max_pinned_bytes or default_max_pinned_bytes(self.node)
-        # Batches the DataLoader may hold unread (prefetch_factor x num_workers, set by the
-        # loader): what held leaves out.
+        # Set by the loader: the batches LoaderStats.held leaves out.
         self.in_flight = max(slots - 2, 0)
         self.landed = self.copied = self.bytes_copied = self.unpinned = 0
         self.largest_landed = 0  # the largest batch landed in a worker: what an added pool is sized by
@@ -217,7 +216,6 @@ class NodePools:
         if self._kept_grew and "kept" not in self.warned:
             self._warn_kept()
         if not self.received() % SHRINK_EVERY:
-            # This loader's pools, and those of loaders not iterated now (an eval loader, idle ones).
             process_pools.shrink_all()
         self._settle_retired()
 
@@ -395,7 +393,6 @@ class NodePools:
         return max(sum(stats.in_use for stats in counters) - self.in_flight, 0)
 
     def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
-        """A pool of ``slots`` slots of ``slot_bytes``."""
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
