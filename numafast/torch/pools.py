@@ -477,13 +477,12 @@ class NodePools:
         if held < 2:  # only the batch being worked on: a framework reading ahead, not kept batches
             self._kept_grew = False  # looked at again after the next pool added
             return
-        slot_bytes = self.pools[0].slot_bytes if self.pools else 0
         self._warn_once("kept", (
-            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, list(loader), "
-            f"a cache): a tensor over a slot keeps the whole page-locked slot ({slot_bytes} bytes), so pools were "
-            f"added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which batches arrive "
-            f"unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, and so "
-            f"does the memory of the pools added for them"
+            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, "
+            f"list(loader), a cache): a tensor over a slot keeps the whole page-locked slot ({self.pools[0].slot_bytes} "
+            f"bytes), so pools were added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which "
+            f"batches arrive unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, "
+            f"and so does the memory of the pools added for them"
         ))  # fmt: skip
 
     def _warn_unpinned(self, kinds: Iterable[str], text: str = _NOT_PLACED) -> None:
