@@ -565,11 +565,10 @@ def node_pools(
     cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
     idle = cast("NodePools | None", process_pools.take_idle(key))  # as NodePools put it there
-    if idle is not None and idle.slots < slots:  # the new loader keeps more batches in flight
+    if idle is not None and idle.slots >= slots:
+        with idle._mutex:
+            idle._start(slots, cap, taken_over=True)
+        return idle
+    if idle is not None:  # the new loader keeps more batches in flight
         idle.close()
-        idle = None
-    if idle is None:
-        return NodePools(node, slots, lock=key[1], register=key[2], max_pinned_bytes=cap)
-    with idle._mutex:
-        idle._start(slots, cap, taken_over=True)
-    return idle
+    return NodePools(node, slots, lock=key[1], register=key[2], max_pinned_bytes=cap)
