@@ -159,7 +159,7 @@ class NodePools:
         self.warned: set[str] = set()
         self.refused = ""  # why the last request for more room was refused
         self._kept_grew = False  # pools were added because the consumer keeps every slot
-        self.before_receive: Callable[[], None] | None = None  # the hook binds PyTorch's pin thread
+        self.before_receive: Callable[[], None] = lambda: None  # the hook binds PyTorch's pin thread
         self.taken_over = taken_over
 
     def attach(self, user: object) -> None:
@@ -185,8 +185,7 @@ class NodePools:
     def receive(self, message: SlotBatch) -> Any:
         """The batch a worker packed into one of these pools, over this process's mapping
         (called as the message is unpickled here)."""
-        if self.before_receive is not None:
-            self.before_receive()
+        self.before_receive()
         with self._mutex:
             pool = self._by_inode.get(message.inode)
             try:
@@ -221,8 +220,7 @@ class NodePools:
 
     def copy_in(self, fallback: Fallback) -> Any:
         """A batch that came the copying way, copied into a slot here."""
-        if self.before_receive is not None:
-            self.before_receive()
+        self.before_receive()
         if fallback.reason is FallbackReason.NO_ROOM:  # refused by make_room: no slot to copy into either
             return self._unpinned(fallback.batch)
         # A shortage that has passed (a slot is free now) was an iterator that is gone
