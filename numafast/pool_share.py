@@ -35,8 +35,7 @@ BOARD_BYTES = 8 + _PAYLOAD_BYTES
 # How long a reader waits for a board that the owner is writing at each look: only an
 # owner stopped in the middle of a write (SIGSTOP, a debugger) takes more than microseconds.
 _BOARD_WAIT_S = 5.0
-# After a request went unanswered, a worker asks again only after this many seconds.
-ASK_AGAIN_S = 30.0
+ASK_AGAIN_S = 30.0  # see BoardReader.unanswered
 # A worker's request for room: the bytes of slot its batch needs, and 1 where it asks for
 # more slots (every one is held); (0, 0) tells the owner's thread the board closed. One
 # write of 16 bytes is atomic on a pipe (under PIPE_BUF): requests never interleave.

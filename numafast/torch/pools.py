@@ -14,6 +14,7 @@ on the node (:mod:`numafast.torch.process_pools`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import multiprocessing
 import os
@@ -150,8 +151,7 @@ class NodePools:
         """The settings and counters of a loader starting on these pools (new, or idle ones
         ``taken_over`` from a loader gone since: its first batches may need larger slots)."""
         self.max_pinned_bytes = max_pinned_bytes or default_max_pinned_bytes(self.node)
-        # Batches the DataLoader may hold unread (prefetch_factor x num_workers, set by the
-        # loader): what held leaves out.
+        # Set by the loader: the batches LoaderStats.held leaves out.
         self.in_flight = max(slots - 2, 0)
         self.landed = self.copied = self.bytes_copied = self.unpinned = 0
         self.largest_landed = 0  # the largest batch landed in a worker: what an added pool is sized by
@@ -159,7 +159,7 @@ class NodePools:
         self.warned: set[str] = set()
         self.refused = ""  # why the last request for more room was refused
         self._kept_grew = False  # pools were added because the consumer keeps every slot
-        self.before_receive: Callable[[], None] | None = None  # the hook binds PyTorch's pin thread
+        self.before_receive: Callable[[], None] = lambda: None  # the hook binds PyTorch's pin thread
         self.taken_over = taken_over
 
     def attach(self, user: object) -> None:
@@ -170,7 +170,8 @@ class NodePools:
         # the garbage collector may run a gone loader's let_go, which takes that mutex.
         with self._server_mutex:
             if self._server is None:
-                self._server = self.board.serve_requests(_make_room_in(weakref.ref(self)), f"numafast pools, node {self.node}")
+                make_room = functools.partial(_make_room_in, weakref.ref(self))
+                self._server = self.board.serve_requests(make_room, f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
         weakref.finalize(user, process_pools.let_go, self).atexit = False
 
@@ -184,8 +185,7 @@ class NodePools:
     def receive(self, message: SlotBatch) -> Any:
         """The batch a worker packed into one of these pools, over this process's mapping
         (called as the message is unpickled here)."""
-        if self.before_receive is not None:
-            self.before_receive()
+        self.before_receive()
         with self._mutex:
             pool = self._by_inode.get(message.inode)
             try:
@@ -215,14 +215,12 @@ class NodePools:
         if self._kept_grew and "kept" not in self.warned:
             self._warn_kept()
         if not self.received() % SHRINK_EVERY:
-            # This loader's pools, and those of loaders not iterated now (an eval loader, idle ones).
             process_pools.shrink_all()
         self._settle_retired()
 
     def copy_in(self, fallback: Fallback) -> Any:
         """A batch that came the copying way, copied into a slot here."""
-        if self.before_receive is not None:
-            self.before_receive()
+        self.before_receive()
         if fallback.reason is FallbackReason.NO_ROOM:  # refused by make_room: no slot to copy into either
             return self._unpinned(fallback.batch)
         # A shortage that has passed (a slot is free now) was an iterator that is gone
@@ -260,11 +258,12 @@ class NodePools:
         needed = SlotMeasure().collated(samples) if first and direct else 0
         if not direct or (first and not needed):  # another collate function, or no bytes to lay out
             return self._copy(collate_fn(samples), first)
-        acquired = self._acquire(needed or self.pools[0].slot_bytes)
-        if acquired is None:  # no room for another pool
+        try:
+            slot = self._acquire(needed or self.pools[0].slot_bytes)[0]
+        except _NoRoom:
             return self._unpinned(collate_fn(samples))
-        packer = SlotPacker(memoryview(acquired[0]))
-        del acquired  # the batch's tensors hold the slot now: it comes back when the last of them goes
+        packer = SlotPacker(memoryview(slot))
+        del slot  # the batch's tensors hold the slot now: it comes back when the last of them goes
         try:
             batch = packer.collate(samples)
         except SlotFull:
@@ -392,7 +391,6 @@ class NodePools:
         return max(sum(stats.in_use for stats in counters) - self.in_flight, 0)
 
     def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
-        """A pool of ``slots`` slots of ``slot_bytes``."""
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
@@ -442,20 +440,18 @@ class NodePools:
             return True
 
         def acquire(nbytes: int, _leaves: int) -> tuple[Slot, Sequence[int]]:
-            acquired = self._acquire(nbytes)
-            if acquired is None:
-                raise _NoRoom(f"no slot for a {nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
+            slot, pool = self._acquire(nbytes)
             self.bytes_copied += nbytes
-            return acquired[0], acquired[1].cpus
+            return slot, pool.cpus
 
         try:
             return place(batch, acquire, lambda opaque: self._warn_unpinned(sorted(opaque), _OPAQUE), keep)
         finally:
             self._warn_unpinned(sorted(unpinned))
 
-    def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool] | None:
+    def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
         """A slot of ``nbytes`` for a copy here: a free one, else one in flight to the GPU
-        (free soon), else a new pool's; None when no room may be made."""
+        (free soon), else a new pool's; _NoRoom, saying why, when no room may be made."""
         for _attempt in range(_ACQUIRE_ATTEMPTS):
             with self._mutex:
                 if self.closed:
@@ -468,8 +464,9 @@ class NodePools:
             if busy:
                 return busy[0].acquire(nbytes, None), busy[0]
             if not self.make_room(nbytes, more=True):
-                return None
-        return None  # each new slot was taken by a worker before this thread: the batch goes unpinned
+                break
+        # Refused, or each new slot was taken by a worker before this thread: the batch goes unpinned.
+        raise _NoRoom(f"no slot for a {nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
 
     # ------------------------------------------------------------ warnings
 
@@ -478,13 +475,12 @@ class NodePools:
         if held < 2:  # only the batch being worked on: a framework reading ahead, not kept batches
             self._kept_grew = False  # looked at again after the next pool added
             return
-        slot_bytes = self.pools[0].slot_bytes if self.pools else 0
         self._warn_once("kept", (
-            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, list(loader), "
-            f"a cache): a tensor over a slot keeps the whole page-locked slot ({slot_bytes} bytes), so pools were "
-            f"added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which batches arrive "
-            f"unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, and so "
-            f"does the memory of the pools added for them"
+            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, "
+            f"list(loader), a cache): a tensor over a slot keeps the whole page-locked slot ({self.pools[0].slot_bytes} "
+            f"bytes), so pools were added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which "
+            f"batches arrive unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, "
+            f"and so does the memory of the pools added for them"
         ))  # fmt: skip
 
     def _warn_unpinned(self, kinds: Iterable[str], text: str = _NOT_PLACED) -> None:
@@ -549,17 +545,13 @@ def _user_level() -> int:
     return 2
 
 
-def _make_room_in(pools: weakref.ref[NodePools]) -> Callable[[int, bool], None]:
+def _make_room_in(pools: weakref.ref[NodePools], nbytes: int, more: bool) -> None:
     """``make_room`` for the serving thread, which must neither keep the pools alive nor
     die of a pool that cannot be made (the copy of the batch meets the error again)."""
-
-    def make_room(nbytes: int, more: bool) -> None:
-        target = pools()
-        if target is not None:
-            with contextlib.suppress(Exception):  # raised again by the copy in the main process
-                target.make_room(nbytes, more)
-
-    return make_room
+    target = pools()
+    if target is not None:
+        with contextlib.suppress(Exception):  # raised again by the copy in the main process
+            target.make_room(nbytes, more)
 
 
 def node_pools(
@@ -571,11 +563,10 @@ def node_pools(
     cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
     idle = cast("NodePools | None", process_pools.take_idle(key))  # as NodePools put it there
-    if idle is not None and idle.slots < slots:  # the new loader keeps more batches in flight
+    if idle is not None and idle.slots >= slots:
+        with idle._mutex:
+            idle._start(slots, cap, taken_over=True)
+        return idle
+    if idle is not None:  # the new loader keeps more batches in flight
         idle.close()
-        idle = None
-    if idle is None:
-        return NodePools(node, slots, lock=key[1], register=key[2], max_pinned_bytes=cap)
-    with idle._mutex:
-        idle._start(slots, cap, taken_over=True)
-    return idle
+    return NodePools(node, slots, lock=key[1], register=key[2], max_pinned_bytes=cap)

@@ -13,8 +13,7 @@ HEADROOM = 1.25
 SLOT_GRAIN = 1 << 16
 # The default max_pinned_bytes: this share of the node's memory.
 PINNED_SHARE_OF_NODE = 4
-# A pool added for more slots has smaller slots than the first pool's when the batches
-# landed lately need this many times less.
+# How many times less the batches landed lately must need for smaller slots (grown_slot_bytes).
 GROWN_SMALLER = 4
 
 
