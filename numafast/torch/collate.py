@@ -97,7 +97,9 @@ class SlotCollate:
 
     def _in_worker(self, samples: Any) -> SlotBatch | Fallback:
         try:
-            reader = self._board_reader()
+            reader = _readers.get(self.board)
+            if reader is None:
+                reader = _readers[self.board] = BoardReader(self.board)
             first = not reader.pools()
         except OSError as error:
             return self._copying(samples, _UNMADE, FallbackReason.CANNOT_MAP, str(error))
@@ -178,13 +180,6 @@ class SlotCollate:
                 time.sleep(SLOT_POLL_S)
         except OSError:  # a pool listed cannot be mapped here: the next batch's look says why
             return None, False
-
-    def _board_reader(self) -> BoardReader:
-        """The board, as this process maps it (one mapping per board and process)."""
-        reader = _readers.get(self.board)
-        if reader is None:
-            reader = _readers[self.board] = BoardReader(self.board)
-        return reader
 
     def _measured(self, samples: Any, made: Any) -> int:
         """The bytes of slot the batch needs."""
