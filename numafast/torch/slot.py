@@ -123,11 +123,12 @@ def copy_in(memory: Any, copies: Sequence[tuple[Leaf, Ref]], cpus: Sequence[int]
     sources: list[Any] = []
     others: list[tuple[Leaf, Ref]] = []
     for leaf, ref in copies:
-        if _copies_as_bytes(leaf):
-            offsets.append(ref[1])
-            sources.append(_bytes_of(leaf))
-        else:
+        source = _bytes_of(leaf)
+        if source is None:
             others.append((leaf, ref))
+        else:
+            offsets.append(ref[1])
+            sources.append(source)
     count = copy_threads(sum(source.nbytes for source in sources), len(cpus), threads)
     if sources:
         _libnuma.gather_copy(memory, offsets, sources, cpus if count > 1 else (), count)
@@ -177,18 +178,14 @@ def tensor_kind(tensor: torch.Tensor) -> str:
     return "nested tensor" if tensor.is_nested else f"{tensor.layout} tensor on {tensor.device}"
 
 
-def _copies_as_bytes(leaf: Leaf) -> bool:
-    """A non-empty tensor or array whose memory is its values in order: copied as bytes."""
-    if isinstance(leaf, np.ndarray):
-        return leaf.size > 0 and leaf.flags.c_contiguous
-    return bool(leaf.numel()) and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg()
-
-
 def _bytes_of(leaf: Leaf) -> Any:
-    """A contiguous CPU tensor's or array's memory as a flat uint8 NumPy array (no copy)."""
+    """A non-empty CPU tensor's or array's memory as a flat uint8 NumPy array (no copy),
+    where that memory is its values in order (copied as bytes); None for others."""
     if isinstance(leaf, np.ndarray):
-        return leaf.reshape(-1).view(np.uint8)
-    return leaf.detach().reshape(-1).view(torch.uint8).numpy()
+        return leaf.reshape(-1).view(np.uint8) if leaf.size > 0 and leaf.flags.c_contiguous else None
+    if leaf.numel() and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg():
+        return leaf.detach().reshape(-1).view(torch.uint8).numpy()
+    return None
 
 
 def _empty_like(leaf: Leaf) -> Any:
