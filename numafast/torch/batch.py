@@ -166,9 +166,9 @@ def place(
     placed = [leaf for leaf in leaves if not keep(leaf)]
     if not placed:
         return batch
-    plan = layout(placed)
-    slot, cpus = acquire(plan.nbytes, len(placed)) if plan.nbytes else (None, ())
-    copies = iter(fill(slot, placed, plan, cpus, threads))
+    refs, nbytes = layout(placed)
+    slot, cpus = acquire(nbytes, len(placed)) if nbytes else (None, ())
+    copies = iter(fill(slot, placed, refs, cpus, threads))
     del slot  # the copies hold it now: it comes back when the last of them goes
     return rebuild([leaf if keep(leaf) else next(copies) for leaf in leaves])
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 import numpy as np
@@ -26,7 +25,7 @@ from numafast._validate import positive_int
 from numafast.errors import InvalidBufferError
 
 __all__ = [
-    "ALIGNMENT", "BatchLayout", "CACHE_ENTRIES", "Leaf", "Ref", "SlotFull", "SlotLayout", "copy_in", "copy_threads",
+    "ALIGNMENT", "CACHE_ENTRIES", "Leaf", "Ref", "SlotFull", "SlotLayout", "copy_in", "copy_threads",
     "fill", "layout", "over_slot", "placeable", "plain_array", "recall", "remember", "tensor_kind",
 ]  # fmt: skip
 
@@ -84,18 +83,10 @@ class SlotLayout:
         return self.tensor_ref(leaf.dtype, leaf.shape, leaf.requires_grad) if leaf.numel() else None
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    """Where copies of a batch's leaves go in a slot (None for an empty leaf), and the
-    bytes of slot they need."""
-
-    refs: tuple[Ref | None, ...]
-    nbytes: int
-
-
-def layout(leaves: Sequence[Leaf]) -> BatchLayout:
-    """``leaves`` laid out in a slot; checks that every tensor is a dense CPU tensor (the
-    only kind that can be pinned)."""
+def layout(leaves: Sequence[Leaf]) -> tuple[tuple[Ref | None, ...], int]:
+    """``leaves`` laid out in a slot: where their copies go (None for an empty leaf), and
+    the bytes of slot they need; checks that every tensor is a dense CPU tensor (the only
+    kind that can be pinned)."""
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
             raise InvalidBufferError(f"tensor {index} of the batch is on {leaf.device}: only host tensors are pinned")
@@ -103,16 +94,16 @@ def layout(leaves: Sequence[Leaf]) -> BatchLayout:
             raise InvalidBufferError(f"tensor {index} of the batch is {leaf.layout}: only dense tensors are pinned")
     slot = SlotLayout()
     refs = tuple(slot.leaf_ref(leaf) for leaf in leaves)
-    return BatchLayout(refs, slot.end)
+    return refs, slot.end
 
 
 def fill(
-    slot: Any, leaves: Sequence[Leaf], plan: BatchLayout, cpus: Sequence[int], threads: int | None = None
+    slot: Any, leaves: Sequence[Leaf], refs: Sequence[Ref | None], cpus: Sequence[int], threads: int | None = None
 ) -> list[Any]:
-    """Copies of ``leaves`` over ``slot`` (None when ``plan`` needs no bytes), where ``plan``
-    puts them; an empty leaf's copy is a new empty one."""
-    copy_in(slot, [(leaf, ref) for leaf, ref in zip(leaves, plan.refs) if ref is not None], cpus, threads)
-    return [_empty_like(leaf) if ref is None else over_slot(slot, ref) for leaf, ref in zip(leaves, plan.refs)]
+    """Copies of ``leaves`` over ``slot`` (None when they need no bytes), where :func:`layout`'s
+    ``refs`` put them; an empty leaf's copy is a new empty one."""
+    copy_in(slot, [(leaf, ref) for leaf, ref in zip(leaves, refs) if ref is not None], cpus, threads)
+    return [_empty_like(leaf) if ref is None else over_slot(slot, ref) for leaf, ref in zip(leaves, refs)]
 
 
 def copy_in(memory: Any, copies: Sequence[tuple[Leaf, Ref]], cpus: Sequence[int] = (), threads: int | None = 1) -> None:
