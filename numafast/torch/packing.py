@@ -129,10 +129,19 @@ class SlotPacker(SlotLayout):
 
     def collate(self, samples: Sequence[Any]) -> Any:
         """``default_collate(samples)`` with every tensor made in the slot: torch's
-        ``collate`` with :meth:`collate_map`, but exact tuples, lists and dicts take
-        torch's branch here, their lengths checked in C (``zip(strict=True)``) rather
-        than per sample; samples that fail it go to torch (its error)."""
-        return self._collate(samples, self.collate_map())
+        ``collate`` with its ``default_collate_fn_map`` making them there, but exact
+        tuples, lists and dicts take torch's branch here, their lengths checked in C
+        (``zip(strict=True)``) rather than per sample; samples that fail it go to torch
+        (its error)."""
+        if self._collate_map is None:
+            collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
+            for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
+                if kind in collate_map:
+                    make = collate_map[kind]
+                    collate_map[kind] = self._placing(make) if kind is _NUMPY_SCALARS else self._numbers(make)
+            collate_map[torch.Tensor] = self._stack
+            self._collate_map = collate_map
+        return self._collate(samples, self._collate_map)
 
     def _collate(self, batch: Sequence[Any], collate_map: dict[Any, CollateFn]) -> Any:
         elem = batch[0]
@@ -150,19 +159,6 @@ class SlotPacker(SlotLayout):
         elif kind is dict:  # torch: a copy of the first sample with each key's column collated
             return {key: self._collate([sample[key] for sample in batch], collate_map) for key in elem}
         return collate(batch, collate_fn_map=collate_map)
-
-    def collate_map(self) -> dict[Any, CollateFn]:
-        """torch's ``default_collate_fn_map`` with every tensor it makes made in the slot
-        (made once per packer)."""
-        if self._collate_map is None:
-            collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
-            for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
-                if kind in collate_map:
-                    make = collate_map[kind]
-                    collate_map[kind] = self._placing(make) if kind is _NUMPY_SCALARS else self._numbers(make)
-            collate_map[torch.Tensor] = self._stack
-            self._collate_map = collate_map
-        return self._collate_map
 
     def _numbers(self, make: CollateFn) -> CollateFn:
         """Python ints, bools or floats (labels, ids) of one type written into the slot by
