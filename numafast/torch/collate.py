@@ -136,13 +136,11 @@ class SlotCollate:
             memory, kept = view.slot(index), view.made[index]
             packer = self._packer.reset(memory, kept) if self._packer else SlotPacker(memory, kept)
             self._packer = packer
-            try:
-                payload = packer.pack(packer.collate(samples) if made is _UNMADE else made)
-            except SlotFull:
-                view.give_up(index, generation)
-                return None
-        except BaseException:
+            payload = packer.pack(packer.collate(samples) if made is _UNMADE else made)
+        except BaseException as error:
             view.give_up(index, generation)
+            if isinstance(error, SlotFull):
+                return None
             raise
         unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
