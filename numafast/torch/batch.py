@@ -16,7 +16,7 @@ import torch
 
 from numafast.errors import SlotTooSmallError
 from numafast.pool import PinnedPool, Slot, pool_of
-from numafast.torch.slot import ALIGNMENT, fill, layout, plain_array
+from numafast.torch.slot import ALIGNMENT, fill, plain_array
 
 __all__ = ["flatten", "pin", "record_stream"]
 
@@ -166,10 +166,7 @@ def place(
     placed = [leaf for leaf in leaves if not keep(leaf)]
     if not placed:
         return batch
-    refs, nbytes = layout(placed)
-    slot, cpus = acquire(nbytes, len(placed)) if nbytes else (None, ())
-    copies = iter(fill(slot, placed, refs, cpus, threads))
-    del slot  # the copies hold it now: it comes back when the last of them goes
+    copies = iter(fill(placed, acquire, threads))
     return rebuild([leaf if keep(leaf) else next(copies) for leaf in leaves])
 
 

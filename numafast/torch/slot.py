@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Union
 
 import numpy as np
@@ -26,7 +26,7 @@ from numafast.errors import InvalidBufferError
 
 __all__ = [
     "ALIGNMENT", "CACHE_ENTRIES", "Leaf", "Ref", "SlotFull", "SlotLayout", "copy_in", "copy_threads",
-    "fill", "layout", "over_slot", "placeable", "plain_array", "recall", "remember", "tensor_kind",
+    "fill", "over_slot", "placeable", "plain_array", "recall", "remember", "tensor_kind",
 ]  # fmt: skip
 
 # Where each leaf starts inside a slot: the CUDA caching allocator's block size, so a
@@ -83,25 +83,21 @@ class SlotLayout:
         return self.tensor_ref(leaf.dtype, leaf.shape, leaf.requires_grad) if leaf.numel() else None
 
 
-def layout(leaves: Sequence[Leaf]) -> tuple[tuple[Ref | None, ...], int]:
-    """``leaves`` laid out in a slot: where their copies go (None for an empty leaf), and
-    the bytes of slot they need; checks that every tensor is a dense CPU tensor (the only
-    kind that can be pinned)."""
+def fill(
+    leaves: Sequence[Leaf], acquire: Callable[[int, int], tuple[Any, Sequence[int]]], threads: int | None = None
+) -> list[Any]:
+    """Copies of ``leaves`` laid out in the slot ``acquire(bytes, leaves)`` gives (with the
+    CPUs to copy on; not called when they need no bytes), which they hold: it comes back
+    when the last of them goes. An empty leaf's copy is a new empty one. Checks that
+    every tensor is a dense CPU tensor (the only kind that can be pinned)."""
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
             raise InvalidBufferError(f"tensor {index} of the batch is on {leaf.device}: only host tensors are pinned")
         if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
             raise InvalidBufferError(f"tensor {index} of the batch is {leaf.layout}: only dense tensors are pinned")
-    slot = SlotLayout()
-    refs = tuple(slot.leaf_ref(leaf) for leaf in leaves)
-    return refs, slot.end
-
-
-def fill(
-    slot: Any, leaves: Sequence[Leaf], refs: Sequence[Ref | None], cpus: Sequence[int], threads: int | None = None
-) -> list[Any]:
-    """Copies of ``leaves`` over ``slot`` (None when they need no bytes), where :func:`layout`'s
-    ``refs`` put them; an empty leaf's copy is a new empty one."""
+    plan = SlotLayout()
+    refs = [plan.leaf_ref(leaf) for leaf in leaves]
+    slot, cpus = acquire(plan.end, len(leaves)) if plan.end else (None, ())
     copy_in(slot, [(leaf, ref) for leaf, ref in zip(leaves, refs) if ref is not None], cpus, threads)
     return [_empty_like(leaf) if ref is None else over_slot(slot, ref) for leaf, ref in zip(leaves, refs)]
 
