@@ -77,11 +77,7 @@ class SlotPacker(SlotLayout):
         """Let go of the slot and every tensor made over it (a packer used once, by the
         owner): the collate map refers back to the packer, a cycle that would keep the
         slot until the garbage collector runs."""
-        self.memory = b""
-        self.capacity = 0
-        self._made = None
-        self.placed.clear()
-        self.copies.clear()
+        self.reset(b"")
         self._collate_map = None
         self._payloads.clear()
 
