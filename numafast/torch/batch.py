@@ -157,8 +157,8 @@ def place(
     threads: int | None = None,
 ) -> Batch:
     """The steps of every pin: ``batch``'s tensors and arrays (but those ``keep`` keeps)
-    copied into the slot ``acquire(bytes, leaves)`` gives (with the CPUs to copy on), in
-    the same structure; ``warn(kinds)`` first, with the kinds it cannot see into."""
+    copied into a slot by :func:`~numafast.torch.slot.fill` with ``acquire``, in the same
+    structure; ``warn(kinds)`` first, with the kinds it cannot see into."""
     opaque: set[str] = set()
     leaves, rebuild = flatten(batch, arrays=True, opaque=opaque)
     if opaque:
