@@ -250,7 +250,6 @@ class SlotMeasure(SlotPacker):
         """The bytes :meth:`SlotPacker.pack` needs for ``batch`` in a slot."""
         self.reset(b"")
         _Packer(io.BytesIO(), self).dump(batch)
-        self.copies.clear()
         return self.end
 
     def _over(self, ref: Ref) -> Any:
