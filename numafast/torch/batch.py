@@ -16,7 +16,7 @@ import torch
 
 from numafast.errors import SlotTooSmallError
 from numafast.pool import PinnedPool, Slot, pool_of
-from numafast.torch.slot import ALIGNMENT, fill, layout, plain_array
+from numafast.torch.slot import ALIGNMENT, fill, plain_array
 
 __all__ = ["flatten", "pin", "record_stream"]
 
@@ -157,8 +157,8 @@ def place(
     threads: int | None = None,
 ) -> Batch:
     """The steps of every pin: ``batch``'s tensors and arrays (but those ``keep`` keeps)
-    copied into the slot ``acquire(bytes, leaves)`` gives (with the CPUs to copy on), in
-    the same structure; ``warn(kinds)`` first, with the kinds it cannot see into."""
+    copied into a slot by :func:`~numafast.torch.slot.fill` with ``acquire``, in the same
+    structure; ``warn(kinds)`` first, with the kinds it cannot see into."""
     opaque: set[str] = set()
     leaves, rebuild = flatten(batch, arrays=True, opaque=opaque)
     if opaque:
@@ -166,10 +166,7 @@ def place(
     placed = [leaf for leaf in leaves if not keep(leaf)]
     if not placed:
         return batch
-    plan = layout(placed)
-    slot, cpus = acquire(plan.nbytes, len(placed)) if plan.nbytes else (None, ())
-    copies = iter(fill(slot, placed, plan, cpus, threads))
-    del slot  # the copies hold it now: it comes back when the last of them goes
+    copies = iter(fill(placed, acquire, threads))
     return rebuild([leaf if keep(leaf) else next(copies) for leaf in leaves])
 
 

@@ -97,7 +97,9 @@ class SlotCollate:
 
     def _in_worker(self, samples: Any) -> SlotBatch | Fallback:
         try:
-            reader = self._board_reader()
+            reader = _readers.get(self.board)
+            if reader is None:
+                reader = _readers[self.board] = BoardReader(self.board)
             first = not reader.pools()
         except OSError as error:
             return self._copying(samples, _UNMADE, FallbackReason.CANNOT_MAP, str(error))
@@ -134,13 +136,11 @@ class SlotCollate:
             memory, kept = view.slot(index), view.made[index]
             packer = self._packer.reset(memory, kept) if self._packer else SlotPacker(memory, kept)
             self._packer = packer
-            try:
-                payload = packer.pack(packer.collate(samples) if made is _UNMADE else made)
-            except SlotFull:
-                view.give_up(index, generation)
-                return None
-        except BaseException:
+            payload = packer.pack(packer.collate(samples) if made is _UNMADE else made)
+        except BaseException as error:
             view.give_up(index, generation)
+            if isinstance(error, SlotFull):
+                return None
             raise
         unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
@@ -178,13 +178,6 @@ class SlotCollate:
                 time.sleep(SLOT_POLL_S)
         except OSError:  # a pool listed cannot be mapped here: the next batch's look says why
             return None, False
-
-    def _board_reader(self) -> BoardReader:
-        """The board, as this process maps it (one mapping per board and process)."""
-        reader = _readers.get(self.board)
-        if reader is None:
-            reader = _readers[self.board] = BoardReader(self.board)
-        return reader
 
     def _measured(self, samples: Any, made: Any) -> int:
         """The bytes of slot the batch needs."""

@@ -144,11 +144,9 @@ def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
         return message
     try:
         return receiver.receive(message) if isinstance(message, SlotBatch) else receiver.copy_in(message)
-    except SenderDied:
-        if in_pin_thread():
-            return _failed(message.describe())
-        raise  # out of the DataLoader's get: it finds its worker dead and says so (see above)
-    except Exception:  # noqa: BLE001 - the consumer meets it at this batch, as a worker's error
+    except Exception as error:  # noqa: BLE001 - the consumer meets it at this batch, as a worker's error
+        if isinstance(error, SenderDied) and not in_pin_thread():
+            raise  # out of the DataLoader's get: it finds its worker dead and says so (see above)
         return _failed(message.describe())
 
 

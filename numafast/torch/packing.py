@@ -77,11 +77,7 @@ class SlotPacker(SlotLayout):
         """Let go of the slot and every tensor made over it (a packer used once, by the
         owner): the collate map refers back to the packer, a cycle that would keep the
         slot until the garbage collector runs."""
-        self.memory = b""
-        self.capacity = 0
-        self._made = None
-        self.placed.clear()
-        self.copies.clear()
+        self.reset(b"")
         self._collate_map = None
         self._payloads.clear()
 
@@ -129,10 +125,19 @@ class SlotPacker(SlotLayout):
 
     def collate(self, samples: Sequence[Any]) -> Any:
         """``default_collate(samples)`` with every tensor made in the slot: torch's
-        ``collate`` with :meth:`collate_map`, but exact tuples, lists and dicts take
-        torch's branch here, their lengths checked in C (``zip(strict=True)``) rather
-        than per sample; samples that fail it go to torch (its error)."""
-        return self._collate(samples, self.collate_map())
+        ``collate`` with its ``default_collate_fn_map`` making them there, but exact
+        tuples, lists and dicts take torch's branch here, their lengths checked in C
+        (``zip(strict=True)``) rather than per sample; samples that fail it go to torch
+        (its error)."""
+        if self._collate_map is None:
+            collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
+            for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
+                if kind in collate_map:
+                    make = collate_map[kind]
+                    collate_map[kind] = self._placing(make) if kind is _NUMPY_SCALARS else self._numbers(make)
+            collate_map[torch.Tensor] = self._stack
+            self._collate_map = collate_map
+        return self._collate(samples, self._collate_map)
 
     def _collate(self, batch: Sequence[Any], collate_map: dict[Any, CollateFn]) -> Any:
         elem = batch[0]
@@ -150,19 +155,6 @@ class SlotPacker(SlotLayout):
         elif kind is dict:  # torch: a copy of the first sample with each key's column collated
             return {key: self._collate([sample[key] for sample in batch], collate_map) for key in elem}
         return collate(batch, collate_fn_map=collate_map)
-
-    def collate_map(self) -> dict[Any, CollateFn]:
-        """torch's ``default_collate_fn_map`` with every tensor it makes made in the slot
-        (made once per packer)."""
-        if self._collate_map is None:
-            collate_map: dict[Any, CollateFn] = dict(default_collate_fn_map)
-            for kind in _NUMBER_KINDS:  # torch makes a small tensor of these: make it in the slot too
-                if kind in collate_map:
-                    make = collate_map[kind]
-                    collate_map[kind] = self._placing(make) if kind is _NUMPY_SCALARS else self._numbers(make)
-            collate_map[torch.Tensor] = self._stack
-            self._collate_map = collate_map
-        return self._collate_map
 
     def _numbers(self, make: CollateFn) -> CollateFn:
         """Python ints, bools or floats (labels, ids) of one type written into the slot by
@@ -199,7 +191,7 @@ class SlotPacker(SlotLayout):
         not there yet copied in (``threads`` threads on ``cpus``); SlotFull when they do
         not fit. A batch of lists, tuples and str-keyed dicts of tensors already in the
         slot reuses the payload of the last batch of its layout."""
-        layout = self._layout(batch)
+        layout = _tree(batch, self.placed)
         if layout is not None:
             payload = recall(self._payloads, layout, None)
             if payload is not None:
@@ -210,21 +202,6 @@ class SlotPacker(SlotLayout):
         self.copies.clear()
         payload = out.getvalue()
         return payload if layout is None else remember(self._payloads, layout, payload)
-
-    def _layout(self, value: object) -> Any:
-        """What ``value``'s payload depends on: its containers and the references of its
-        tensors in the slot; None when it holds anything else."""
-        known = self.placed.get(id(value))
-        if known is not None and known[0] is value:
-            return known[1]
-        kind = type(value)
-        if kind is list or kind is tuple:
-            parts = [self._layout(item) for item in value]  # type: ignore[attr-defined]
-            return None if None in parts else (kind, *parts)
-        if kind is dict and all(type(key) is str for key in value):  # type: ignore[attr-defined]
-            items = [(key, self._layout(item)) for key, item in value.items()]  # type: ignore[attr-defined]
-            return None if any(part is None for _key, part in items) else (dict, *items)
-        return None
 
     def reference(self, value: object) -> Ref | None:
         """The slot reference for ``value`` (copied there at the end of :meth:`pack`), or
@@ -273,7 +250,6 @@ class SlotMeasure(SlotPacker):
         """The bytes :meth:`SlotPacker.pack` needs for ``batch`` in a slot."""
         self.reset(b"")
         _Packer(io.BytesIO(), self).dump(batch)
-        self.copies.clear()
         return self.end
 
     def _over(self, ref: Ref) -> Any:
@@ -347,31 +323,43 @@ def unpack(payload: bytes, slot: Any) -> Any:
     unpacker = _Unpacker(payload, slot)
     batch = unpacker.load()
     if template is _UNSEEN:
-        builder = _builder(batch, {id(made): position for position, made in enumerate(unpacker.made.values())},
-                           len(unpacker.made))  # fmt: skip
-        remember(_templates, payload, None if builder is None else (tuple(unpacker.made), builder))
+        made = list(unpacker.made.values())
+        tree = _tree(batch, {id(over): (over, position) for position, over in enumerate(made)})
+        remember(_templates, payload, None if tree is None else (tuple(unpacker.made), _builder(tree, len(made))))
     return batch
 
 
-def _builder(value: Any, positions: dict[int, int], count: int) -> Build | None:
-    """A function that makes ``value`` again from the ``count`` objects over a new slot
-    (in the order of the references), or None when ``value`` holds anything else."""
-    position = positions.get(id(value))
-    if position is not None:
-        return operator.itemgetter(position)
+def _tree(value: object, known: dict[int, tuple[object, Any]]) -> Any:
+    """``value``'s lists, tuples and str-keyed dicts, each as ``(type, *parts)`` (a dict's
+    parts ``(key, part)``), with each leaf ``known`` by id as what it maps to: what a
+    payload depends on (the leaves' references in the slot), or how to make the batch
+    again (their positions among the objects over a slot). None when ``value`` holds
+    anything else."""
+    found = known.get(id(value))
+    if found is not None and found[0] is value:
+        return found[1]
     kind = type(value)
     if kind is list or kind is tuple:
-        if [positions.get(id(item)) for item in value] == list(range(count)):
-            return list if kind is list else tuple  # the objects themselves, in order: a list of images and labels
-        parts = [_builder(item, positions, count) for item in value]
-        if any(part is None for part in parts):
-            return None
-        if kind is list:
-            return lambda made: [part(made) for part in parts]  # type: ignore[misc]
-        return lambda made: tuple(part(made) for part in parts)  # type: ignore[misc]
-    if kind is dict and all(type(key) is str for key in value):
-        items = [(key, _builder(item, positions, count)) for key, item in value.items()]
-        if any(part is None for _key, part in items):
-            return None
-        return lambda made: {key: part(made) for key, part in items}  # type: ignore[misc]
+        parts = [_tree(item, known) for item in value]  # type: ignore[attr-defined]
+        return None if None in parts else (kind, *parts)
+    if kind is dict and all(type(key) is str for key in value):  # type: ignore[attr-defined]
+        items = [(key, _tree(item, known)) for key, item in value.items()]  # type: ignore[attr-defined]
+        return None if any(part is None for _key, part in items) else (dict, *items)
     return None
+
+
+def _builder(tree: Any, count: int) -> Build:
+    """A function that makes the batch of ``tree`` (see :func:`_tree`, its leaves positions)
+    from the ``count`` objects over a new slot, in the order of the references."""
+    if type(tree) is int:
+        return operator.itemgetter(tree)
+    kind, *parts = tree
+    if kind is dict:
+        items = [(key, _builder(part, count)) for key, part in parts]
+        return lambda made: {key: part(made) for key, part in items}
+    if parts == list(range(count)):
+        return kind  # type: ignore[no-any-return]  # the objects themselves, in order: a list of images and labels
+    builders = [_builder(part, count) for part in parts]
+    if kind is list:
+        return lambda made: [part(made) for part in builders]
+    return lambda made: tuple(part(made) for part in builders)

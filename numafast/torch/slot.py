@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Union
 
 import numpy as np
@@ -26,8 +25,8 @@ from numafast._validate import positive_int
 from numafast.errors import InvalidBufferError
 
 __all__ = [
-    "ALIGNMENT", "BatchLayout", "CACHE_ENTRIES", "Leaf", "Ref", "SlotFull", "SlotLayout", "copy_in", "copy_threads",
-    "fill", "layout", "over_slot", "placeable", "plain_array", "recall", "remember", "tensor_kind",
+    "ALIGNMENT", "CACHE_ENTRIES", "Leaf", "Ref", "SlotFull", "SlotLayout", "copy_in", "copy_threads",
+    "fill", "over_slot", "placeable", "plain_array", "recall", "remember", "tensor_kind",
 ]  # fmt: skip
 
 # Where each leaf starts inside a slot: the CUDA caching allocator's block size, so a
@@ -84,35 +83,23 @@ class SlotLayout:
         return self.tensor_ref(leaf.dtype, leaf.shape, leaf.requires_grad) if leaf.numel() else None
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    """Where copies of a batch's leaves go in a slot (None for an empty leaf), and the
-    bytes of slot they need."""
-
-    refs: tuple[Ref | None, ...]
-    nbytes: int
-
-
-def layout(leaves: Sequence[Leaf]) -> BatchLayout:
-    """``leaves`` laid out in a slot; checks that every tensor is a dense CPU tensor (the
-    only kind that can be pinned)."""
+def fill(
+    leaves: Sequence[Leaf], acquire: Callable[[int, int], tuple[Any, Sequence[int]]], threads: int | None = None
+) -> list[Any]:
+    """Copies of ``leaves`` laid out in the slot ``acquire(bytes, leaves)`` gives (with the
+    CPUs to copy on; not called when they need no bytes), which they hold: it comes back
+    when the last of them goes. An empty leaf's copy is a new empty one. Checks that
+    every tensor is a dense CPU tensor (the only kind that can be pinned)."""
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu":
             raise InvalidBufferError(f"tensor {index} of the batch is on {leaf.device}: only host tensors are pinned")
         if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
             raise InvalidBufferError(f"tensor {index} of the batch is {leaf.layout}: only dense tensors are pinned")
-    slot = SlotLayout()
-    refs = tuple(slot.leaf_ref(leaf) for leaf in leaves)
-    return BatchLayout(refs, slot.end)
-
-
-def fill(
-    slot: Any, leaves: Sequence[Leaf], plan: BatchLayout, cpus: Sequence[int], threads: int | None = None
-) -> list[Any]:
-    """Copies of ``leaves`` over ``slot`` (None when ``plan`` needs no bytes), where ``plan``
-    puts them; an empty leaf's copy is a new empty one."""
-    copy_in(slot, [(leaf, ref) for leaf, ref in zip(leaves, plan.refs) if ref is not None], cpus, threads)
-    return [_empty_like(leaf) if ref is None else over_slot(slot, ref) for leaf, ref in zip(leaves, plan.refs)]
+    plan = SlotLayout()
+    refs = [plan.leaf_ref(leaf) for leaf in leaves]
+    slot, cpus = acquire(plan.end, len(leaves)) if plan.end else (None, ())
+    copy_in(slot, [(leaf, ref) for leaf, ref in zip(leaves, refs) if ref is not None], cpus, threads)
+    return [_empty_like(leaf) if ref is None else over_slot(slot, ref) for leaf, ref in zip(leaves, refs)]
 
 
 def copy_in(memory: Any, copies: Sequence[tuple[Leaf, Ref]], cpus: Sequence[int] = (), threads: int | None = 1) -> None:
@@ -123,11 +110,12 @@ def copy_in(memory: Any, copies: Sequence[tuple[Leaf, Ref]], cpus: Sequence[int]
     sources: list[Any] = []
     others: list[tuple[Leaf, Ref]] = []
     for leaf, ref in copies:
-        if _copies_as_bytes(leaf):
-            offsets.append(ref[1])
-            sources.append(_bytes_of(leaf))
-        else:
+        source = _bytes_of(leaf)
+        if source is None:
             others.append((leaf, ref))
+        else:
+            offsets.append(ref[1])
+            sources.append(source)
     count = copy_threads(sum(source.nbytes for source in sources), len(cpus), threads)
     if sources:
         _libnuma.gather_copy(memory, offsets, sources, cpus if count > 1 else (), count)
@@ -177,18 +165,14 @@ def tensor_kind(tensor: torch.Tensor) -> str:
     return "nested tensor" if tensor.is_nested else f"{tensor.layout} tensor on {tensor.device}"
 
 
-def _copies_as_bytes(leaf: Leaf) -> bool:
-    """A non-empty tensor or array whose memory is its values in order: copied as bytes."""
-    if isinstance(leaf, np.ndarray):
-        return leaf.size > 0 and leaf.flags.c_contiguous
-    return bool(leaf.numel()) and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg()
-
-
 def _bytes_of(leaf: Leaf) -> Any:
-    """A contiguous CPU tensor's or array's memory as a flat uint8 NumPy array (no copy)."""
+    """A non-empty CPU tensor's or array's memory as a flat uint8 NumPy array (no copy),
+    where that memory is its values in order (copied as bytes); None for others."""
     if isinstance(leaf, np.ndarray):
-        return leaf.reshape(-1).view(np.uint8)
-    return leaf.detach().reshape(-1).view(torch.uint8).numpy()
+        return leaf.reshape(-1).view(np.uint8) if leaf.size > 0 and leaf.flags.c_contiguous else None
+    if leaf.numel() and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg():
+        return leaf.detach().reshape(-1).view(torch.uint8).numpy()
+    return None
 
 
 def _empty_like(leaf: Leaf) -> Any:
