@@ -259,7 +259,7 @@ def test_batches_keep_arriving_while_a_registered_pool_is_made() -> None:
     outside the mutex every batch takes: copies into the current pool go on meanwhile,
     each taking far less than the making does."""
     pools = numafast.torch.pools.NodePools(NODE, 2)
-    pools.use_device(0)
+    pools.device = 0
     pools.make_room(MIB, more=False)
     started = time.perf_counter()
     making = threading.Thread(target=pools.make_room, args=(400 * MIB, False))

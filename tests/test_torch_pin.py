@@ -246,6 +246,20 @@ def test_hooked_batches_land_in_slots_in_the_pin_thread_bound_to_the_node(node: 
     assert not hook.installed and loader.collate_fn is own_collate
 
 
+def test_the_hooks_held_count_leaves_out_only_the_batches_the_dataloader_reads_ahead() -> None:
+    """``held`` is the slots in use beyond prefetch_factor x num_workers (2 here), whatever
+    ``slots`` the hook was given: 3 kept batches, 1 beyond what the DataLoader may hold."""
+    loader = torch.utils.data.DataLoader([torch.full((64, 1024), float(i)) for i in range(6)], batch_size=2,
+                                         num_workers=1)  # fmt: skip
+    hook = PinMemoryHook(loader, 0, None, slots=8, installed=True, reason="")
+    assert hook.pools is not None
+    kept, _cpus = iterate_as_torch_pin_thread(loader)
+    stats = hook.pools.stats()
+    assert len(kept) == 3 and stats.landed == 3 and sum(pool.in_use for pool in stats.pools) == 3, stats
+    assert stats.held == 1, stats
+    hook.remove()
+
+
 def test_a_message_stays_a_message_where_nothing_receives_it() -> None:
     """Unpickled in a process that does not own its pools, or after they are gone, a
     worker's message is not turned into a batch: it can travel on, and says what it is."""

@@ -40,11 +40,11 @@ class PinMemoryHook:
         self.device = device
         self.installed = installed
         self.reason = reason
-        self.pools = node_pools(node, slots) if node is not None and installed else None
+        self.pools = node_pools(node, slots, _batches_read_ahead(loader)) if node is not None and installed else None
         self._collate = loader.collate_fn
         if self.pools is not None:
             if device is not None and device.index is not None:
-                self.pools.use_device(device.index)
+                self.pools.device = device.index
             self.pools.before_receive = self._bind_pin_thread
             loader.collate_fn = SlotCollate(self._collate, self.pools)
 
@@ -85,8 +85,7 @@ def pin_memory_hook(
                          "which pins itself, or build the loader with pin_memory=True")
     if isinstance(loader.collate_fn, SlotCollate):
         raise ValueError("this DataLoader already has a numafast pin_memory_hook")
-    in_flight = (loader.prefetch_factor or 0) * loader.num_workers
-    slots = in_flight + 2 if slots is None else positive_int(slots, "slots", or_none=True)
+    slots = _batches_read_ahead(loader) + 2 if slots is None else positive_int(slots, "slots", or_none=True)
     checked = check_node(node) if node is not None else None  # a bad node is refused here too
     why_not = _why_torch_will_not_pin()
     if why_not:
@@ -98,6 +97,11 @@ def pin_memory_hook(
     assert index is not None
     target = checked if checked is not None else check_node(gpu_node(index))
     return PinMemoryHook(loader, target, torch.device("cuda", index), slots, True, "")
+
+
+def _batches_read_ahead(loader: DataLoader[Any]) -> int:
+    """The batches ``loader`` may hold unread: ``prefetch_factor`` per worker."""
+    return (loader.prefetch_factor or 0) * loader.num_workers
 
 
 def _why_torch_will_not_pin() -> str:

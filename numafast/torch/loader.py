@@ -283,18 +283,20 @@ class NumaLoader(DataLoader[T_co]):
                 self._land_on(gpu_node(index, required=self.device is not None))
             if self.device is not None:
                 self.device = torch.device("cuda", index)
-            self.pools.use_device(index)
+            self.pools.device = index
         self._first_iteration_done = True
 
     def _take_pools(self, shared: NodePools | None = None) -> None:
         """Land on ``shared`` pools, else on the node's (:func:`node_pools`), putting this loader's
         in-flight batches (on shared ones, the most of either loader's) and max_pinned_bytes on them."""
-        self.pools: NodePools = shared or node_pools(
-            self.node, self._wanted_slots, lock=self.lock, max_pinned_bytes=self.max_pinned_bytes
-        )
-        self.pools.in_flight = max(self.pools.in_flight, self._in_flight) if shared else self._in_flight
+        if shared is None:
+            self.pools: NodePools = node_pools(self.node, self._wanted_slots, self._in_flight, lock=self.lock,
+                                               max_pinned_bytes=self.max_pinned_bytes)  # fmt: skip
+            return
+        self.pools = shared
+        shared.in_flight = max(shared.in_flight, self._in_flight)
         if self.max_pinned_bytes is not None:
-            self.pools.max_pinned_bytes = self.max_pinned_bytes
+            shared.max_pinned_bytes = self.max_pinned_bytes
 
     def _land_on(self, node: int) -> None:
         """Move, before any worker started, from the guessed node to ``node``: its pools and

@@ -117,6 +117,7 @@ class NodePools:
         node: int,
         slots: int,
         *,
+        in_flight: int = 0,
         lock: LockMode | str | bool = "auto",
         register: RegisterMode | str | bool = "auto",
         max_pinned_bytes: int | None = None,
@@ -126,12 +127,14 @@ class NodePools:
         # Checked now, not at the first batch that makes a pool.
         self.lock: LockMode = parse_mode(lock, LockMode, "lock")
         self.register: RegisterMode = parse_mode(register, RegisterMode, "register")
-        self._start(slots, check_max_pinned_bytes(max_pinned_bytes), taken_over=False)
+        self._start(in_flight, check_max_pinned_bytes(max_pinned_bytes), taken_over=False)
         self.pools: list[PinnedPool] = []
         self.retired: list[PinnedPool] = []
         self.grown = 0
         self.resized = 0
-        self.device: int | None = None  # the CUDA device new pools register through (see _new_pool)
+        # The CUDA device the pools made from now on register through (see _new_pool); those
+        # made before stay: a portable registration is good for any device.
+        self.device: int | None = None
         self.board = PoolBoard()
         self.owner_id = next(_owner_ids)
         self.owner_pid = _pid.pid
@@ -147,12 +150,11 @@ class NodePools:
         receivers[self.owner_id] = self
         process_pools.every.add(self)
 
-    def _start(self, slots: int, max_pinned_bytes: int | None, *, taken_over: bool) -> None:
+    def _start(self, in_flight: int, max_pinned_bytes: int | None, *, taken_over: bool) -> None:
         """The settings and counters of a loader starting on these pools (new, or idle ones
         ``taken_over`` from a loader gone since: its first batches may need larger slots)."""
         self.max_pinned_bytes = max_pinned_bytes or default_max_pinned_bytes(self.node)
-        # Set by the loader: the batches LoaderStats.held leaves out.
-        self.in_flight = max(slots - 2, 0)
+        self.in_flight = in_flight  # the batches the DataLoader may hold unread, which LoaderStats.held leaves out
         self.landed = self.copied = self.bytes_copied = self.unpinned = 0
         self.largest_landed = 0  # the largest batch landed in a worker: what an added pool is sized by
         self.fallbacks: Counter[str] = Counter()
@@ -174,11 +176,6 @@ class NodePools:
                 self._server = self.board.serve_requests(make_room, f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
         weakref.finalize(user, process_pools.let_go, self).atexit = False
-
-    def use_device(self, index: int) -> None:
-        """Register the pools made from now on through CUDA device ``index`` (those made
-        before stay: a portable registration is good for any device)."""
-        self.device = index
 
     # ------------------------------------------------------------ batches arriving
 
@@ -555,18 +552,19 @@ def _make_room_in(pools: weakref.ref[NodePools], nbytes: int, more: bool) -> Non
 
 
 def node_pools(
-    node: int, slots: int, *, lock: LockMode | str | bool = "auto", register: RegisterMode | str | bool = "auto",
-    max_pinned_bytes: int | None = None,
+    node: int, slots: int, in_flight: int, *, lock: LockMode | str | bool = "auto",
+    register: RegisterMode | str | bool = "auto", max_pinned_bytes: int | None = None,
 ) -> NodePools:
-    """Pools for a new loader on ``node``: the idle ones a gone loader left there (warm,
-    and sized by its batches) when they have ``slots`` slots or more, else new ones."""
+    """Pools for a new loader on ``node`` whose DataLoader may hold ``in_flight`` batches
+    unread: the idle ones a gone loader left there (warm, and sized by its batches) when
+    they have ``slots`` slots or more, else new ones."""
     cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
     idle = cast("NodePools | None", process_pools.take_idle(key))  # as NodePools put it there
     if idle is not None and idle.slots >= slots:
         with idle._mutex:
-            idle._start(slots, cap, taken_over=True)
+            idle._start(in_flight, cap, taken_over=True)
         return idle
     if idle is not None:  # the new loader keeps more batches in flight
         idle.close()
-    return NodePools(node, slots, lock=key[1], register=key[2], max_pinned_bytes=cap)
+    return NodePools(node, slots, in_flight=in_flight, lock=key[1], register=key[2], max_pinned_bytes=cap)
