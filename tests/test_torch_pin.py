@@ -246,6 +246,7 @@ def test_hooked_batches_land_in_slots_in_the_pin_thread_bound_to_the_node(node: 
     assert not hook.installed and loader.collate_fn is own_collate
 
 
+@pytest.mark.host_only("a count of the pools' slots: nothing the kernel's nodes change; a worker costs seconds under TCG")
 def test_the_hooks_held_count_leaves_out_only_the_batches_the_dataloader_reads_ahead() -> None:
     """``held`` is the slots in use beyond prefetch_factor x num_workers (2 here), whatever
     ``slots`` the hook was given: 3 kept batches, 1 beyond what the DataLoader may hold."""
