@@ -9,6 +9,7 @@ block: a policy acts when a page is first touched.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -33,9 +34,20 @@ TESTS = Path(__file__).resolve().parent
 MIB = 1 << 20
 
 
+def fresh_array(nbytes: int = MIB) -> np.ndarray:
+    """``nbytes`` of float64 ones over a new anonymous mapping, touched here. Not np.ones:
+    whatever MALLOC_MMAP_THRESHOLD_ says, malloc carves a request from a free heap chunk
+    that fits before it maps anything new, and such a chunk's pages were touched by an
+    earlier test, under its own policy (an interleave over nodes 0 and 1 once found its
+    pages all on node 3, where the test before had bound the thread)."""
+    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.float64)
+    array[:] = 1
+    return array
+
+
 def fresh_buffers() -> tuple[np.ndarray, bytearray]:
     """A NumPy array and a bytearray, each 1 MiB (own mmap under MALLOC_MMAP_THRESHOLD_), touched."""
-    array = np.ones(MIB // 8)
+    array = fresh_array()
     raw = bytearray(MIB)
     raw[::4096] = b"\x01" * len(range(0, MIB, 4096))  # calloc'd pages are not touched yet
     return array, raw
@@ -86,7 +98,7 @@ def test_interleave_spreads_pages_round_robin(count: int) -> None:
     nodes = online_nodes()[:count]
     pages = 64 * count
     with numafast.interleave(nodes):
-        array = np.ones(pages * 4096 // 8)
+        array = fresh_array(pages * 4096)
     per_node = Counter(page_nodes(array))
     assert set(per_node) == set(nodes)
     for node in nodes:
@@ -97,13 +109,13 @@ def test_interleave_spreads_pages_round_robin(count: int) -> None:
 def test_membind_preferred_many_and_local_alloc_as_the_kernel_sees_them() -> None:
     with numafast.membind([1, 2]):
         assert thread_policy() == (numafast._libnuma.MPOL_BIND, [1, 2])
-        assert set(page_nodes(np.ones(MIB // 8))) <= {1, 2}
+        assert set(page_nodes(fresh_array())) <= {1, 2}
     with numafast.preferred_many([2, 3]):
         assert thread_policy() == (numafast._libnuma.MPOL_PREFERRED_MANY, [2, 3])
-        assert set(page_nodes(np.ones(MIB // 8))) <= {2, 3}
+        assert set(page_nodes(fresh_array())) <= {2, 3}
     with numafast.cpubind(nodes=[3]), numafast.local_alloc():
         assert thread_policy() == (numafast._libnuma.MPOL_LOCAL, [])
-        assert set(page_nodes(np.ones(MIB // 8))) == {3}
+        assert set(page_nodes(fresh_array())) == {3}
     with numafast.membind([1], flags=[numafast.ModeFlag.STATIC_NODES]):
         assert numafast.get_policy() == numafast.Policy(
             numafast.Mode.BIND, (1,), frozenset({numafast.ModeFlag.STATIC_NODES})
@@ -141,7 +153,7 @@ def test_nesting_and_exceptions_restore_each_level() -> None:
             with numafast.interleave([0, 2]):
                 with pytest.raises(ZeroDivisionError):
                     with numafast.numa_local(3, strict=True):
-                        assert set(page_nodes(np.ones(MIB // 8))) == {3}
+                        assert set(page_nodes(fresh_array())) == {3}
                         1 / 0
                 assert thread_policy() == (numafast._libnuma.MPOL_INTERLEAVE, [0, 2])
                 assert os.sched_getaffinity(0) == set(node_cpus(1))
@@ -154,7 +166,7 @@ def test_nesting_and_exceptions_restore_each_level() -> None:
 def test_decorated_function_runs_placed_and_restores() -> None:
     @numafast.numa_local(2)
     def load() -> tuple[set[int], set[int]]:
-        return set(page_nodes(np.ones(MIB // 8))), os.sched_getaffinity(0)
+        return set(page_nodes(fresh_array())), os.sched_getaffinity(0)
 
     before = (os.sched_getaffinity(0), thread_policy())
     assert load() == ({2}, set(node_cpus(2)))
@@ -171,7 +183,7 @@ def test_forked_child_inherits_cpus_and_policy() -> None:
             report = {
                 "cpus": sorted(os.sched_getaffinity(0)),
                 "policy": thread_policy(),
-                "pages": sorted(set(page_nodes(np.ones(MIB // 8)))),
+                "pages": sorted(set(page_nodes(fresh_array()))),
             }
             os.write(write_end, json.dumps(report).encode())
             os._exit(0)
