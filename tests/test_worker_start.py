@@ -11,6 +11,7 @@ waits for that lock forever inside ``os.fork()``. Where the Python is not affect
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -337,6 +338,34 @@ def test_a_dropped_iterator_lets_its_dataset_go_while_a_worker_is_yet_to_start(
     stuck.join(5)
     del iterator, loader, samples
     assert collected(*gone, within_s=0.05)  # the watch thread sleeps on: it holds nothing of them
+
+
+def test_the_watch_holds_no_iterator_while_it_polls_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poll of the start tokens lets go of the GIL: an iterator the consumer drops
+    then goes at once (its pools idle for the next loader), not when the watch's look
+    ends, in the watch's thread."""
+
+    class Iterator:
+        _shutdown = False
+
+    held = [Iterator()]  # the consumer's reference
+    made = weakref.ref(held[0])
+    watch = workers._StartWatch(contextlib.nullcontext)
+    watch.workers.append(workers._Worker(0, os.getpid(), watch.token()))  # a worker yet to start
+    gone_during_poll: list[bool] = []
+    poll = workers._unclaimed
+
+    def poll_as_the_consumer_drops_it(tokens: list[Any]) -> set[int]:
+        held.clear()
+        gone_during_poll.append(made() is None)
+        return poll(tokens)
+
+    monkeypatch.setattr(workers, "_unclaimed", poll_as_the_consumer_drops_it)
+    thread = threading.Thread(target=watch.run, args=(made,))
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and gone_during_poll[:1] == [True]
+    assert not watch.tokens  # the watch ended with its iterator, its token closed
 
 
 class SlowToStart(torch.utils.data.Dataset[Any]):

@@ -173,22 +173,21 @@ class _StartWatch:
         _local.watch = self  # this thread forks only workers in others' place: their tokens are this watch's
         try:
             looks = 0
-            while self._look(made()):  # the iterator is not held between looks
+            while self._look(made):
                 looks += 1
                 time.sleep(min(POLL_S, 0.001 * 2 ** min(looks, 8)))
         finally:
             self.close()
 
-    def _look(self, iterator: Any) -> bool:
-        """One look at the workers; False when there is nothing left to watch."""
-        if iterator is None or getattr(iterator, "_shutdown", False):
-            for worker in self.workers:  # torch ended them; one that wakes up yet exits at once
-                if worker.token is not None:
-                    _claim(worker.token.read)
-            for process, _task in self.doomed:
-                _end(iterator, process)
-            return False
+    def _look(self, made: weakref.ref[Any]) -> bool:
+        """One look at the workers; False when there is nothing left to watch. The iterator
+        is held only where it is needed, not across the poll and close of the tokens (each
+        lets go of the GIL): held there as the consumer drops it, it would outlive that
+        moment, its pools not yet idle for the next loader, and end in this thread."""
         if not self.workers:  # found forking (_found_watch): it attaches once torch started all the workers
+            iterator = made()
+            if iterator is None or getattr(iterator, "_shutdown", False):
+                return False
             if getattr(iterator, "_worker_pids_set", False) is not True:
                 return bool(self.tokens) and time.monotonic() < self.tokens[0].forked_at + 60
             return self.attach(iterator)
@@ -199,11 +198,23 @@ class _StartWatch:
                 self._release(worker, worker.token)
                 self.last_start = now
         started = sum(worker.token is None for worker in self.workers)
-        last_start = self.last_start
-        for worker in self.workers:
-            if worker.token is not None and now >= max(worker.token.forked_at, last_start) + START_DEADLINE_S:
-                self._late(iterator, worker, worker.token, started)
-        self._settle_doomed(iterator)
+        late = [(worker, worker.token) for worker in self.workers if worker.token is not None
+                and now >= max(worker.token.forked_at, self.last_start) + START_DEADLINE_S]  # fmt: skip
+        if getattr(made(), "_shutdown", True):  # gone, or torch ended its workers: one that wakes up yet exits at once
+            for worker in self.workers:
+                if worker.token is not None:
+                    _claim(worker.token.read)
+            iterator = made() if self.doomed else None
+            for process, _task in self.doomed:
+                _end(iterator, process)
+            return False
+        if late or self.doomed:
+            iterator = made()
+            if iterator is None:
+                return True  # gone since: the next look ends the watch
+            for worker, token in late:
+                self._late(iterator, worker, token, started)
+            self._settle_doomed(iterator)
         return any(worker.token is not None for worker in self.workers) or bool(self.doomed)
 
     def _release(self, worker: _Worker, token: _Token) -> None:
