@@ -756,6 +756,24 @@ def test_nested_and_sparse_leaves_reach_the_consumer_as_made_even_when_copied(wo
         assert any("are not pinned" in str(warning.message) for warning in caught)
 
 
+@SEMANTICS
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_empty_unplaceable_leaf_is_no_reason_for_a_warning_in_any_process(workers: int) -> None:
+    """An empty nested or sparse tensor has no bytes to pin: neither the copy in this
+    process nor a worker's slot warns of it, as of an empty dense one."""
+    empties: list[Any] = [torch.zeros((0, 3)).to_sparse()]
+    if not workers:  # torch cannot unpickle an empty nested tensor (an internal assert), the stock loader's workers neither
+        empties.append(torch.nested.nested_tensor([]))
+    loader = numafast.torch.NumaLoader(range(4), batch_size=2, num_workers=workers, node=NODES[0],
+                                       collate_fn=lambda batch: {"empty": empties, "dense": torch.tensor(batch)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(loader)
+    assert [batch["dense"].tolist() for batch in batches] == [[0, 1], [2, 3]]
+    assert [[leaf.layout for leaf in batch["empty"]] for batch in batches] == [[leaf.layout for leaf in empties]] * 2
+    assert not [warning for warning in caught if "not pinned" in str(warning.message)]
+
+
 def test_numaloader_is_generic_as_dataloader_is() -> None:
     def typed(loader: numafast.torch.NumaLoader[list[int]]) -> numafast.torch.NumaLoader[list[int]]:
         return loader

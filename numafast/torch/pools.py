@@ -432,7 +432,7 @@ class NodePools:
             """Sparse, nested and device tensors stay as they are, as in a worker's slot."""
             if not isinstance(leaf, torch.Tensor) or placeable(leaf):
                 return False
-            if leaf.is_nested or leaf.numel():
+            if leaf.numel():  # an empty one has nothing to pin: no word, as from a worker's slot
                 unpinned.add(tensor_kind(leaf))
             return True
 
