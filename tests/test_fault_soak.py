@@ -19,8 +19,10 @@ pytest.importorskip("torch")
 
 pytestmark = pytest.mark.host_only("faults of one process's loader: nothing the kernel's nodes change")
 
+HANG_S = 240  # the soak takes seconds: past this, the child says where it hangs and exits
+
 SOAK = r"""
-import gc, os, signal, sys, threading, warnings
+import faulthandler, gc, os, signal, sys, threading, warnings
 from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -51,6 +53,22 @@ def children():
 
 def fds():
     return len(os.listdir("/proc/self/fd"))
+
+def say_where_children_wait():
+    for pid in children():
+        try:
+            proc = Path(f"/proc/{pid}")
+            print(f"child {pid} ({(proc / 'comm').read_text().strip()}): waiting in {(proc / 'wchan').read_text()}, "
+                  f"system call {(proc / 'syscall').read_text().split()[0]}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+
+# A hang says where, before the test's timeout: what the children wait in, then
+# every thread's stack here, and exit.
+faulthandler.dump_traceback_later(HANG_S, exit=True)
+watchdog = threading.Timer(HANG_S - 10, say_where_children_wait)
+watchdog.daemon = True
+watchdog.start()
 
 warnings.simplefilter("ignore")
 fds_before = fds()
@@ -112,10 +130,10 @@ sys.stdout.flush()
 
 
 def test_killed_workers_kept_batches_ctrl_c_breaks_and_errors_leave_nothing_behind() -> None:
-    result = subprocess.run([sys.executable, "-c", SOAK], capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", f"HANG_S = {HANG_S}\n{SOAK}"], capture_output=True, text=True,
+                            timeout=HANG_S + 60, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
     lines = result.stdout.splitlines()
-    assert result.returncode == 0 and len(lines) == 2, (result.returncode, result.stdout, result.stderr[-3000:])
+    assert result.returncode == 0 and len(lines) == 2, (result.returncode, result.stdout, result.stderr[-12000:])
     faults, left = lines
     killed, *others = faults.split(" | ")
     # DataLoader's own error, or, where it had already let the dead worker go, numafast's
