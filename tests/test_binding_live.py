@@ -45,12 +45,12 @@ def fresh_array(nbytes: int = MIB) -> np.ndarray:
     return array
 
 
-def fresh_buffers() -> tuple[np.ndarray, bytearray]:
-    """A NumPy array and a bytearray, each 1 MiB (own mmap under MALLOC_MMAP_THRESHOLD_), touched."""
-    array = fresh_array()
-    raw = bytearray(MIB)
-    raw[::4096] = b"\x01" * len(range(0, MIB, 4096))  # calloc'd pages are not touched yet
-    return array, raw
+def fresh_buffers() -> tuple[np.ndarray, mmap.mmap]:
+    """A NumPy array and a plain buffer, each 1 MiB over a new mapping (not a bytearray:
+    calloc too may reuse a free heap chunk whose pages stay where they were), touched."""
+    raw = mmap.mmap(-1, MIB)
+    raw[::4096] = b"\x01" * len(range(0, MIB, 4096))  # a new mapping's pages are not there until touched
+    return fresh_array(), raw
 
 
 def expected_cpus(node: int) -> set[int]:
