@@ -825,10 +825,10 @@ def test_dropping_a_half_read_loader_leaves_its_pools_to_the_next_and_closing_th
     iterator = iter(loader)
     first = next(iterator)
     pools, pool_address = loader.pools, first["values"].data_ptr()
-    # The worker-start watch holds the iterator during each look, until it has seen every
-    # worker start. A look that lets go of the GIL (a token's close) while the del below
-    # runs keeps the iterator, and so the pools, in use past it: a CI run once found the
-    # pools not handed over. Let the watch end first.
+    # The worker-start watch, until it has seen every worker start, holds the iterator for
+    # an instant in each look (its check of torch's shutdown flag): a del below in that
+    # instant would leave the iterator, and so the pools, to end a moment later in the
+    # watch's thread (a CI run once found the pools not handed over). Let the watch end first.
     assert wait_until(lambda: all(thread.name != "numafast worker start" for thread in threading.enumerate()))
     del iterator, first, loader
     gc.collect()
