@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numafast.torch  # noqa: E402
+from numafast import _pid  # noqa: E402
 from numafast.torch.hook import PinMemoryHook  # noqa: E402
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers  # noqa: E402
 from torch._utils import ExceptionWrapper  # noqa: E402
@@ -196,6 +198,38 @@ def test_a_batch_whose_worker_died_after_sending_it_raises_the_dataloaders_dead_
     ), str(cause)
     assert seen[1:] == [batch for index, batch in enumerate(expected()) if index not in (0, 2)], seen
     data.dying = False
+    assert [batch[:, 0].tolist() for batch in loader] == expected()  # and the next epoch is whole
+
+
+def test_a_worker_killed_during_a_take_over_raises_the_dataloaders_error_not_the_batchs() -> None:
+    """PyTorch's SIGCHLD handler runs between two bytecodes of whatever the main thread
+    is doing; for a worker killed as a batch is taken over, it raises "killed by signal"
+    inside the take-over. That is the DataLoader's error, not that batch's: it passes as
+    it came, and the DataLoader says the worker died (it was wrapped as "Caught
+    RuntimeError in the main process, taking over batch ...")."""
+    loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=TIMEOUT_S)
+    assert [batch[:, 0].tolist() for batch in loader] == expected()  # the pools exist: batches travel in slots
+    iterator = iter(loader)
+    killed = iterator._workers[0]
+
+    def kill_the_worker() -> None:
+        loader.pools.before_receive = lambda: None
+        os.kill(killed.pid, signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT_S
+        while _pid.start_time(killed.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.001)  # until it is a zombie: its SIGCHLD is sent, the handler runs here
+        time.sleep(0.1)
+
+    loader.pools.before_receive = kill_the_worker
+    with pytest.raises(RuntimeError) as raised:
+        next(iterator)
+    # The DataLoader's own error for a dead worker, raised from the handler's.
+    error = raised.value
+    assert str(error) == f"DataLoader worker (pid(s) {killed.pid}) exited unexpectedly", str(error)
+    assert str(error.__cause__).startswith(f"DataLoader worker (pid {killed.pid}) is killed by signal: Killed"), repr(
+        error.__cause__
+    )
+    del iterator
     assert [batch[:, 0].tolist() for batch in loader] == expected()  # and the next epoch is whole
 
 

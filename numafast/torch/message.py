@@ -14,10 +14,12 @@ comes right, and the next batch is waited for forever) and end PyTorch's pin thr
 The exception is :class:`SenderDied`: raised out of the DataLoader's ``get`` (not in
 the pin thread), it lets the DataLoader find the worker dead and say so, as for any
 worker that dies, and stop waiting for its batches, so the count no longer matters.
+Nor is an exception a signal handler raised there the batch's: it passes as it came.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import weakref
 from dataclasses import dataclass
@@ -147,7 +149,27 @@ def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
     except Exception as error:  # noqa: BLE001 - the consumer meets it at this batch, as a worker's error
         if isinstance(error, SenderDied) and not in_pin_thread():
             raise  # out of the DataLoader's get: it finds its worker dead and says so (see above)
+        if _raised_by_signal_handler(error):
+            raise
         return _failed(message.describe())
+
+
+def _raised_by_signal_handler(error: BaseException) -> bool:
+    """Whether ``error`` came out of a Python signal handler. CPython runs handlers in the
+    main thread between any two bytecodes, so inside whatever it was doing: PyTorch's
+    SIGCHLD handler raises "DataLoader worker (pid N) is killed by signal" from within a
+    take-over when a worker is killed then. That is the DataLoader's error, not this
+    batch's, and the consumer gets it as it came."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    handlers = {getattr(getattr(handler, "__func__", handler), "__code__", None)
+                for handler in map(signal.getsignal, signal.valid_signals())}  # fmt: skip
+    traceback = error.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code in handlers:
+            return True
+        traceback = traceback.tb_next
+    return False
 
 
 def _failed(batch: str) -> Any:
