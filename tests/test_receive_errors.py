@@ -217,8 +217,8 @@ def test_a_worker_killed_during_a_take_over_raises_the_dataloaders_error_not_the
         os.kill(killed.pid, signal.SIGKILL)
         deadline = time.monotonic() + TIMEOUT_S
         while _pid.start_time(killed.pid) is not None and time.monotonic() < deadline:
-            time.sleep(0.001)  # until it is a zombie: its SIGCHLD is sent, the handler runs here
-        time.sleep(0.1)
+            time.sleep(0.001)  # until it is a zombie: its SIGCHLD is sent
+        time.sleep(0.1)  # the handler runs at the interpreter's next check: in this loop or this sleep
 
     loader.pools.before_receive = kill_the_worker
     with pytest.raises(RuntimeError) as raised:

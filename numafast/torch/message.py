@@ -14,7 +14,8 @@ comes right, and the next batch is waited for forever) and end PyTorch's pin thr
 The exception is :class:`SenderDied`: raised out of the DataLoader's ``get`` (not in
 the pin thread), it lets the DataLoader find the worker dead and say so, as for any
 worker that dies, and stop waiting for its batches, so the count no longer matters.
-Nor is an exception a signal handler raised there the batch's: it passes as it came.
+An exception that a signal handler raised during the take-over is not the batch's
+either: it passes as it came.
 """
 
 from __future__ import annotations
