@@ -26,6 +26,7 @@ import weakref
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from traceback import walk_tb
 from typing import Any, Protocol
 
 from numafast import _pid
@@ -165,12 +166,7 @@ def _raised_by_signal_handler(error: BaseException) -> bool:
         return False
     handlers = {getattr(getattr(handler, "__func__", handler), "__code__", None)
                 for handler in map(signal.getsignal, signal.valid_signals())}  # fmt: skip
-    traceback = error.__traceback__
-    while traceback is not None:
-        if traceback.tb_frame.f_code in handlers:
-            return True
-        traceback = traceback.tb_next
-    return False
+    return any(frame.f_code in handlers for frame, _line in walk_tb(error.__traceback__))
 
 
 def _failed(batch: str) -> Any:
