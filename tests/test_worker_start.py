@@ -442,3 +442,43 @@ def test_a_worker_the_watch_kills_is_not_taken_for_one_that_died_even_while_torc
     finally:
         iterator._shutdown = False
         iterator._shutdown_workers()
+
+
+class Finalized:
+    """Garbage in a reference cycle, which only the collector frees; its finalizer
+    records the process it ran in."""
+
+    def __init__(self, record: Path) -> None:
+        self.record = record
+        self.cycle = self
+
+    def __del__(self) -> None:
+        with self.record.open("a") as file:
+            file.write(f"{os.getpid()}\n")
+
+
+class Collecting(torch.utils.data.Dataset):  # type: ignore[misc]
+    """Four samples, each after a full collection in the worker."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> Any:
+        gc.collect()
+        return torch.zeros(4)
+
+
+def test_a_worker_never_runs_the_finalizers_of_garbage_it_inherited(tmp_path: Path) -> None:
+    """The parent's garbage still uncollected at the fork stays the parent's: collected in
+    a worker, its finalizers (torch's iterator shutting down workers not its own, an
+    import amid an import under 3.11) ran there."""
+    record = tmp_path / "finalized"
+    gc.disable()  # the garbage lives on to the fork, as uncollected garbage does between collections
+    try:
+        Finalized(record)
+        loader = numafast.torch.NumaLoader(Collecting(), batch_size=1, num_workers=2)
+        assert sum(1 for _batch in loader) == 4
+    finally:
+        gc.enable()
+    gc.collect()
+    assert record.read_text().split() == [str(os.getpid())]  # finalized once, here

@@ -26,6 +26,7 @@ per batch.
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import sys
@@ -359,6 +360,14 @@ def _after_fork_in_child() -> None:
         except OSError:
             pass
     _open_tokens.clear()
+    if token is not None:
+        # The parent's garbage not yet collected (an old iterator in a reference cycle) is
+        # the worker's too: collected here, it would run the parent's finalizers in the
+        # worker (torch's iterator shuts down workers not its own), and under 3.11 one
+        # that imports, run amid an import, kills the worker (gh-91351: KeyError in
+        # importlib's _ModuleLock.acquire). Frozen, the collector never looks at what
+        # the worker inherited; nor does it write to those pages, so they stay shared.
+        gc.freeze()
     if not started:
         os._exit(0)  # condemned: only slow, it must not race the worker forked in its place
 
