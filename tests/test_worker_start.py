@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import itertools
 import os
 import signal
 import sys
@@ -425,6 +426,10 @@ def test_a_worker_the_watch_kills_is_not_taken_for_one_that_died_even_while_torc
     iterator = iter(torch.utils.data.DataLoader(dataset(), batch_size=2, num_workers=2))
     first, second = iterator._workers
     try:
+        # Every batch taken (the epoch not yet ended): the workers wait for an index. Killed
+        # while it reads one, a worker may hold the lock of torch's done event (each index
+        # is checked against it), and torch's shutdown then waits on that lock forever.
+        assert len(firsts(itertools.islice(iterator, BATCHES))) == BATCHES
         workers._end(iterator, first)  # iterating: first leaves the registered workers
         time.sleep(0.5)  # the handler runs in this thread, here, if it finds a worker killed
         assert not first.is_alive()
