@@ -22,6 +22,9 @@ batch. Either way a warning says so, once. Watched are the workers :func:`watch_
 forks and those of a torch iterator found forking with numafast's collate function (a
 loader NumaLoader iterates through, Accelerate's ``base_dataloader``). Nothing is done
 per batch.
+
+A worker that dies holding the lock of torch's done event does not hang the consumer
+either (:class:`_DoneEvent`).
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ def watch_starts(
         raise
     finally:
         _local.watch = outer
+    _bound_done_event(iterator)
     if watch.attach(iterator):
         made = weakref.ref(iterator)
         threading.Thread(target=watch.run, args=(made,), name="numafast worker start", daemon=True).start()
@@ -191,6 +195,7 @@ class _StartWatch:
                 return False
             if getattr(iterator, "_worker_pids_set", False) is not True:
                 return bool(self.tokens) and time.monotonic() < self.tokens[0].forked_at + 60
+            _bound_done_event(iterator)
             return self.attach(iterator)
         now = time.monotonic()
         unclaimed = _unclaimed(self.tokens)  # the pending workers' tokens are this watch's open ones
@@ -502,6 +507,73 @@ def _kill(process: Any) -> None:
         process.join(5.0)
     except (OSError, ValueError, AssertionError, AttributeError):
         pass
+
+
+# ------------------------------------------------------------ torch's done event
+
+_DONE_LOCK_WAIT_S = 2.0  # a living holder keeps the lock for microseconds
+
+
+class _DoneEvent:
+    """torch's ``_workers_done_event`` as its iterator sets and reads it, with an end.
+
+    torch tells its workers to exit through a multiprocessing Event, which each worker
+    reads for every index it receives. ``Event.set()`` and ``is_set()`` take the event's
+    lock, a semaphore the processes share: a worker killed while it holds it (by the OOM
+    killer or a SIGKILL, in the microseconds of its check) leaves it taken for good, and
+    the consumer waits forever where torch reads or sets the event: where it finds a
+    worker dead, and in the iterator's shutdown (torch's SIGCHLD handler ends such a wait
+    only for a worker that dies during it). Here
+    the lock is first waited for with a deadline. Where it does not come, no worker can
+    read the event again, nor end its loop: the living workers are ended, out of torch's
+    registered workers first (so that it does not take them for workers that died), and
+    the event reads as the iterator last set it."""
+
+    def __init__(self, event: Any, iterator: Any) -> None:
+        self.event = event
+        self.iterator = weakref.ref(iterator)  # the iterator holds this: no cycle
+        self.done = False
+        self.lock_lost = False
+
+    def set(self) -> None:
+        self.done = True
+        if self._lock_free():
+            self.event.set()
+
+    def is_set(self) -> bool:
+        return bool(self.event.is_set()) if self._lock_free() else self.done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.event, name)
+
+    def _lock_free(self) -> bool:
+        if self.lock_lost:
+            return False
+        lock = self.event._cond
+        if lock.acquire(timeout=_DONE_LOCK_WAIT_S):
+            lock.release()
+            return True
+        self.lock_lost = True
+        iterator = self.iterator()
+        alive = [process for process in getattr(iterator, "_workers", []) if process.is_alive()]
+        warnings.warn(
+            f"numafast: the lock of torch's done event stayed taken for {_DONE_LOCK_WAIT_S:g} s: a DataLoader worker "
+            "died holding it (killed, by the OOM killer or a SIGKILL, in the instant it checked the event). No worker "
+            f"can read that event again, so the {len(alive)} still alive were ended, where torch would have waited "
+            "for them forever",
+            RuntimeWarning, stacklevel=3)  # fmt: skip
+        if iterator is not None and (pids := _worker_pids(iterator)) is not None:
+            pids(())
+        for process in alive:
+            _kill(process)
+        return False
+
+
+def _bound_done_event(iterator: Any) -> None:
+    """Make ``iterator``'s done event a :class:`_DoneEvent` (a torch iterator with workers)."""
+    event = getattr(iterator, "_workers_done_event", None)
+    if event is not None and not isinstance(event, _DoneEvent) and hasattr(event, "_cond"):
+        iterator._workers_done_event = _DoneEvent(event, iterator)
 
 
 # ------------------------------------------------------------ what to tell the user
