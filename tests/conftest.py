@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 
 from sysfs_truth import cpuless_nodes_with_memory, online_nodes
-from time_limit import pytest_configure, pytest_runtest_protocol  # noqa: F401 - hooks: every test ends
+from time_limit import IN_GUEST, pytest_configure, pytest_runtest_protocol  # noqa: F401 - hooks: every test ends
 
-IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"
 # Where tests/run_suite.py wants the outcomes of the numa-marked tests.
 MARKER_REPORT = os.environ.get("NUMAFAST_MARKER_REPORT")
 _marked_outcomes: dict[str, str] = {}

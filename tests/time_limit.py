@@ -9,8 +9,8 @@ between two bytecodes, and a blocking wait made through Python (a multiprocessin
 ``time.sleep``, a queue, a join) is cut short by the signal. A wait that no signal ends (a
 C loop that retries on EINTR without looking at Python's signals) is ended 60 s later by
 faulthandler, which prints the stacks again, to the run's own stderr (pytest captures fd 2
-during a test), and exits the run: a failure that says where.
-A child process a test forks does not inherit the timer.
+during a test), and exits the run: a failure that says where. A child process a test
+forks does not inherit the timer. ``NUMAFAST_TEST_LIMIT_S=0`` turns the limit off.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from types import FrameType
 
 import pytest
 
-IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"
+IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"  # inside a guest tests/run_suite.py booted
 LIMIT_S = float(os.environ.get("NUMAFAST_TEST_LIMIT_S", "1200" if IN_GUEST else "600"))
 HARD_EXIT_AFTER_S = min(60.0, LIMIT_S)  # past the limit, for a wait the signal did not end
 _run_stderr: list[int] = []  # a copy of fd 2 as it was before pytest captured it
