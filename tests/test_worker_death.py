@@ -1,7 +1,8 @@
 """A worker killed while it holds the lock of torch's done event (it takes that lock for
-every index it reads) does not hang the consumer: the iterator's shutdown, which sets the
-event, ends in seconds, the living workers ended, with a warning that says why; the
-next epoch is whole. The stock DataLoader waits there forever.
+every index it reads) does not hang the consumer, neither where torch finds the worker
+dead nor in the iterator's shutdown (each takes the lock too): the consumer gets the
+DataLoader's error in seconds, the living workers are ended with a warning that says
+why, and the next epoch is whole. The stock DataLoader waits there forever.
 
 The worker here takes the lock and kills itself, as the OOM killer would have killed it
 in that instant: the lock stays taken for good, as it does after a real death.
