@@ -28,6 +28,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 import numafast.torch
 
+sys.path.insert(0, "tests")
+from time_limit import children, where_children_wait
+
 # As at a terminal: a runner started in the background (nohup, `&` without job
 # control) hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt.
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -48,25 +51,13 @@ def pool_mappings():
 def locked():
     return int(Path("/proc/self/status").read_text().split("VmLck:")[1].split()[0])
 
-def children():
-    return [p for t in Path("/proc/self/task").iterdir() for p in (t / "children").read_text().split()]
-
 def fds():
     return len(os.listdir("/proc/self/fd"))
-
-def say_where_children_wait():
-    for pid in children():
-        try:
-            proc = Path(f"/proc/{pid}")
-            print(f"child {pid} ({(proc / 'comm').read_text().strip()}): waiting in {(proc / 'wchan').read_text()}, "
-                  f"system call {(proc / 'syscall').read_text().split()[0]}", file=sys.stderr, flush=True)
-        except OSError:
-            pass
 
 # A hang says where, before the test's timeout: what the children wait in, then
 # every thread's stack here, and exit.
 faulthandler.dump_traceback_later(HANG_S, exit=True)
-watchdog = threading.Timer(HANG_S - 10, say_where_children_wait)
+watchdog = threading.Timer(HANG_S - 10, lambda: print(where_children_wait(), file=sys.stderr, flush=True))
 watchdog.daemon = True
 watchdog.start()
 

@@ -38,10 +38,10 @@ def pytest_configure(config: pytest.Config) -> None:
         _run_stderr.append(os.dup(2))
 
 
-def _children() -> list[int]:
-    tasks = Path("/proc/self/task")
+def children() -> list[int]:
+    """This process's child processes (those of each of its threads)."""
     pids: list[int] = []
-    for task in tasks.iterdir():
+    for task in Path("/proc/self/task").iterdir():
         try:
             pids.extend(int(pid) for pid in (task / "children").read_text().split())
         except OSError:
@@ -49,10 +49,10 @@ def _children() -> list[int]:
     return pids
 
 
-def _where_children_wait() -> str:
+def where_children_wait() -> str:
     """One line per child process: its name, state and kernel wait channel."""
     lines = []
-    for pid in _children():
+    for pid in children():
         proc = Path(f"/proc/{pid}")
         try:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -70,7 +70,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
         return
 
     def past_limit(signum: int, frame: FrameType | None) -> None:
-        sys.stderr.write(f"\n==== {item.nodeid} ran past its {LIMIT_S:g} s limit\n{_where_children_wait()}\n")
+        sys.stderr.write(f"\n==== {item.nodeid} ran past its {LIMIT_S:g} s limit\n{where_children_wait()}\n")
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         pytest.fail(f"ran past its {LIMIT_S:g} s limit (NUMAFAST_TEST_LIMIT_S); every thread's stack is in its "
