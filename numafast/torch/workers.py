@@ -523,11 +523,11 @@ class _DoneEvent:
     killer or a SIGKILL, in the microseconds of its check) leaves it taken for good, and
     the consumer waits forever where torch reads or sets the event: where it finds a
     worker dead, and in the iterator's shutdown (torch's SIGCHLD handler ends such a wait
-    only for a worker that dies during it). Here
-    the lock is first waited for with a deadline. Where it does not come, no worker can
-    read the event again, nor end its loop: the living workers are ended, out of torch's
-    registered workers first (so that it does not take them for workers that died), and
-    the event reads as the iterator last set it."""
+    only for a worker that dies during it). Here the lock is first waited for with a
+    deadline. Where it does not come, no worker can read the event again, nor end its
+    loop: the living workers are ended, out of torch's registered workers first (so that
+    it does not take them for workers that died), and the event reads as the iterator
+    last set it."""
 
     def __init__(self, event: Any, iterator: Any) -> None:
         self.event = event
