@@ -10,10 +10,13 @@ a busy machine where ``pid_max`` is small (32768 by default before systemd raise
 
 from __future__ import annotations
 
+import errno
 import os
 
 pid: int = os.getpid()
 _started: int | None = None  # this process's start time, read at the first call of started()
+# What opening /proc/PID/stat fails with once the process is gone (ESRCH: reaped while read).
+_GONE = (errno.ENOENT, errno.ESRCH)
 
 
 def _forked() -> None:
@@ -34,7 +37,9 @@ def owns(owner_pid: int) -> bool:
 def start_time(process: int | str = "self") -> int | None:
     """When ``process`` started, in clock ticks after boot (/proc/PID/stat's 22nd field,
     ``starttime``); None when it is gone, or dead and not yet reaped (a zombie, whose
-    pid is still taken but which runs no more). Two processes that had the same pid
+    pid is still taken but which runs no more). Any other failure to read it (EMFILE
+    under a low ``ulimit -n``, ENFILE, EACCES) says nothing of the process and raises
+    the OSError: taken for "gone", it would free a live worker's slot for a second batch. Two processes that had the same pid
     one after the other do not have the same start time: it counts clock ticks (10 ms
     at USER_HZ 100), and the kernel hands out pids in a cycle, so a pid comes back
     only after every other free one up to pid_max (32768 or 4194304) was handed out,
@@ -43,8 +48,10 @@ def start_time(process: int | str = "self") -> int | None:
     try:
         with open(f"/proc/{process}/stat", "rb") as stat:
             line = stat.read()
-    except OSError:
-        return None
+    except OSError as error:
+        if error.errno in _GONE:
+            return None
+        raise
     # The command name, in parentheses, may hold spaces and parentheses: the fields
     # start after the last ')'. The third field, the state, comes first there.
     fields = line.rpartition(b")")[2].split()

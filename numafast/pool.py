@@ -430,7 +430,10 @@ class PinnedPool:
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
-            now = _pid.start_time(pid)
+            try:
+                now = _pid.start_time(pid)
+            except OSError:
+                continue  # /proc cannot tell now (EMFILE, ENFILE): alive, until it can
             # A lease keeps its worker's start time (modulo 2**40), so a later process given
             # the same pid is not taken for it. -1 (not recorded yet) counts as a match:
             # ending a live worker's lease would let two batches share a slot, while

@@ -9,8 +9,10 @@ process runs, and since when, from /proc/PID/stat.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -316,3 +318,55 @@ def test_start_times_tell_processes_apart_and_a_zombie_is_not_running() -> None:
     assert cached == fresh != parent_started  # the child's own (this process started seconds before it)
     os.close(read_end)
     os.close(write_end)
+
+
+def fds_used_up() -> list[int]:
+    """Descriptors opened until this process may open no more (EMFILE), to close after."""
+    opened: list[int] = []
+    try:
+        while True:
+            opened.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as error:
+        assert error.errno == errno.EMFILE, error
+    return opened
+
+
+def test_a_live_workers_lease_stays_while_proc_cannot_be_read() -> None:
+    """Only ENOENT/ESRCH say a process is gone. Out of descriptors (a consumer keeping
+    every batch under `ulimit -n 128`), /proc/PID/stat cannot be opened: the live
+    leaser's slot must stay leased, never be handed out for a second batch."""
+    with numafast.PinnedPool(NODES[0], 4096, 2) as pool:
+        handle = pool.share()
+        go_read, go_write = os.pipe()
+        lease_read, lease_write = os.pipe()
+        live = os.fork()
+        if live == 0:  # leases, says so, and lives until told
+            try:
+                os.close(lease_read)
+                os.write(lease_write, b"leased" if PoolView(handle).lease() else b"none")
+                os.read(go_read, 1)
+            finally:
+                os._exit(0)
+        os.close(lease_write)  # the child's copy alone: a child that fails is read as EOF
+        try:
+            assert os.read(lease_read, 10) == b"leased"
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+            filler = fds_used_up()
+            try:
+                with pytest.raises(OSError) as error:
+                    _pid.start_time(live)
+                freed = pool.reclaim_orphans()
+            finally:
+                for fd in filler:
+                    os.close(fd)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert error.value.errno == errno.EMFILE
+            assert freed == 0 and len(pool._slots.table.leases()) == 1
+            assert _pid.start_time(live) is not None
+        finally:
+            os.write(go_write, b"x")
+            os.waitpid(live, 0)
+            for fd in (go_read, go_write, lease_read):
+                os.close(fd)
+        assert pool.reclaim_orphans() == 1  # gone now, and /proc says so

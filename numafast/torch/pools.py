@@ -194,7 +194,7 @@ class NodePools:
             except (LookupError, RuntimeError) as error:
                 # A lease ends early only when its worker is gone (reclaim_orphans), and a
                 # pool leaves this loader only once every lease of it ended.
-                if message.sender and _pid.start_time(message.sender) is None:
+                if message.sender and _sender_gone(message.sender):
                     raise SenderDied(
                         f"DataLoader worker process {message.worker} (pid {message.sender}) died after sending "
                         f"{message.describe()}: its slot went back to the pool when the death was seen"
@@ -516,6 +516,14 @@ class NodePools:
             for pool in [*self.pools, *self.retired]:
                 pool.close()
         self.board.close()
+
+
+def _sender_gone(pid: int) -> bool:
+    """Whether worker ``pid`` is gone; False where /proc cannot tell (EMFILE, ENFILE)."""
+    try:
+        return _pid.start_time(pid) is None
+    except OSError:
+        return False
 
 
 class _NoRoom(PoolExhaustedError):
