@@ -484,10 +484,12 @@ class PinnedPool:
     def record_stream(self, address: int, stream: object) -> bool:
         """Like ``Tensor.record_stream``: the slot holding ``address`` (a ``data_ptr()``) is
         reused only after the work queued on ``stream`` by the time it comes back has
-        finished. False when the address is not in this pool or it is not registered."""
-        self._check()
+        finished. False when the address is not in this pool or it is not registered.
+        A closed pool takes it too, as :meth:`adopt` takes its batches: a loader's pool
+        retired by a resize still holds the batches queued before it."""
+        self._check(closed_ok=True)
         index = self._slots.index_of(address)
-        if index < 0 or self._fences is None:
+        if index < 0 or self._fences is None or self._slots.drained:
             return False
         self._fences.add_reader(index, stream)
         return True
