@@ -333,17 +333,20 @@ class NodePools:
                     self._kept_grew = True
             pool = self._new_pool(slot_bytes, count)
             with self._mutex:
-                if self.closed:
-                    pool.close()
-                    return False
-                self._by_inode[pool.share().inode] = pool
-                if resize:  # the pools in use close, and are released as their slots come back
-                    if self.pools:
-                        self.resized += 1
-                    self._publish([pool], retiring=self.pools)
-                else:
-                    self.grown += 1
-                    self._publish([*self.pools, pool])
+                published = not self.closed
+                if published:
+                    self._by_inode[pool.share().inode] = pool
+                    if resize:  # the pools in use retire, released as their slots come back
+                        if self.pools:
+                            self.resized += 1
+                        self._publish([pool], retiring=self.pools)
+                    else:
+                        self.grown += 1
+                        self._publish([*self.pools, pool])
+        if not published:  # closed meanwhile
+            pool.close()
+            return False
+        self._settle_retired()
         return True
 
     def _refuse(self, why: str) -> bool:
@@ -401,25 +404,35 @@ class NodePools:
         )
 
     def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
-        """``pools`` in use from now on, on the board; ``retiring`` closed, released as their
-        slots come back. Under the mutex."""
+        """``pools`` in use from now on, on the board; ``retiring`` to be closed and released
+        by :meth:`_settle_retired`, which the caller runs once out of the mutex. Under the mutex."""
         self.pools = pools
         # First: a pool the board lists is never one already let go, and no worker leases
         # a slot of a pool the board no longer lists (see _settle_retired).
         self.board.publish([pool.share() for pool in pools])
-        for pool in retiring:
-            pool.close()
         self.retired.extend(retiring)
 
     def _settle_retired(self) -> None:
-        """Forget the retired pools whose every slot is back (released now)."""
+        """Close the retired pools and forget those whose every slot is back (released now).
+
+        NOTE: outside the mutex every receive takes, as a pool is made (make_room):
+        closing and settling wait for the GPU copies still reading a slot, and releasing
+        unregisters the memory from CUDA, unmaps it and closes its file; a batch that
+        arrives meanwhile must not wait behind that. A retired pool stays known
+        (``_by_inode``) until released, so its batches are still received."""
         if not self.retired:
             return
         with self._mutex:
-            for pool in list(self.retired):
-                if pool.settle():
-                    self.retired.remove(pool)
-                    self._by_inode = {inode: known for inode, known in self._by_inode.items() if known is not pool}
+            retired = list(self.retired)
+        released = []
+        for pool in retired:
+            pool.close()  # once; later calls only settle
+            if pool.settle():
+                released.append(pool)
+        if released:
+            with self._mutex:
+                self.retired = [pool for pool in self.retired if pool not in released]
+                self._by_inode = {inode: known for inode, known in self._by_inode.items() if known not in released}
 
     # ------------------------------------------------------------ copying
 
@@ -510,11 +523,13 @@ class NodePools:
         )
 
     def close(self) -> None:
-        """Close every pool (each released once its slots are back) and the board."""
-        with self._mutex:  # not while the serving thread makes a pool
+        """Close every pool (each released once its slots are back) and the board; the
+        pools outside the mutex (see _settle_retired)."""
+        with self._mutex:  # a pool the serving thread makes from now on is closed by it, unpublished
             self.closed = True
-            for pool in [*self.pools, *self.retired]:
-                pool.close()
+            pools = [*self.pools, *self.retired]
+        for pool in pools:
+            pool.close()
         self.board.close()
 
 
