@@ -8,6 +8,7 @@ so numafast works wherever torch or a GPU is missing.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -18,7 +19,9 @@ __all__ = [
     "REGISTER_CHUNK_BYTES",
     "CopyStream",
     "Registration",
+    "RegistrationFailed",
     "SlotEvents",
+    "clear_last_error",
     "current_index",
     "device_count",
     "device_uuids",
@@ -96,6 +99,26 @@ def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
     return ranges
 
 
+class RegistrationFailed(RuntimeError):
+    """cudaHostRegister refused a piece of the memory; the pieces before it were unregistered."""
+
+
+def clear_last_error(runtime: Any, device: int) -> None:
+    """Reset the calling thread's CUDA "last error" after a runtime call that failed
+    (cudaHostRegister returns its error, and the runtime keeps it as the last one too):
+    torch reads it after its next kernel launch in this thread (C10_CUDA_KERNEL_LAUNCH_CHECK
+    calls cudaGetLastError) and would raise it as that kernel's own. Through ``runtime``'s
+    cudaGetLastError where torch binds it; else (torch 2.x binds none) by launching a
+    one-byte fill on ``device``, whose check reads and resets it: the stale error it
+    raises is swallowed. Under ``device``, in the thread of the failed call."""
+    get_last_error = getattr(runtime, "cudaGetLastError", None)
+    if get_last_error is not None:
+        get_last_error()
+        return
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, dtype=torch.uint8, device=torch.device("cuda", device))
+
+
 class Registration:
     """Host memory registered with CUDA (cudaHostRegister) in the pieces of
     :func:`register_ranges`, so that copies run as DMA. The driver pins the pages, so
@@ -106,7 +129,8 @@ class Registration:
     device's context and creates it if the thread has none, so a thread that never
     chose a device (the pools' serving thread, one dropping the last tensor of a closed
     pool) would make a context on device 0, hundreds of MiB of GPU memory, in every
-    rank of a multi-GPU job.
+    rank of a multi-GPU job. A refusal raises :class:`RegistrationFailed` and leaves no
+    CUDA error behind (:func:`clear_last_error`).
 
     ``runtime`` answers cudaHostRegister / cudaHostUnregister / cudaGetErrorString
     (default ``torch.cuda.cudart()``); with ``device_guard`` (default :data:`on_device`)
@@ -125,8 +149,9 @@ class Registration:
                 error = self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE)
                 if int(error) != 0:
                     done = len(self.ranges)
+                    clear_last_error(self.runtime, device)
                     self.unregister()
-                    raise RuntimeError(
+                    raise RegistrationFailed(
                         f"cudaHostRegister of {length} bytes at {start:#x} (piece {done + 1} of {nbytes} bytes at "
                         f"{address:#x}, device {device}) failed: {self._error_text(error)}; the {done} pieces "
                         "before it were unregistered"
@@ -149,6 +174,8 @@ class Registration:
                 error = self.runtime.cudaHostUnregister(start)
                 if int(error) != 0:
                     failures.append(f"{start:#x}: {self._error_text(error)}")
+            if failures:
+                clear_last_error(self.runtime, self.device)
         if failures:
             raise RuntimeError(f"cudaHostUnregister failed at {', '.join(failures)}")
 

@@ -93,7 +93,8 @@ class RegisterMode(str, Enum):
     """Whether a pool registers its memory with CUDA (``register=``)."""
 
     AUTO = "auto"
-    """When PyTorch is already imported and CUDA is usable (the pool never imports torch itself)."""
+    """When PyTorch is already imported and CUDA is usable (the pool never imports torch itself);
+    where cudaHostRegister refuses, unregistered, with one warning per process."""
     REQUIRED = "required"
     """Register, or raise :class:`CudaUnavailable` (``True``)."""
     OFF = "off"
@@ -232,6 +233,7 @@ _pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
 one whose PinnedPool is gone while its slots are still viewed."""
 _exit_hook_installed = False
 _unlocked_warned = False  # a MemlockWarning was given (see _Resources.lock_pages)
+_unregistered_warned = False  # a pool went on unregistered (see _register)
 
 # The exit status of a forked child that cannot make its view of a pool private.
 FORK_REMAP_FAILED_STATUS = 70
@@ -349,13 +351,7 @@ class PinnedPool:
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
             self._fences: SlotEvents | None = None
             if device is not None:
-                from numafast import cuda
-
-                resources.registration = cuda.Registration(
-                    region.address, region.size, device=device, unit=whole_pages(slot_bytes),
-                    head=_libnuma.slot_table_bytes(slots),
-                )
-                self._fences = cuda.SlotEvents(slots, device)
+                self._fences = _register(resources, device, register_mode, slot_bytes, slots)
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
@@ -582,6 +578,37 @@ class PinnedPool:
             word for word, on in (("locked", self.locked), ("CUDA-registered", self.registered)) if on
         ) or "not locked"
         return f"<PinnedPool node {self.node}: {self.slots} x {self.slot_bytes} bytes, {pinned}, {state}>"
+
+
+def _register(resources: _Resources, device: int, mode: RegisterMode, slot_bytes: int, slots: int,
+              **runtime: Any) -> SlotEvents | None:
+    """Register ``resources``' region with CUDA through ``device``: the slots' fences. Where
+    cudaHostRegister refuses (not enough memory the driver may pin, a platform without
+    it, memory registered already by someone else), ``register='auto'`` goes on
+    unregistered, as ``lock='auto'`` does, said once per process: None. ``runtime``
+    (``runtime=``, ``device_guard=``) is passed on to :class:`~numafast.cuda.Registration`."""
+    global _unregistered_warned
+    from numafast import cuda
+
+    region = resources.region
+    assert region is not None
+    try:
+        resources.registration = cuda.Registration(
+            region.address, region.size, device=device, unit=whole_pages(slot_bytes),
+            head=_libnuma.slot_table_bytes(slots), **runtime,
+        )
+    except cuda.RegistrationFailed as error:
+        if mode is RegisterMode.REQUIRED:
+            raise
+        if not _unregistered_warned:
+            _unregistered_warned = True
+            warnings.warn(
+                f"{error}. Pools go on unregistered (this is said once): batches still land in them, but copies to "
+                "the GPU read them as pageable memory, staged by the driver. Pass register='off' not to try, or "
+                "register='required' to make this an error", RuntimeWarning, stacklevel=3,
+            )
+        return None
+    return cuda.SlotEvents(slots, device)
 
 
 def whole_pages(nbytes: int) -> int:

@@ -276,3 +276,24 @@ def test_batches_keep_arriving_while_a_registered_pool_is_made() -> None:
         assert len(waits) > 1 and max(waits) < took / 4, (max(waits), took)
     finally:
         pools.close()
+
+
+def test_a_refused_registration_leaves_the_pool_unregistered_and_no_error_for_the_next_kernel() -> None:
+    """register='auto' where cudaHostRegister refuses (here: the memory is registered
+    already, by someone else): the pool goes on unregistered with one warning, and the
+    refusal is not reported by the next kernel launched in this thread."""
+    from numafast import cuda
+    from numafast import pool as pool_module
+
+    with numafast.PinnedPool(NODE, MIB, 2, register="off") as pool:
+        region = pool._resources.region
+        elsewhere = cuda.Registration(region.address, region.size, device=0)
+        try:
+            pool_module._unregistered_warned = False
+            with pytest.warns(RuntimeWarning, match="said once"):
+                fences = pool_module._register(pool._resources, 0, pool_module.RegisterMode.AUTO, MIB, 2)
+            assert fences is None and pool._resources.registration is None
+            assert torch.ones(4, device="cuda:0").add_(1).sum().item() == 8.0  # a kernel launch, its check clean
+        finally:
+            elsewhere.unregister()
+
