@@ -32,6 +32,7 @@ __all__ = [
     "usable",
     "why_not_usable",
     "register_ranges",
+    "synchronize",
 ]
 
 # cudaHostRegisterPortable: the memory counts as pinned in every CUDA context of the
@@ -269,6 +270,12 @@ def hand_over(copies: Sequence[torch.Tensor], ready: Any) -> None:
     consumer.wait_event(ready)
     for tensor in copies:
         tensor.record_stream(consumer)
+
+
+def synchronize(device: int) -> None:
+    """Wait until every stream of ``device`` has finished the work queued on it (torch
+    makes ``device`` current for the wait: no context on another device)."""
+    torch.cuda.synchronize(device)
 
 
 def device_count() -> int:

@@ -264,12 +264,23 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _close_at_exit() -> None:
     """At interpreter exit: close every pool. One whose slots are still referenced is
-    unregistered and unlocked now (while CUDA is still up) and stays mapped until the
-    process ends, since an object freed later in shutdown may still point into it."""
+    unregistered and unlocked now (while CUDA is still up), once its device has finished
+    the work queued on it (a ``non_blocking`` copy may still read a slot the consumer
+    holds), and stays mapped until the process ends, since an object freed later in
+    shutdown may still point into it."""
+    held = []
     for pool in list(_live_pools):
         pool.close()
         if not pool._slots.drained:
-            pool._resources.unpin()
+            held.append(pool)
+    devices = {pool.device for pool in held if pool.device is not None}
+    if devices:
+        from numafast import cuda
+
+        for device in sorted(devices):
+            cuda.synchronize(device)
+    for pool in held:
+        pool._resources.unpin()
 
 
 def parse_mode(value: object, enum: type[LockMode] | type[RegisterMode], name: str) -> Any:

@@ -297,3 +297,22 @@ def test_a_refused_registration_leaves_the_pool_unregistered_and_no_error_for_th
         finally:
             elsewhere.unregister()
 
+
+AT_EXIT = """
+import json, sys, torch, numafast, numafast.pool
+pool = numafast.PinnedPool(int(sys.argv[1]), 64 << 20, 1)
+host = torch.frombuffer(pool.acquire(), dtype=torch.uint8).fill_(9)
+torch.cuda._sleep(int(sys.argv[2]))  # the copy below waits behind this
+device = host.to("cuda", non_blocking=True)
+numafast.pool._close_at_exit()  # the consumer still holds the slot: unregistered now
+print(json.dumps({"copied": torch.cuda.current_stream().query(), "registered": pool.registered,
+                  "nines": bool((device == 9).all())}))
+"""
+
+
+def test_at_exit_a_held_pool_is_unregistered_only_once_the_copies_reading_it_are_done() -> None:
+    done = subprocess.run([sys.executable, "-c", AT_EXIT, str(NODE), str(SPIN_CYCLES)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report == {"copied": True, "registered": False, "nines": True}
