@@ -9,6 +9,7 @@ so numafast works wherever torch or a GPU is missing.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 __all__ = [
     "REGISTER_CHUNK_BYTES",
     "CopyStream",
+    "capturing",
     "Registration",
     "RegistrationFailed",
     "SlotEvents",
@@ -65,6 +67,16 @@ def why_not_usable() -> str:
 def initialized() -> bool:
     """Whether torch has initialised CUDA in this process (asking does not)."""
     return bool(_is_initialized())
+
+
+def capturing() -> bool:
+    """Whether the calling thread's current stream is capturing a CUDA graph (False while
+    torch has not initialised CUDA: asking then would). Under torch's default capture mode
+    ("global"), querying, recording or waiting on an event, or registering host memory,
+    now would invalidate the capture: torch's own allocators skip event queries while
+    capturing, and so does numafast (NOTE: only the capturing thread can tell; another
+    thread's calls are safe with ``torch.cuda.graph(..., capture_error_mode="thread_local")``)."""
+    return initialized() and bool(torch.cuda.is_current_stream_capturing())
 
 
 def current_index() -> int:
@@ -145,6 +157,11 @@ class Registration:
         self.device = device
         self._device_guard = device_guard
         self.ranges: list[tuple[int, int]] = []
+        if capturing():
+            raise RegistrationFailed(
+                f"cudaHostRegister of {nbytes} bytes at {address:#x} (device {device}) was not tried: this thread "
+                "is capturing a CUDA graph, which the call would invalidate"
+            )
         with device_guard(device):
             for start, length in register_ranges(address, nbytes, unit=unit or nbytes, head=head, limit=limit):
                 error = self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE)
@@ -184,19 +201,38 @@ class Registration:
 class _Fence:
     """Events recorded on every stream that may still read a slot, asked under the
     pool's ``device``: the thread that makes room for workers asks too, and its current
-    device is 0, where an unguarded CUDA call would make a context the rank does not use."""
+    device is 0, where an unguarded CUDA call would make a context the rank does not use.
 
-    __slots__ = ("device", "events")
+    ``record()`` records them; a fence made while its thread captures a CUDA graph
+    (see :func:`capturing`) records at its first question after the capture, covering
+    all the work queued by then. While capturing, it is never done and is not waited for:
+    a closed pool whose fences were not waited for is released only once its device
+    is idle (numafast.pool, _Resources.release)."""
 
-    def __init__(self, events: list[Any], device: int) -> None:
-        self.events = events
+    __slots__ = ("_pending", "device", "events")
+
+    def __init__(self, record: Callable[[], list[Any]], device: int) -> None:
+        self._pending: Callable[[], list[Any]] | None = record
+        self.events: list[Any] = []
         self.device = device
 
+    def record(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with on_device(self.device):
+                self.events = pending()
+
     def query(self) -> bool:
+        if capturing():
+            return False
+        self.record()
         with on_device(self.device):
             return all(event.query() for event in self.events)
 
     def synchronize(self) -> None:
+        if capturing():
+            return
+        self.record()
         with on_device(self.device):
             for event in self.events:  # waits with the GIL released
                 event.synchronize()
@@ -229,7 +265,18 @@ class SlotEvents:
     def __call__(self, index: int) -> _Fence:
         streams, self.readers[index] = self.readers[index], []
         current = torch.cuda.current_stream(self.device)
-        readers = [current, *(stream for stream in streams if stream != current)]
+        readers = [current, *streams]
+        capture = capturing()
+        if capture:  # the current stream is the capture's: the consumer's own is the default one, most likely
+            readers.append(torch.cuda.default_stream(self.device))
+        unique = [stream for position, stream in enumerate(readers) if stream not in readers[:position]]
+        fence = _Fence(functools.partial(self._record, index, unique), self.device)
+        if not capture:
+            fence.record()
+        return fence
+
+    def _record(self, index: int, readers: list[Any]) -> list[Any]:
+        """Record slot ``index``'s events on ``readers``, reusing the slot's own."""
         owned = self.events[index]
         events = []
         for position, stream in enumerate(readers):
@@ -239,7 +286,7 @@ class SlotEvents:
                 event = owned[key] = _Event()
             event.record(stream)
             events.append(event)
-        return _Fence(events, self.device)
+        return events
 
 
 class CopyStream:

@@ -217,7 +217,14 @@ class _Resources:
         """Unpin, unmap, close the file, once no slot is out and no GPU work is in flight
         (or when making the pool failed). Only in the owner (SlotPool.settle calls
         on_drained there alone): in a forked child, arrays it inherited may still read
-        its private view."""
+        its private view. While this thread captures a CUDA graph, a registered pool is
+        released later instead (see _release_deferred)."""
+        if self.registration is not None:
+            from numafast import cuda
+
+            if cuda.capturing():
+                _released_later.append(self)
+                return
         self.unpin()
         if self.region is not None:
             self.region.free()
@@ -228,6 +235,8 @@ class _Resources:
 
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
+_released_later: list[_Resources] = []
+"""Registered pools drained while their thread captured a CUDA graph (see _release_deferred)."""
 _pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
 """Every pool's memory not released yet (see _Resources): also a pool being made, and
 one whose PinnedPool is gone while its slots are still viewed."""
@@ -262,12 +271,31 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _release_deferred() -> None:
+    """Release the pools drained during a CUDA graph capture (unregistering then would
+    have invalidated it; their fences were not waited for), once this thread captures
+    none: after their devices finished the work queued on them."""
+    if not _released_later:
+        return
+    from numafast import cuda
+
+    if cuda.capturing():
+        return
+    deferred = list(_released_later)
+    del _released_later[:]
+    for device in sorted({resources.registration.device for resources in deferred if resources.registration}):
+        cuda.synchronize(device)
+    for resources in deferred:
+        resources.release()
+
+
 def _close_at_exit() -> None:
     """At interpreter exit: close every pool. One whose slots are still referenced is
     unregistered and unlocked now (while CUDA is still up), once its device has finished
     the work queued on it (a ``non_blocking`` copy may still read a slot the consumer
     holds), and stays mapped until the process ends, since an object freed later in
     shutdown may still point into it."""
+    _release_deferred()
     held = []
     for pool in list(_live_pools):
         pool.close()
@@ -462,7 +490,9 @@ class PinnedPool:
 
     def settle(self) -> bool:
         """For a closed pool: release its memory once no slot is out (held, in flight or
-        leased); True once released. Also records fences of slots given back since last time."""
+        leased); True once released. Also records fences of slots given back since last time,
+        and releases the pools whose release fell in a CUDA graph capture."""
+        _release_deferred()
         self.reclaim_orphans()
         return self._slots.settle()
 

@@ -145,10 +145,11 @@ def test_a_fence_is_asked_under_its_pools_device(monkeypatch: pytest.MonkeyPatch
             assert entered, "waited on outside the device guard"
 
     monkeypatch.setattr(cuda, "on_device", on_device)
-    fence = cuda._Fence([Event(), Event()], 3)
+    fence = cuda._Fence(lambda: [Event(), Event()], 3)
+    fence.record()
     assert fence.query()
     fence.synchronize()
-    assert entered == [3, 3]
+    assert entered == [3, 3, 3]  # recorded, asked, waited on
 
 
 def test_a_refused_registration_with_register_auto_leaves_the_pools_unregistered_said_once() -> None:
@@ -181,3 +182,37 @@ def test_a_refused_registration_with_register_auto_leaves_the_pools_unregistered
                               runtime=refusing, device_guard=refusing.guard)  # fmt: skip
     for pool in pools:
         pool.close()
+
+
+def test_a_fence_made_during_a_graph_capture_records_and_answers_only_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the thread captures a CUDA graph (numafast's own ``capturing()`` set to say
+    so: no GPU is involved or pretended), a fence neither records, nor is asked, nor
+    waits: each would invalidate the capture. After it, its first question records."""
+    asked: list[str] = []
+
+    class Event:
+        def query(self) -> bool:
+            asked.append("query")
+            return True
+
+        def synchronize(self) -> None:
+            asked.append("synchronize")
+
+    def record() -> list[Event]:
+        asked.append("record")
+        return [Event()]
+
+    @contextmanager
+    def on_device(index: int) -> Iterator[None]:
+        yield
+
+    monkeypatch.setattr(cuda, "on_device", on_device)
+    monkeypatch.setattr(cuda, "capturing", lambda: True)
+    fence = cuda._Fence(record, 0)
+    assert not fence.query()  # never done while capturing: the slot stays fenced
+    fence.synchronize()  # not waited for (a closed pool's memory waits for its device instead)
+    assert asked == []
+    monkeypatch.setattr(cuda, "capturing", lambda: False)
+    assert fence.query()
+    fence.synchronize()
+    assert asked == ["record", "query", "synchronize"]

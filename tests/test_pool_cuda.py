@@ -316,3 +316,28 @@ def test_at_exit_a_held_pool_is_unregistered_only_once_the_copies_reading_it_are
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report == {"copied": True, "registered": False, "nines": True}
+
+
+def test_slots_given_back_and_a_pool_closed_during_a_graph_capture_leave_the_capture_whole() -> None:
+    """A slot comes back, and numafast settles, at any bytecode boundary of the main
+    thread: inside a capture too (torch's default capture mode, "global"). Its fence is
+    recorded and asked only after the capture; a pool closed inside is released after."""
+    with numafast.PinnedPool(NODE, MIB, 1) as kept, numafast.PinnedPool(NODE, MIB, 1) as closing:
+        host = torch.frombuffer(kept.acquire(), dtype=torch.uint8).fill_(1)
+        copy = host.to("cuda", non_blocking=True)
+        static = torch.zeros(4, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            static.add_(1)
+            del host
+            kept.settle()  # what the pending call runs
+            closing.close()
+            static.mul_(2)
+        assert closing.stats().bytes_mapped > 0  # released once the capture is over
+        graph.replay()
+        torch.cuda.synchronize()
+        assert static.tolist() == [2.0] * 4 and bool((copy == 1).all())
+        again = kept.acquire(timeout=60)  # the fence, recorded after the capture, is done
+        del again
+        assert closing.settle() is True and closing.stats().bytes_mapped == 0
