@@ -37,7 +37,7 @@ from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, p
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch import process_pools
 from numafast.torch.batch import place
-from numafast.torch.device import settled_gpu
+from numafast.torch.device import gpu_usable, iteration_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
 from numafast.torch.process_pools import pinned_bytes
@@ -331,7 +331,12 @@ class NodePools:
                     )
                 if not resize:
                     self._kept_grew = True
-            pool = self._new_pool(slot_bytes, count)
+            try:
+                pool = self._new_pool(slot_bytes, count)
+            except _DeviceUnsettled:  # answered at once: the worker's batch goes the copying way
+                with self._mutex:
+                    self._publish(self.pools)
+                return False
             with self._mutex:
                 published = not self.closed
                 if published:
@@ -391,13 +396,21 @@ class NodePools:
         return max(sum(stats.in_use for stats in counters) - self.in_flight, 0)
 
     def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
+        """A pool registered through ``self.device``. Where that is not settled yet (pools
+        a loader's first iteration did not settle: a framework's DataLoader over numafast's
+        collate function, a pin_memory hook), it is settled here, in the thread that
+        receives the batches and copies them on (iteration_gpu). The serving thread never
+        settles it, as its current device is 0 whichever GPU the rank uses: it raises
+        _DeviceUnsettled, and the first batches go the copying way to the receiving thread."""
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
         # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
-        # No device set: this rank's GPU where that is certain, else the making thread's
-        # current one (the serving thread's is device 0).
-        device = self.device if self.device is not None else settled_gpu(None)
+        device = self.device
+        if device is None and self.register is not RegisterMode.OFF and gpu_usable():
+            if self._server is not None and threading.current_thread() is self._server:
+                raise _DeviceUnsettled
+            device = self.device = iteration_gpu(None, stacklevel=_user_level() + 1)
         return PinnedPool(
             self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
             prefault=False, device=device,
@@ -531,6 +544,10 @@ class NodePools:
         for pool in pools:
             pool.close()
         self.board.close()
+
+
+class _DeviceUnsettled(Exception):
+    """The serving thread was asked for a pool before the CUDA device was settled (see _new_pool)."""
 
 
 class _NoRoom(PoolExhaustedError):
