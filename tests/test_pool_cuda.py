@@ -234,7 +234,7 @@ def test_a_loader_touches_cuda_only_when_iterated_and_only_on_the_ranks_device()
     assert report["device"] == f"cuda:{device}" and report["pools"] == device
     assert report["registered"] and set(report["registered"]) == {device}
     assert report["sums"] == [float(sum(range(4 * i, 4 * i + 4)) * 3 * 64 * 64) for i in range(6)]
-    if report["contexts"] is not None:
+    if report["contexts"]:  # none listed: nvidia-smi, in another PID namespace, lists no pid of this one
         assert report["contexts"] == [report["uuid"]]  # one context, on the rank's device alone
 
 
