@@ -8,6 +8,8 @@ so numafast works wherever torch or a GPU is missing.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -17,8 +19,11 @@ import torch
 __all__ = [
     "REGISTER_CHUNK_BYTES",
     "CopyStream",
+    "capturing",
     "Registration",
+    "RegistrationFailed",
     "SlotEvents",
+    "clear_last_error",
     "current_index",
     "device_count",
     "device_uuids",
@@ -29,6 +34,7 @@ __all__ = [
     "usable",
     "why_not_usable",
     "register_ranges",
+    "synchronize",
 ]
 
 # cudaHostRegisterPortable: the memory counts as pinned in every CUDA context of the
@@ -61,6 +67,16 @@ def why_not_usable() -> str:
 def initialized() -> bool:
     """Whether torch has initialised CUDA in this process (asking does not)."""
     return bool(_is_initialized())
+
+
+def capturing() -> bool:
+    """Whether the calling thread's current stream is capturing a CUDA graph (False while
+    torch has not initialised CUDA: asking then would). Under torch's default capture mode
+    ("global"), querying, recording or waiting on an event, or registering host memory,
+    now would invalidate the capture: torch's own allocators skip event queries while
+    capturing, and so does numafast (NOTE: only the capturing thread can tell; another
+    thread's calls are safe with ``torch.cuda.graph(..., capture_error_mode="thread_local")``)."""
+    return initialized() and bool(torch.cuda.is_current_stream_capturing())
 
 
 def current_index() -> int:
@@ -96,6 +112,26 @@ def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
     return ranges
 
 
+class RegistrationFailed(RuntimeError):
+    """cudaHostRegister refused a piece of the memory; the pieces before it were unregistered."""
+
+
+def clear_last_error(runtime: Any, device: int) -> None:
+    """Reset the calling thread's CUDA "last error" after a runtime call that failed
+    (cudaHostRegister returns its error, and the runtime keeps it as the last one too):
+    torch reads it after its next kernel launch in this thread (C10_CUDA_KERNEL_LAUNCH_CHECK
+    calls cudaGetLastError) and would raise it as that kernel's own. Through ``runtime``'s
+    cudaGetLastError where torch binds it; else (torch 2.x binds none) by launching a
+    one-byte fill on ``device``, whose check reads and resets it: the stale error it
+    raises is swallowed. Under ``device``, in the thread of the failed call."""
+    get_last_error = getattr(runtime, "cudaGetLastError", None)
+    if get_last_error is not None:
+        get_last_error()
+        return
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, dtype=torch.uint8, device=torch.device("cuda", device))
+
+
 class Registration:
     """Host memory registered with CUDA (cudaHostRegister) in the pieces of
     :func:`register_ranges`, so that copies run as DMA. The driver pins the pages, so
@@ -106,7 +142,8 @@ class Registration:
     device's context and creates it if the thread has none, so a thread that never
     chose a device (the pools' serving thread, one dropping the last tensor of a closed
     pool) would make a context on device 0, hundreds of MiB of GPU memory, in every
-    rank of a multi-GPU job.
+    rank of a multi-GPU job. A refusal raises :class:`RegistrationFailed` and leaves no
+    CUDA error behind (:func:`clear_last_error`).
 
     ``runtime`` answers cudaHostRegister / cudaHostUnregister / cudaGetErrorString
     (default ``torch.cuda.cudart()``); with ``device_guard`` (default :data:`on_device`)
@@ -120,13 +157,19 @@ class Registration:
         self.device = device
         self._device_guard = device_guard
         self.ranges: list[tuple[int, int]] = []
+        if capturing():
+            raise RegistrationFailed(
+                f"cudaHostRegister of {nbytes} bytes at {address:#x} (device {device}) was not tried: this thread "
+                "is capturing a CUDA graph, which the call would invalidate"
+            )
         with device_guard(device):
             for start, length in register_ranges(address, nbytes, unit=unit or nbytes, head=head, limit=limit):
                 error = self.runtime.cudaHostRegister(start, length, HOST_REGISTER_PORTABLE)
                 if int(error) != 0:
                     done = len(self.ranges)
+                    clear_last_error(self.runtime, device)
                     self.unregister()
-                    raise RuntimeError(
+                    raise RegistrationFailed(
                         f"cudaHostRegister of {length} bytes at {start:#x} (piece {done + 1} of {nbytes} bytes at "
                         f"{address:#x}, device {device}) failed: {self._error_text(error)}; the {done} pieces "
                         "before it were unregistered"
@@ -149,6 +192,8 @@ class Registration:
                 error = self.runtime.cudaHostUnregister(start)
                 if int(error) != 0:
                     failures.append(f"{start:#x}: {self._error_text(error)}")
+            if failures:
+                clear_last_error(self.runtime, self.device)
         if failures:
             raise RuntimeError(f"cudaHostUnregister failed at {', '.join(failures)}")
 
@@ -156,19 +201,38 @@ class Registration:
 class _Fence:
     """Events recorded on every stream that may still read a slot, asked under the
     pool's ``device``: the thread that makes room for workers asks too, and its current
-    device is 0, where an unguarded CUDA call would make a context the rank does not use."""
+    device is 0, where an unguarded CUDA call would make a context the rank does not use.
 
-    __slots__ = ("device", "events")
+    ``record()`` records them; a fence made while its thread captures a CUDA graph
+    (see :func:`capturing`) records at its first question after the capture, covering
+    all the work queued by then. While capturing, it is never done and is not waited for:
+    a closed pool whose fences were not waited for is released only once its device
+    is idle (numafast.pool, _Resources.release)."""
 
-    def __init__(self, events: list[Any], device: int) -> None:
-        self.events = events
+    __slots__ = ("_pending", "device", "events")
+
+    def __init__(self, record: Callable[[], list[Any]], device: int) -> None:
+        self._pending: Callable[[], list[Any]] | None = record
+        self.events: list[Any] = []
         self.device = device
 
+    def record(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with on_device(self.device):
+                self.events = pending()
+
     def query(self) -> bool:
+        if capturing():
+            return False
+        self.record()
         with on_device(self.device):
             return all(event.query() for event in self.events)
 
     def synchronize(self) -> None:
+        if capturing():
+            return
+        self.record()
         with on_device(self.device):
             for event in self.events:  # waits with the GIL released
                 event.synchronize()
@@ -201,7 +265,18 @@ class SlotEvents:
     def __call__(self, index: int) -> _Fence:
         streams, self.readers[index] = self.readers[index], []
         current = torch.cuda.current_stream(self.device)
-        readers = [current, *(stream for stream in streams if stream != current)]
+        readers = [current, *streams]
+        capture = capturing()
+        if capture:  # the current stream is the capture's: the consumer's own is the default one, most likely
+            readers.append(torch.cuda.default_stream(self.device))
+        unique = [stream for position, stream in enumerate(readers) if stream not in readers[:position]]
+        fence = _Fence(functools.partial(self._record, index, unique), self.device)
+        if not capture:
+            fence.record()
+        return fence
+
+    def _record(self, index: int, readers: list[Any]) -> list[Any]:
+        """Record slot ``index``'s events on ``readers``, reusing the slot's own."""
         owned = self.events[index]
         events = []
         for position, stream in enumerate(readers):
@@ -211,7 +286,7 @@ class SlotEvents:
                 event = owned[key] = _Event()
             event.record(stream)
             events.append(event)
-        return _Fence(events, self.device)
+        return events
 
 
 class CopyStream:
@@ -242,6 +317,12 @@ def hand_over(copies: Sequence[torch.Tensor], ready: Any) -> None:
     consumer.wait_event(ready)
     for tensor in copies:
         tensor.record_stream(consumer)
+
+
+def synchronize(device: int) -> None:
+    """Wait until every stream of ``device`` has finished the work queued on it (torch
+    makes ``device`` current for the wait: no context on another device)."""
+    torch.cuda.synchronize(device)
 
 
 def device_count() -> int:

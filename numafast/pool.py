@@ -93,7 +93,8 @@ class RegisterMode(str, Enum):
     """Whether a pool registers its memory with CUDA (``register=``)."""
 
     AUTO = "auto"
-    """When PyTorch is already imported and CUDA is usable (the pool never imports torch itself)."""
+    """When PyTorch is already imported and CUDA is usable (the pool never imports torch itself);
+    where cudaHostRegister refuses, unregistered, with one warning per process."""
     REQUIRED = "required"
     """Register, or raise :class:`CudaUnavailable` (``True``)."""
     OFF = "off"
@@ -216,7 +217,14 @@ class _Resources:
         """Unpin, unmap, close the file, once no slot is out and no GPU work is in flight
         (or when making the pool failed). Only in the owner (SlotPool.settle calls
         on_drained there alone): in a forked child, arrays it inherited may still read
-        its private view."""
+        its private view. While this thread captures a CUDA graph, a registered pool is
+        released later instead (see _release_deferred)."""
+        if self.registration is not None:
+            from numafast import cuda
+
+            if cuda.capturing():
+                _released_later.append(self)
+                return
         self.unpin()
         if self.region is not None:
             self.region.free()
@@ -227,11 +235,14 @@ class _Resources:
 
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
+_released_later: list[_Resources] = []
+"""Registered pools drained while their thread captured a CUDA graph (see _release_deferred)."""
 _pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
 """Every pool's memory not released yet (see _Resources): also a pool being made, and
 one whose PinnedPool is gone while its slots are still viewed."""
 _exit_hook_installed = False
 _unlocked_warned = False  # a MemlockWarning was given (see _Resources.lock_pages)
+_unregistered_warned = False  # a pool went on unregistered (see _register)
 
 # The exit status of a forked child that cannot make its view of a pool private.
 FORK_REMAP_FAILED_STATUS = 70
@@ -260,14 +271,44 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _release_deferred() -> None:
+    """Release the pools drained during a CUDA graph capture (unregistering then would
+    have invalidated it; their fences were not waited for), once this thread captures
+    none: after their devices finished the work queued on them."""
+    if not _released_later:
+        return
+    from numafast import cuda
+
+    if cuda.capturing():
+        return
+    deferred = list(_released_later)
+    del _released_later[:]
+    for device in sorted({resources.registration.device for resources in deferred if resources.registration}):
+        cuda.synchronize(device)
+    for resources in deferred:
+        resources.release()
+
+
 def _close_at_exit() -> None:
     """At interpreter exit: close every pool. One whose slots are still referenced is
-    unregistered and unlocked now (while CUDA is still up) and stays mapped until the
-    process ends, since an object freed later in shutdown may still point into it."""
+    unregistered and unlocked now (while CUDA is still up), once its device has finished
+    the work queued on it (a ``non_blocking`` copy may still read a slot the consumer
+    holds), and stays mapped until the process ends, since an object freed later in
+    shutdown may still point into it."""
+    _release_deferred()
+    held = []
     for pool in list(_live_pools):
         pool.close()
         if not pool._slots.drained:
-            pool._resources.unpin()
+            held.append(pool)
+    devices = {pool.device for pool in held if pool.device is not None}
+    if devices:
+        from numafast import cuda
+
+        for device in sorted(devices):
+            cuda.synchronize(device)
+    for pool in held:
+        pool._resources.unpin()
 
 
 def parse_mode(value: object, enum: type[LockMode] | type[RegisterMode], name: str) -> Any:
@@ -349,13 +390,7 @@ class PinnedPool:
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
             self._fences: SlotEvents | None = None
             if device is not None:
-                from numafast import cuda
-
-                resources.registration = cuda.Registration(
-                    region.address, region.size, device=device, unit=whole_pages(slot_bytes),
-                    head=_libnuma.slot_table_bytes(slots),
-                )
-                self._fences = cuda.SlotEvents(slots, device)
+                self._fences = _register(resources, device, register_mode, slot_bytes, slots)
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
@@ -458,7 +493,9 @@ class PinnedPool:
 
     def settle(self) -> bool:
         """For a closed pool: release its memory once no slot is out (held, in flight or
-        leased); True once released. Also records fences of slots given back since last time."""
+        leased); True once released. Also records fences of slots given back since last time,
+        and releases the pools whose release fell in a CUDA graph capture."""
+        _release_deferred()
         self.reclaim_orphans()
         return self._slots.settle()
 
@@ -487,10 +524,12 @@ class PinnedPool:
     def record_stream(self, address: int, stream: object) -> bool:
         """Like ``Tensor.record_stream``: the slot holding ``address`` (a ``data_ptr()``) is
         reused only after the work queued on ``stream`` by the time it comes back has
-        finished. False when the address is not in this pool or it is not registered."""
-        self._check()
+        finished. False when the address is not in this pool or it is not registered.
+        A closed pool takes it too, as :meth:`adopt` takes its batches: a loader's pool
+        retired by a resize still holds the batches queued before it."""
+        self._check(closed_ok=True)
         index = self._slots.index_of(address)
-        if index < 0 or self._fences is None:
+        if index < 0 or self._fences is None or self._slots.drained:
             return False
         self._fences.add_reader(index, stream)
         return True
@@ -583,6 +622,37 @@ class PinnedPool:
             word for word, on in (("locked", self.locked), ("CUDA-registered", self.registered)) if on
         ) or "not locked"
         return f"<PinnedPool node {self.node}: {self.slots} x {self.slot_bytes} bytes, {pinned}, {state}>"
+
+
+def _register(resources: _Resources, device: int, mode: RegisterMode, slot_bytes: int, slots: int,
+              **runtime: Any) -> SlotEvents | None:
+    """Register ``resources``' region with CUDA through ``device``: the slots' fences. Where
+    cudaHostRegister refuses (not enough memory the driver may pin, a platform without
+    it, memory registered already by someone else), ``register='auto'`` goes on
+    unregistered, as ``lock='auto'`` does, said once per process: None. ``runtime``
+    (``runtime=``, ``device_guard=``) is passed on to :class:`~numafast.cuda.Registration`."""
+    global _unregistered_warned
+    from numafast import cuda
+
+    region = resources.region
+    assert region is not None
+    try:
+        resources.registration = cuda.Registration(
+            region.address, region.size, device=device, unit=whole_pages(slot_bytes),
+            head=_libnuma.slot_table_bytes(slots), **runtime,
+        )
+    except cuda.RegistrationFailed as error:
+        if mode is RegisterMode.REQUIRED:
+            raise
+        if not _unregistered_warned:
+            _unregistered_warned = True
+            warnings.warn(
+                f"{error}. Pools go on unregistered (this is said once): batches still land in them, but copies to "
+                "the GPU read them as pageable memory, staged by the driver. Pass register='off' not to try, or "
+                "register='required' to make this an error", RuntimeWarning, stacklevel=3,
+            )
+        return None
+    return cuda.SlotEvents(slots, device)
 
 
 def whole_pages(nbytes: int) -> int:

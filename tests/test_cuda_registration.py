@@ -87,6 +87,11 @@ class Recorder:
         self.devices.append(self.current)
         return CudaError.success
 
+    def cudaGetLastError(self) -> CudaError:  # noqa: N802
+        self.calls.append(("clear", 0))
+        self.devices.append(self.current)
+        return CudaError.success
+
     def cudaGetErrorString(self, error: CudaError) -> str:  # noqa: N802
         if not isinstance(error, CudaError):  # as pybind11 refuses an int for the enum
             raise TypeError("cudaGetErrorString(): incompatible function arguments")
@@ -95,15 +100,16 @@ class Recorder:
 
 def test_a_failure_part_way_unregisters_the_pieces_done_last_first() -> None:
     runtime = Recorder(fail_at=3)
-    with pytest.raises(RuntimeError, match=r"piece 3 .* failed: cudaError 2: out of memory; the 2 pieces before it"):
+    with pytest.raises(cuda.RegistrationFailed, match=r"piece 3 .* failed: cudaError 2: out of memory; the 2 pieces before"):
         cuda.Registration(0x10000, 4096 + 8 * MIB, device=3, unit=MIB, head=4096, limit=2 * MIB, runtime=runtime,
                           device_guard=runtime.guard)
     starts = [0x10000, 0x10000 + 4096 + 2 * MIB, 0x10000 + 4096 + 4 * MIB]
     assert runtime.calls == [
         ("register", starts[0]), ("register", starts[1]), ("register", starts[2]),
+        ("clear", 0),  # the refusal, reset at once in this thread: no later kernel launch reports it as its own
         ("unregister", starts[1]), ("unregister", starts[0]),
     ]  # fmt: skip
-    assert runtime.devices == [3] * 5
+    assert runtime.devices == [3] * 6
 
 
 def test_unregistering_goes_last_first_once() -> None:
@@ -139,7 +145,74 @@ def test_a_fence_is_asked_under_its_pools_device(monkeypatch: pytest.MonkeyPatch
             assert entered, "waited on outside the device guard"
 
     monkeypatch.setattr(cuda, "on_device", on_device)
-    fence = cuda._Fence([Event(), Event()], 3)
+    fence = cuda._Fence(lambda: [Event(), Event()], 3)
+    fence.record()
     assert fence.query()
     fence.synchronize()
-    assert entered == [3, 3]
+    assert entered == [3, 3, 3]  # recorded, asked, waited on
+
+
+def test_a_refused_registration_with_register_auto_leaves_the_pools_unregistered_said_once() -> None:
+    """As lock='auto' does: the pool goes on unregistered (no fences: a copy from it is
+    staged by the driver), one RuntimeWarning for the process, the refusal reset. The
+    pools' memory is real; the runtime that refuses records its calls."""
+    import warnings
+
+    import numafast
+    from numafast import pool as pool_module
+    from numafast.pages import local_node
+
+    pool_module._unregistered_warned = False  # noqa: SLF001 - a fresh process's state
+    pools = [numafast.PinnedPool(local_node(), 1 << 16, 2, lock="off", register="off") for _ in range(2)]
+    runtimes = [Recorder(fail_at=1) for _ in pools]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fences = [pool_module._register(pool._resources, 1, pool_module.RegisterMode.AUTO, 1 << 16, 2,
+                                        runtime=runtime, device_guard=runtime.guard)
+                  for pool, runtime in zip(pools, runtimes)]  # fmt: skip
+    assert fences == [None, None] and all(pool._resources.registration is None for pool in pools)
+    said = [str(warning.message) for warning in caught]
+    assert len(said) == 1 and "cudaHostRegister" in said[0] and "said once" in said[0], said
+    assert caught[0].category is RuntimeWarning and caught[0].filename == __file__  # the caller's line
+    for runtime in runtimes:  # each refusal reset under the pool's device
+        assert [call for call, _ in runtime.calls] == ["register", "clear"] and runtime.devices == [1, 1]
+    refusing = Recorder(fail_at=1)
+    with pytest.raises(cuda.RegistrationFailed, match="out of memory"):
+        pool_module._register(pools[0]._resources, 1, pool_module.RegisterMode.REQUIRED, 1 << 16, 2,
+                              runtime=refusing, device_guard=refusing.guard)  # fmt: skip
+    for pool in pools:
+        pool.close()
+
+
+def test_a_fence_made_during_a_graph_capture_records_and_answers_only_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the thread captures a CUDA graph (numafast's own ``capturing()`` set to say
+    so: no GPU is involved or pretended), a fence neither records, nor is asked, nor
+    waits: each would invalidate the capture. After it, its first question records."""
+    asked: list[str] = []
+
+    class Event:
+        def query(self) -> bool:
+            asked.append("query")
+            return True
+
+        def synchronize(self) -> None:
+            asked.append("synchronize")
+
+    def record() -> list[Event]:
+        asked.append("record")
+        return [Event()]
+
+    @contextmanager
+    def on_device(index: int) -> Iterator[None]:
+        yield
+
+    monkeypatch.setattr(cuda, "on_device", on_device)
+    monkeypatch.setattr(cuda, "capturing", lambda: True)
+    fence = cuda._Fence(record, 0)
+    assert not fence.query()  # never done while capturing: the slot stays fenced
+    fence.synchronize()  # not waited for (a closed pool's memory waits for its device instead)
+    assert asked == []
+    monkeypatch.setattr(cuda, "capturing", lambda: False)
+    assert fence.query()
+    fence.synchronize()
+    assert asked == ["record", "query", "synchronize"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,12 @@ from sysfs_truth import online_nodes, pagemap_nodes  # noqa: E402
 from test_launch_live import LAUNCHER_VARIABLES, snapshot_with_gpus  # noqa: E402
 
 SEMANTICS = pytest.mark.host_only("loader decisions, the same on any kernel")
+# The stand-in's device 1 reaches the real registration (PinnedPool checks the index
+# against the devices torch sees): on a machine with one GPU, that check refuses it.
+STAND_IN_DEVICE_1 = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2,
+    reason="the stand-in's device 1 is registered for real where torch sees a GPU: needs 2 GPUs or none",
+)
 
 
 class CudaState:
@@ -41,6 +48,7 @@ class CudaState:
         self.is_initialized = initialized
         self.current = current
         self.asked: list[str] = []
+        self.threads: list[str] = []  # the thread that asked each time
 
     def usable(self) -> bool:
         return True
@@ -56,6 +64,7 @@ class CudaState:
 
     def current_index(self) -> int:
         self.asked.append("current_index")
+        self.threads.append(threading.current_thread().name)
         if self.current is None:
             raise AssertionError("the current CUDA device was asked for before the first iteration")
         return self.current
@@ -110,6 +119,7 @@ def test_what_is_settled_without_initialising_cuda(monkeypatch: pytest.MonkeyPat
 
 
 @SEMANTICS
+@STAND_IN_DEVICE_1
 def test_building_and_pickling_a_loader_never_asks_for_the_current_device(
     monkeypatch: pytest.MonkeyPatch, no_launcher: None
 ) -> None:
@@ -129,6 +139,7 @@ def test_building_and_pickling_a_loader_never_asks_for_the_current_device(
 
 
 @SEMANTICS
+@STAND_IN_DEVICE_1
 def test_a_settled_device_is_not_asked_for_at_all(monkeypatch: pytest.MonkeyPatch, no_launcher: None) -> None:
     monkeypatch.setenv("LOCAL_RANK", "1")
     state = standing_in(monkeypatch, CudaState(2))
@@ -139,6 +150,7 @@ def test_a_settled_device_is_not_asked_for_at_all(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.numa(nodes=2)
+@STAND_IN_DEVICE_1
 def test_the_node_follows_the_device_picked_after_the_loader_was_built(
     monkeypatch: pytest.MonkeyPatch, no_launcher: None, tmp_path: Path
 ) -> None:
@@ -202,3 +214,40 @@ def test_a_numpy_integer_is_a_device_index(monkeypatch: pytest.MonkeyPatch) -> N
     assert loader_device.resolve_device(np.int64(1)) == torch.device("cuda", 1)
     with pytest.raises(numafast.InvalidGpuError, match="sees 2 CUDA devices"):
         loader_device.resolve_device(np.int32(2))
+
+
+@SEMANTICS
+def test_once_cuda_is_initialised_the_current_device_wins_over_local_rank_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, no_launcher: None
+) -> None:
+    """The user's torch.cuda.set_device picks where .to('cuda') copies go: the pools'
+    fences must be on that device, whatever LOCAL_RANK says; the disagreement is said."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    standing_in(monkeypatch, CudaState(4, initialized=True, current=2))
+    with pytest.warns(RuntimeWarning, match=r"LOCAL_RANK names cuda:1, but this thread's current device is cuda:2"):
+        assert loader_device.iteration_gpu(None) == 2
+    standing_in(monkeypatch, CudaState(4, initialized=True, current=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert loader_device.iteration_gpu(None) == 1  # they agree: nothing said
+        assert loader_device.iteration_gpu(torch.device("cuda", 3)) == 3  # the index given
+    standing_in(monkeypatch, CudaState(4))
+    assert loader_device.iteration_gpu(None) == 1  # not initialised: the launcher's rank, without asking
+
+
+@SEMANTICS
+@STAND_IN_DEVICE_1
+def test_pools_no_loader_iteration_settled_take_the_receiving_threads_device_never_the_serving_threads(
+    monkeypatch: pytest.MonkeyPatch, no_launcher: None
+) -> None:
+    """A framework's DataLoader over numafast's collate function (no NumaLoader.__iter__ to
+    settle the device): the workers ask the serving thread for a pool first, whose current
+    device is 0 whatever the rank uses. The device is settled in the thread that receives
+    the batches, the current one there (here 1), and every batch arrives."""
+    state = standing_in(monkeypatch, CudaState(2, initialized=True, current=1))
+    own = numafast.torch.NumaLoader(Samples(), batch_size=2, num_workers=2)
+    made = torch.utils.data.DataLoader(own.dataset, batch_size=2, num_workers=2, collate_fn=own.collate_fn)
+    batches = [batch.tolist() for batch in made]
+    assert batches == [[[i] * 4, [i + 1] * 4] for i in range(0, 8, 2)]
+    assert own.pools.device == 1
+    assert state.threads and set(state.threads) == {threading.main_thread().name}

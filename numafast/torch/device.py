@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import warnings
 
 import torch
 
@@ -22,7 +23,7 @@ from numafast.pages import local_node
 from numafast.pool import check_visible
 from numafast.topo import topology
 
-__all__ = ["gpu_node", "iteration_gpu", "landing_node", "resolve_device", "settled_gpu"]
+__all__ = ["gpu_node", "gpu_usable", "iteration_gpu", "landing_node", "resolve_device", "settled_gpu"]
 
 
 def resolve_device(device: object) -> torch.device | None:
@@ -68,13 +69,35 @@ def settled_gpu(device: torch.device | None) -> int | None:
     return 0 if count == 1 else None
 
 
-def iteration_gpu(device: torch.device | None) -> int | None:
-    """At first iteration, in the iterating thread: the loader's CUDA device (the current
-    one where it is not settled); None where CUDA is not usable."""
+def gpu_usable() -> bool:
+    """Whether CUDA is usable here (asks nothing that initialises it)."""
+    return cuda.usable()
+
+
+def iteration_gpu(device: torch.device | None, *, stacklevel: int = 4) -> int | None:
+    """At first iteration (or first batch), in the thread that iterates (receives): the
+    loader's CUDA device; None where CUDA is not usable. The index given; else, once
+    torch has initialised CUDA (the user picked a device, or used one), the current
+    device, where copies with ``.to("cuda")`` go, warning when the launcher's
+    LOCAL_RANK names another; else the device :func:`settled_gpu` names, else the
+    current one. ``stacklevel`` points the warning at the user's line."""
+    if device is not None and device.index is not None:
+        return device.index
+    if not cuda.usable():
+        return None
+    if cuda.initialized():
+        current = cuda.current_index()
+        rank_gpu = settled_gpu(None) if device is None and cuda.device_count() > 1 else None
+        if rank_gpu is not None and rank_gpu != current:
+            warnings.warn(
+                f"LOCAL_RANK names cuda:{rank_gpu}, but this thread's current device is cuda:{current}: numafast's "
+                f"pools follow the current device, where .to('cuda') copies go. If the rank should use "
+                f"cuda:{rank_gpu}, call torch.cuda.set_device({rank_gpu}) before the first batch",
+                RuntimeWarning, stacklevel=stacklevel,
+            )
+        return current
     settled = settled_gpu(device)
-    if settled is not None or not cuda.usable():
-        return settled
-    return cuda.current_index()
+    return settled if settled is not None else cuda.current_index()
 
 
 def gpu_node(index: int, *, required: bool = True) -> int:

@@ -37,7 +37,7 @@ from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, p
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch import process_pools
 from numafast.torch.batch import place
-from numafast.torch.device import settled_gpu
+from numafast.torch.device import gpu_usable, iteration_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
 from numafast.torch.process_pools import pinned_bytes
@@ -331,19 +331,27 @@ class NodePools:
                     )
                 if not resize:
                     self._kept_grew = True
-            pool = self._new_pool(slot_bytes, count)
+            try:
+                pool = self._new_pool(slot_bytes, count)
+            except _DeviceUnsettled:  # answered at once: the worker's batch goes the copying way
+                with self._mutex:
+                    self._publish(self.pools)
+                return False
             with self._mutex:
-                if self.closed:
-                    pool.close()
-                    return False
-                self._by_inode[pool.share().inode] = pool
-                if resize:  # the pools in use close, and are released as their slots come back
-                    if self.pools:
-                        self.resized += 1
-                    self._publish([pool], retiring=self.pools)
-                else:
-                    self.grown += 1
-                    self._publish([*self.pools, pool])
+                published = not self.closed
+                if published:
+                    self._by_inode[pool.share().inode] = pool
+                    if resize:  # the pools in use retire, released as their slots come back
+                        if self.pools:
+                            self.resized += 1
+                        self._publish([pool], retiring=self.pools)
+                    else:
+                        self.grown += 1
+                        self._publish([*self.pools, pool])
+        if not published:  # closed meanwhile
+            pool.close()
+            return False
+        self._settle_retired()
         return True
 
     def _refuse(self, why: str) -> bool:
@@ -388,38 +396,56 @@ class NodePools:
         return max(sum(stats.in_use for stats in counters) - self.in_flight, 0)
 
     def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
+        """A pool registered through ``self.device``. Where that is not settled yet (pools
+        a loader's first iteration did not settle: a framework's DataLoader over numafast's
+        collate function, a pin_memory hook), it is settled here, in the thread that
+        receives the batches and copies them on (iteration_gpu). The serving thread never
+        settles it, as its current device is 0 whichever GPU the rank uses: it raises
+        _DeviceUnsettled, and the first batches go the copying way to the receiving thread."""
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
         # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
-        # No device set: this rank's GPU where that is certain, else the making thread's
-        # current one (the serving thread's is device 0).
-        device = self.device if self.device is not None else settled_gpu(None)
+        device = self.device
+        if device is None and self.register is not RegisterMode.OFF and gpu_usable():
+            if self._server is not None and threading.current_thread() is self._server:
+                raise _DeviceUnsettled
+            device = self.device = iteration_gpu(None, stacklevel=_user_level() + 1)
         return PinnedPool(
             self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
             prefault=False, device=device,
         )
 
     def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
-        """``pools`` in use from now on, on the board; ``retiring`` closed, released as their
-        slots come back. Under the mutex."""
+        """``pools`` in use from now on, on the board; ``retiring`` to be closed and released
+        by :meth:`_settle_retired`, which the caller runs once out of the mutex. Under the mutex."""
         self.pools = pools
         # First: a pool the board lists is never one already let go, and no worker leases
         # a slot of a pool the board no longer lists (see _settle_retired).
         self.board.publish([pool.share() for pool in pools])
-        for pool in retiring:
-            pool.close()
         self.retired.extend(retiring)
 
     def _settle_retired(self) -> None:
-        """Forget the retired pools whose every slot is back (released now)."""
+        """Close the retired pools and forget those whose every slot is back (released now).
+
+        NOTE: outside the mutex every receive takes, as a pool is made (make_room):
+        closing and settling wait for the GPU copies still reading a slot, and releasing
+        unregisters the memory from CUDA, unmaps it and closes its file; a batch that
+        arrives meanwhile must not wait behind that. A retired pool stays known
+        (``_by_inode``) until released, so its batches are still received."""
         if not self.retired:
             return
         with self._mutex:
-            for pool in list(self.retired):
-                if pool.settle():
-                    self.retired.remove(pool)
-                    self._by_inode = {inode: known for inode, known in self._by_inode.items() if known is not pool}
+            retired = list(self.retired)
+        released = []
+        for pool in retired:
+            pool.close()  # once; later calls only settle
+            if pool.settle():
+                released.append(pool)
+        if released:
+            with self._mutex:
+                self.retired = [pool for pool in self.retired if pool not in released]
+                self._by_inode = {inode: known for inode, known in self._by_inode.items() if known not in released}
 
     # ------------------------------------------------------------ copying
 
@@ -510,11 +536,13 @@ class NodePools:
         )
 
     def close(self) -> None:
-        """Close every pool (each released once its slots are back) and the board."""
-        with self._mutex:  # not while the serving thread makes a pool
+        """Close every pool (each released once its slots are back) and the board; the
+        pools outside the mutex (see _settle_retired)."""
+        with self._mutex:  # a pool the serving thread makes from now on is closed by it, unpublished
             self.closed = True
-            for pool in [*self.pools, *self.retired]:
-                pool.close()
+            pools = [*self.pools, *self.retired]
+        for pool in pools:
+            pool.close()
         self.board.close()
 
 
@@ -524,6 +552,10 @@ def _sender_gone(pid: int) -> bool:
         return _pid.start_time(pid) is None
     except OSError:
         return False
+
+
+class _DeviceUnsettled(Exception):
+    """The serving thread was asked for a pool before the CUDA device was settled (see _new_pool)."""
 
 
 class _NoRoom(PoolExhaustedError):
