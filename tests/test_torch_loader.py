@@ -936,16 +936,23 @@ def test_a_memory_only_node_is_fed_from_its_nearest_cpus() -> None:
 
 @SEMANTICS
 def test_a_loader_a_framework_makes_again_from_the_users_arguments_counts_on_the_users_handle() -> None:
-    """What Lightning does with the loader a user returns: the same class made again from
-    the arguments the user's was made with, plus its DistributedSampler. The loader the
-    user holds counts the copy's batches, which land in the same pools."""
+    """What Lightning does with the loader a user returns from a hook: the same class made
+    again from the arguments the user's was made with, plus its DistributedSampler (its
+    own functions, as its trainer calls them). The loader the user holds counts the
+    copy's batches, which land in the same pools: found by the collate function numafast
+    put among the saved arguments, not by the dataset, which another loader may share."""
+    data = pytest.importorskip("lightning.fabric.utilities.data")
     dataset = Numbers(16)
-    own = numafast.torch.NumaLoader(dataset, batch_size=4, num_workers=2)
+    with data._replace_dunder_methods(DataLoader, "dataset"):
+        own = numafast.torch.NumaLoader(dataset, batch_size=4, num_workers=2)
+        evaluate = numafast.torch.NumaLoader(dataset, 4, num_workers=2)  # over the same dataset: its own pools
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=False)
-    made = numafast.torch.NumaLoader(dataset, batch_size=4, num_workers=2, sampler=sampler)
+    made = data._update_dataloader(own, sampler)
+    assert type(made) is numafast.torch.NumaLoader and made is not own
     batches = list(made)
     assert [batch["index"].tolist() for batch in batches] == [[1, 3, 5, 7], [9, 11, 13, 15]]
-    assert made.pools is own.pools
+    assert made.pools is own.pools and evaluate.pools is not own.pools
     assert own.stats().batches == made.stats().batches == 2 and own.stats().landed > 0
-    other = numafast.torch.NumaLoader(Numbers(16), batch_size=4)  # another dataset: pools of its own
-    assert other.pools is not own.pools
+    again = data._update_dataloader(evaluate, sampler)
+    assert again.pools is evaluate.pools and [batch["index"].tolist() for batch in again] == [[1, 3, 5, 7], [9, 11, 13, 15]]
+    assert own.stats().batches == 2 and evaluate.stats().batches == 2

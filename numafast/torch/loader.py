@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -229,11 +228,11 @@ class NumaLoader(DataLoader[T_co]):
         self._in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
         self._in_flight += self.prefetch if self.device is not None else 0
         self._wanted_slots = self.slots or self._in_flight + 2
-        self._take_pools(_shared_pools(settings["collate_fn"], settings["dataset"], self.node, lock, self._wanted_slots))
+        self._take_pools(_shared_pools(settings["collate_fn"], self.node, lock))
         self._first_iteration_done = False
         self._through: DataLoader[Any] | None = through
         super().__init__(settings.pop("dataset"), **settings)
-        _live_loaders.add(self)
+        _travel_with_lightnings_arguments(self)
         if through is not None:
             inner = settings_loader(through)
             for name in _BATCHING:  # the very objects the loader iterated through uses (past the frozen check)
@@ -288,12 +287,14 @@ class NumaLoader(DataLoader[T_co]):
 
     def _take_pools(self, shared: NodePools | None = None) -> None:
         """Land on ``shared`` pools, else on the node's (:func:`node_pools`), putting this loader's
-        in-flight batches (on shared ones, the most of either loader's) and max_pinned_bytes on them."""
+        in-flight batches and max_pinned_bytes on them. Shared pools are those of the loader
+        this one is a framework's copy of, iterated in its place: the most of either's."""
         if shared is None:
             self.pools: NodePools = node_pools(self.node, self._wanted_slots, self._in_flight, lock=self.lock,
                                                max_pinned_bytes=self.max_pinned_bytes)  # fmt: skip
             return
         self.pools = shared
+        shared.slots = max(shared.slots, self._wanted_slots)  # the pools it makes from now on keep the copy's batches too
         shared.in_flight = max(shared.in_flight, self._in_flight)
         if self.max_pinned_bytes is not None:
             shared.max_pinned_bytes = self.max_pinned_bytes
@@ -341,26 +342,36 @@ def _lands_in(value: Any, pools: NodePools, strict: bool) -> bool:
     return isinstance(value, SlotCollate) and value.pools is pools and (value.node, value.strict) == (pools.node, strict)
 
 
-# Every NumaLoader alive: a framework that re-creates one from the user's arguments
-# (Lightning, with its DistributedSampler) makes a loader over the same dataset.
-_live_loaders: weakref.WeakSet[NumaLoader[Any]] = weakref.WeakSet()
-
-
-def _shared_pools(collate_fn: Any, dataset: Any, node: int, lock: str | bool, slots: int) -> NodePools | None:
-    """The pools (on ``node``, locked alike) of the loader this one re-creates: the one
-    whose collate function came along, else a live NumaLoader over this very
-    ``dataset``: this one is a framework's copy of it, made from the user's arguments,
-    its batches counted with the user's loader's."""
-    mode = parse_mode(lock, LockMode, "lock")
-    came_along = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
-    if came_along is not None and came_along.node == node and came_along.lock is mode:
-        return came_along
-    for loader in list(_live_loaders):
-        pools = loader.pools
-        if loader.dataset is dataset and pools.node == node and pools.lock is mode and not pools.closed:
-            pools.slots = max(pools.slots, slots)  # the pools it makes from now on keep the copy's batches too
-            return pools
+def _shared_pools(collate_fn: Any, node: int, lock: str | bool) -> NodePools | None:
+    """The pools (on ``node``, locked alike) of the loader this one re-creates, found by
+    what a framework copies from it: its collate function. Never by a shared dataset: a
+    train and an eval loader over one dataset are two loaders, each counting its own."""
+    pools = collate_fn.pools if isinstance(collate_fn, SlotCollate) else None
+    if pools is not None and pools.node == node and pools.lock is parse_mode(lock, LockMode, "lock"):
+        return pools
     return None
+
+
+# Where Lightning keeps the arguments a DataLoader was made with inside a ``*_dataloader``
+# hook, to make the same class again from them with its DistributedSampler
+# (lightning.fabric.utilities.data: _wrap_init_method, _get_dataloader_init_args_and_kwargs).
+LIGHTNING_SAVED_ARGUMENTS = ("__pl_saved_args", "__pl_saved_kwargs", "__pl_saved_arg_names")
+
+
+def _travel_with_lightnings_arguments(loader: NumaLoader[Any]) -> None:
+    """Put ``loader``'s collate function among the arguments Lightning saved for it (when
+    it made it in a hook), so that the loader Lightning makes again from them lands in the
+    same pools and the user's loader counts its batches: the copy is found by what
+    travels with it, never by sharing a dataset with it."""
+    args, kwargs, names = (vars(loader).get(name) for name in LIGHTNING_SAVED_ARGUMENTS)
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not isinstance(names, tuple):
+        return
+    if "collate_fn" in names:
+        position = names.index("collate_fn")
+        object.__setattr__(loader, LIGHTNING_SAVED_ARGUMENTS[0],
+                           (*args[:position], loader.collate_fn, *args[position + 1 :]))  # fmt: skip
+    else:
+        kwargs["collate_fn"] = loader.collate_fn
 
 
 def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterator[Any]:
