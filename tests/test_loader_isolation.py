@@ -1,8 +1,15 @@
-"""Each loader's batches are its own: two loaders over one dataset count and hold only
-their own batches. Every sample carries its index; every batch is checked by content."""
+"""Each loader's batches are its own, in every process: two loaders over one dataset
+count and hold only their own batches, and a process forked from one that iterated a
+NumaLoader (Lightning's ``ddp_fork``, a notebook launcher) gets right batches from the
+inherited loader and from a new one, in pools of its own, while the parent goes on
+unharmed. Every sample carries its index; every batch is checked by content."""
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -85,3 +92,105 @@ def test_a_loader_made_again_from_a_numaloaders_collate_function_still_shares_it
     assert again.pools is loader.pools and isinstance(again.collate_fn, SlotCollate)
     assert wrong_batches([[part.clone() for part in batch] for batch in again], in_order(24, 4)) == []
 
+
+def in_forked_child(check: Any, timeout_s: float = 120.0) -> str:
+    """Run ``check()`` (what it finds wrong, as a string; empty: nothing) in a child forked
+    now, as Lightning's ddp_fork forks a rank; the child's answer, or why there is none."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        said = b"child: raised"
+        try:
+            os.close(read_end)
+            said = (check() or "ok").encode()
+        except BaseException as error:  # noqa: BLE001 - said to the parent
+            said = f"child raised {error!r}".encode()
+        finally:
+            os.write(write_end, said[:60000])
+            os._exit(0)
+    os.close(write_end)
+    import select
+
+    chunks = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if select.select([read_end], [], [], 1.0)[0]:
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    else:
+        os.kill(pid, 9)
+        chunks.append(b" (timed out)")
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    return b"".join(chunks).decode() or "child: no answer"
+
+
+def cloned(loader: Any) -> list[Any]:
+    return [[part.clone() for part in batch] for batch in loader]
+
+
+def leases_out(loader: Any) -> int:
+    return sum(pool.stats().leased for pool in loader.pools.pools)
+
+
+@SEMANTICS
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers-per-epoch", "persistent-workers"])
+def test_forked_ranks_get_their_own_pools_and_right_batches_and_the_parent_goes_on(persistent: bool) -> None:
+    """A ddp_fork-style run: the parent peeks at a loader and iterates it, then forks two
+    ranks; each iterates the inherited loader and a new one (every batch right, landed in
+    pools of the rank's own), and the parent's next epochs are right and leak nothing."""
+    count, size = 48, 4
+    dataset = Tagged(count)
+    loader = numafast.torch.NumaLoader(dataset, batch_size=size, num_workers=2, node=NODES[0],
+                                       persistent_workers=persistent)  # fmt: skip
+    peeked = next(iter(loader))  # a notebook user's look at the first batch
+    assert wrong_batches([peeked], in_order(count, size)[:1]) == []
+    assert wrong_batches(cloned(loader), in_order(count, size)) == []
+    parent_pools = loader.pools
+
+    def rank() -> str:
+        wrong = []
+        for name, used in (("inherited", loader), ("new", numafast.torch.NumaLoader(
+                dataset, batch_size=size, num_workers=2, node=NODES[0]))):  # fmt: skip
+            for epoch in range(2):
+                batches = list(used)  # kept, as a consumer may: each must still be its own
+                wrong += [f"{name} loader, epoch {epoch}: {what}" for what in wrong_batches(batches, in_order(count, size))]
+                if used.pools is parent_pools or any(
+                    pool.contains(part.data_ptr()) for batch in batches for part in batch for pool in parent_pools.pools
+                ):
+                    wrong.append(f"{name} loader, epoch {epoch}: landed in the parent's pools")
+                if used.stats().landed < 1:
+                    wrong.append(f"{name} loader, epoch {epoch}: nothing landed in the rank's own pools: {used.stats()}")
+                del batches
+        wrong += [] if wrong_batches([peeked], in_order(count, size)[:1]) == [] else ["the peeked batch changed"]
+        return "\n".join(wrong)
+
+    answers = [in_forked_child(rank) for _rank in range(2)]
+    assert answers == ["ok", "ok"], answers
+    assert loader.pools is parent_pools and leases_out(loader) == 0
+    before = loader.stats().batches
+    for _epoch in range(2):
+        assert wrong_batches(cloned(loader), in_order(count, size)) == []
+    assert loader.stats().batches == before + 2 * len(loader) and leases_out(loader) == 0
+    assert wrong_batches([peeked], in_order(count, size)[:1]) == []
+
+
+@SEMANTICS
+def test_a_dataloader_over_numafasts_collate_inherited_by_a_forked_process_gives_right_batches() -> None:
+    """A DataLoader a framework made over a NumaLoader's collate function, iterated in a
+    forked child: its workers must not lease the parent's slots; the batches come as the
+    stock loader's, with one warning saying why."""
+    count, size = 24, 4
+    dataset = Tagged(count)
+    loader = numafast.torch.NumaLoader(dataset, batch_size=size, num_workers=2, node=NODES[0])
+    made = DataLoader(dataset, batch_size=size, num_workers=2, collate_fn=loader.collate_fn)
+    assert wrong_batches(cloned(made), in_order(count, size)) == []
+
+    def child() -> str:
+        return "\n".join(wrong_batches(cloned(made), in_order(count, size)))
+
+    assert in_forked_child(child) == "ok"
+    assert leases_out(loader) == 0
+    assert wrong_batches(cloned(made), in_order(count, size)) == []

@@ -15,6 +15,7 @@ along when a framework builds a new DataLoader from a NumaLoader's settings.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import warnings
 from collections.abc import Callable
@@ -80,6 +81,9 @@ class SlotCollate:
     def __call__(self, samples: Any) -> Any:
         info = get_worker_info()
         if info is not None:
+            if _iterating_process() != self.owner_pid:
+                _warn_elsewhere(self.owner_pid)
+                return self.collate_fn(samples)
             if self.node is not None and self._bound_pid != _pid.pid:
                 # Here, not in worker_init_fn, so that the loader's own stays the user's
                 # (Lightning seeds workers only where it is None) and a loader a framework
@@ -204,6 +208,22 @@ def _free_slot(views: list[PoolView], needed: int) -> tuple[PoolView, int, int] 
     return None
 
 
+_iterating = (0, 0)  # (this process's pid, the pid of the process its DataLoader runs in)
+
+
+def _iterating_process() -> int:
+    """In a DataLoader worker: the process that iterates its DataLoader, whose pools alone
+    its batches may land in (the one that made its ``Process``, whether it forked or
+    spawned it, or had a forkserver fork it). A worker of a process forked from the
+    pools' owner (a ``ddp_fork`` rank iterating an inherited DataLoader) must not lease
+    the owner's slots: its batches would arrive where nothing turns them into batches."""
+    global _iterating
+    if _iterating[0] != _pid.pid:
+        parent = multiprocessing.parent_process()
+        _iterating = (_pid.pid, parent.pid if parent is not None and parent.pid is not None else 0)
+    return _iterating[1]
+
+
 _warned_elsewhere: set[int] = set()
 
 
@@ -212,7 +232,8 @@ def _warn_elsewhere(owner_pid: int) -> None:
     if owner_pid not in _warned_elsewhere:
         _warned_elsewhere.add(owner_pid)
         warnings.warn(
-            f"numafast: this loader's pools belong to process {owner_pid}, not to this one ({_pid.pid}): the "
-            "loader was copied to another process, whose batches are collated as without numafast; make the "
-            "NumaLoader in the process that iterates it", RuntimeWarning, stacklevel=3,
+            f"numafast: this loader's pools belong to process {owner_pid}, not to the one iterating it: the "
+            "loader was copied to another process (pickled, or inherited through fork), whose batches are "
+            "collated as without numafast; iterate a NumaLoader there (it makes pools of that process's own), "
+            "or make the loader in the process that iterates it", RuntimeWarning, stacklevel=3,
         )

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from numafast import cuda
+from numafast import _pid, cuda
 from numafast._validate import check_node, positive_int
 from numafast.binding import bind, numa_local
 from numafast.errors import MemlockError
@@ -32,6 +32,7 @@ from numafast.pool import MEMLOCK_FIX, LockMode, memlock_room, parse_mode
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
+from numafast.torch import process_pools
 from numafast.torch.pools import LoaderStats, NodePools, node_pools
 from numafast.torch.sizing import check_max_pinned_bytes
 from numafast.torch.workers import watch_starts
@@ -218,6 +219,7 @@ class NumaLoader(DataLoader[T_co]):
         self.slots: int | None = None if slots is None else positive_int(slots, "slots", or_none=True)
         self.max_pinned_bytes: int | None = check_max_pinned_bytes(max_pinned_bytes)
         self.device: torch.device | None = resolve_device(device)
+        self._asked = (self.device, node is None)  # the device, and whether the node is ours to guess
         self._node_guessed = False
         if node is None:
             node, self._node_guessed = landing_node(self.device)
@@ -311,7 +313,26 @@ class NumaLoader(DataLoader[T_co]):
         if self._through is not None:
             settings_loader(self._through).collate_fn = self.collate_fn
 
+    def _own_pools(self) -> None:
+        """In a process forked from the one whose pools this loader lands in (Lightning's
+        ``ddp_fork``, a notebook launcher): pools of this process's own, on the node and
+        device it settles anew, before any worker of its forks. The parent's are left
+        alone: its workers' slots, its mutexes (maybe held by a thread at the fork), its
+        idle pools; so is a persistent iterator inherited from it, whose workers are the
+        parent's (see :func:`numafast.torch.process_pools.forget_inherited`)."""
+        self._iterator = None
+        self.device, self._node_guessed = self._asked
+        if self._node_guessed:
+            self.node = landing_node(self.device)[0]
+        self._first_iteration_done = False
+        self._take_pools()
+        self.collate_fn = self.collate_fn  # __setattr__ wraps the user's again, over the new pools
+        if self._through is not None:
+            settings_loader(self._through).collate_fn = self.collate_fn
+
     def __iter__(self) -> Any:
+        if not _pid.owns(self.pools.owner_pid):
+            self._own_pools()
         self._before_first_iteration()
         self.pools.shrink()  # pools grown for the batches a consumer kept, free again since
         if self._through is not None:
@@ -326,10 +347,14 @@ class NumaLoader(DataLoader[T_co]):
             fork_scope = functools.partial(numa_local, self.node, strict=self.strict)
             with fork_scope():
                 batches = watch_starts(super().__iter__, fork_scope)
+            process_pools.iterators.add(batches)
         return batches if self.device is None else _OnDeviceIterator(self, batches)
 
     def stats(self) -> LoaderStats:
-        """How the batches arrived, and the counters of the pinned pools in use."""
+        """How the batches arrived, and the counters of the pinned pools in use (in a forked
+        child not iterated yet: nothing arrived)."""
+        if not _pid.owns(self.pools.owner_pid):
+            self._own_pools()
         return self.pools.stats()
 
     def __repr__(self) -> str:

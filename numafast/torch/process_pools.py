@@ -7,9 +7,10 @@ and a validation loader is often made per pass.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 from numafast import _pid
 from numafast.pool import LockMode, PinnedPool, RegisterMode
@@ -44,6 +45,29 @@ every: weakref.WeakSet[LoaderPools] = weakref.WeakSet()
 _idle: dict[IdleKey, LoaderPools] = {}
 _idle_mutex = threading.Lock()
 """Guards _idle and every NodePools' ``users``."""
+
+
+iterators: weakref.WeakSet[Any] = weakref.WeakSet()
+"""torch's iterators over NumaLoaders of this process that have workers: a forked child
+inherits them (see :func:`forget_inherited`)."""
+
+
+def forget_inherited() -> None:
+    """In a forked child, this module's state as a new process has it: no idle pools
+    (those inherited are the parent's: never taken, never closed here), unlocked, and
+    the inherited iterators marked shut down. An inherited iterator's workers, queues
+    and done event are the parent's: dropping it in the child would run torch's
+    shutdown on them (set the shared done event, send each worker its end), ending the
+    parent's epoch; marked, it ends with nothing done."""
+    global _idle_mutex
+    _idle_mutex = threading.Lock()
+    _idle.clear()
+    for iterator in list(iterators):
+        iterator._shutdown = True  # torch's iterator: its __del__ shuts down only what is not
+    iterators.clear()
+
+
+os.register_at_fork(after_in_child=forget_inherited)
 
 
 def _ours() -> list[LoaderPools]:
