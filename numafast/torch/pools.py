@@ -33,7 +33,9 @@ import torch
 import numafast
 from numafast import _pid
 from numafast.errors import PoolClosedError, PoolExhaustedError
-from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
+from numafast.pool import (
+    LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode, warn_unlocked,
+)
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch import process_pools
 from numafast.torch.batch import place
@@ -161,6 +163,9 @@ class NodePools:
         self.warned: set[str] = set()
         self.refused = ""  # why the last request for more room was refused
         self._kept_grew = False  # pools were added because the consumer keeps every slot
+        # A pool's MemlockWarning, held back to be said at the next batch (see _warn_unlocked),
+        # and whether that pool was one added for kept batches.
+        self._unlocked: tuple[str, bool] | None = None
         self.before_receive: Callable[[], None] = lambda: None  # the hook binds PyTorch's pin thread
         self.taken_over = taken_over
 
@@ -209,8 +214,10 @@ class NodePools:
     def _after_batch(self) -> None:
         """In the receiving thread (where the user's warning filters apply): the warning
         about kept batches, retired pools settled, now and then free grown pools released."""
-        if self._kept_grew and "kept" not in self.warned:
+        if self._kept_grew and "kept" not in self.warned:  # the cause first: a limit met only by kept batches
             self._warn_kept()
+        if self._unlocked is not None:
+            self._warn_unlocked_pool()
         if not self.received() % SHRINK_EVERY:
             process_pools.shrink_all()
         self._settle_retired()
@@ -331,7 +338,7 @@ class NodePools:
                     )
                 if not resize:
                     self._kept_grew = True
-            pool = self._new_pool(slot_bytes, count)
+            pool = self._new_pool(slot_bytes, count, kept=not resize)
             with self._mutex:
                 if self.closed:
                     pool.close()
@@ -387,7 +394,7 @@ class NodePools:
         """Slots the consumer holds now, by the pools' ``counters`` (see :attr:`LoaderStats.held`)."""
         return max(sum(stats.in_use for stats in counters) - self.in_flight, 0)
 
-    def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
+    def _new_pool(self, slot_bytes: int, slots: int, *, kept: bool = False) -> PinnedPool:
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
@@ -395,10 +402,14 @@ class NodePools:
         # No device set: this rank's GPU where that is certain, else the making thread's
         # current one (the serving thread's is device 0).
         device = self.device if self.device is not None else settled_gpu(None)
-        return PinnedPool(
-            self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
-            prefault=False, device=device,
-        )
+        with memlock_warning_held() as held:  # said at the next batch, at the user's line (_after_batch)
+            pool = PinnedPool(
+                self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
+                prefault=False, device=device,
+            )
+        if held:
+            self._unlocked = (held[0], kept)
+        return pool
 
     def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
         """``pools`` in use from now on, on the board; ``retiring`` closed, released as their
@@ -472,13 +483,25 @@ class NodePools:
         if held < 2:  # only the batch being worked on: a framework reading ahead, not kept batches
             self._kept_grew = False  # looked at again after the next pool added
             return
+        kept = held - 1
         self._warn_once("kept", (
-            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, "
-            f"list(loader), a cache): a tensor over a slot keeps the whole page-locked slot ({self.pools[0].slot_bytes} "
-            f"bytes), so pools were added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which "
-            f"batches arrive unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, "
-            f"and so does the memory of the pools added for them"
+            f"the consumer keeps tensors of earlier batches ({kept} {'batch' if kept == 1 else 'batches'} so far; a "
+            f"list of labels for metrics, list(loader), a cache): a tensor over a slot keeps its whole slot "
+            f"({format_size(self.pools[0].slot_bytes)}), so pools were added to go on, up to max_pinned_bytes "
+            f"({format_size(self.max_pinned_bytes)}), after which batches arrive unpinned. .clone() what you keep "
+            f"(targets.append(y.clone())): the slot comes back at once, and so does the memory of the pools added "
+            f"for them. y.to(device) copies nothing where the device is the CPU, so a device-agnostic loop keeps the "
+            f"slot that way too"
         ))  # fmt: skip
+
+    def _warn_unlocked_pool(self) -> None:
+        """The MemlockWarning held back when a pool could not be page-locked, at the user's
+        line; none for a pool added for kept batches once that warning is given: .clone(),
+        not a higher limit, is the fix there."""
+        assert self._unlocked is not None
+        (message, kept), self._unlocked = self._unlocked, None
+        if not (kept and "kept" in self.warned):
+            warn_unlocked(message, _user_level())
 
     def _warn_unpinned(self, kinds: Iterable[str], text: str = _NOT_PLACED) -> None:
         """Once per kind of leaf: ``kinds`` of leaves stay where they are, unpinned."""
@@ -532,7 +555,7 @@ _LIBRARY_FILES = tuple(
 
 def _user_level() -> int:
     """The ``stacklevel`` of the first caller outside :data:`_LIBRARY_FILES` (the line that
-    asked for the batch); 2 where none is (PyTorch's pin thread)."""
+    asked for the batch, or made the loader); 2 where none is (PyTorch's pin thread)."""
     frame = sys._getframe(1)
     level = 1
     while frame is not None:
