@@ -163,7 +163,7 @@ class NodePools:
         self.warned: set[str] = set()
         self.refused = ""  # why the last request for more room was refused
         self._kept_grew = False  # pools were added because the consumer keeps every slot
-        # A pool's MemlockWarning, held back to be said at the next batch (see _warn_unlocked),
+        # A pool's MemlockWarning, held back to be said at the next batch (_warn_unlocked_pool),
         # and whether that pool was one added for kept batches.
         self._unlocked: tuple[str, bool] | None = None
         self.before_receive: Callable[[], None] = lambda: None  # the hook binds PyTorch's pin thread
@@ -338,7 +338,10 @@ class NodePools:
                     )
                 if not resize:
                     self._kept_grew = True
-            pool = self._new_pool(slot_bytes, count, kept=not resize)
+            with memlock_warning_held() as held:  # said at the next batch, at the user's line (_after_batch)
+                pool = self._new_pool(slot_bytes, count)
+            if held:
+                self._unlocked = (held[0], not resize)
             with self._mutex:
                 if self.closed:
                     pool.close()
@@ -394,7 +397,7 @@ class NodePools:
         """Slots the consumer holds now, by the pools' ``counters`` (see :attr:`LoaderStats.held`)."""
         return max(sum(stats.in_use for stats in counters) - self.in_flight, 0)
 
-    def _new_pool(self, slot_bytes: int, slots: int, *, kept: bool = False) -> PinnedPool:
+    def _new_pool(self, slot_bytes: int, slots: int) -> PinnedPool:
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
@@ -402,14 +405,10 @@ class NodePools:
         # No device set: this rank's GPU where that is certain, else the making thread's
         # current one (the serving thread's is device 0).
         device = self.device if self.device is not None else settled_gpu(None)
-        with memlock_warning_held() as held:  # said at the next batch, at the user's line (_after_batch)
-            pool = PinnedPool(
-                self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
-                prefault=False, device=device,
-            )
-        if held:
-            self._unlocked = (held[0], kept)
-        return pool
+        return PinnedPool(
+            self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
+            prefault=False, device=device,
+        )
 
     def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
         """``pools`` in use from now on, on the board; ``retiring`` closed, released as their
