@@ -129,6 +129,17 @@ def run_as_user(tmp_path: Path, case: str, *, lock: str = "auto", soft: int = US
     return outcome
 
 
+FIRST_EXAMPLE_RUNNER = """\
+import sys, warnings
+source = open(sys.argv[1]).read()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    exec(compile(source, "README's first example", "exec"), {"__name__": "__main__"})
+print("WARNINGS", [f"{w.category.__name__}: {w.message}" for w in caught])
+print("VmLck", open("/proc/self/status").read().split("VmLck:")[1].split()[0])
+"""
+
+
 def every_sample_twice(count_train: int, count_eval: int) -> list[int]:
     return sorted([*range(count_train), *range(count_eval)] * 2)
 
@@ -142,6 +153,25 @@ def test_without_a_gpu_a_train_and_an_eval_loader_lock_nothing_and_say_nothing(t
     assert outcome["seen"] == every_sample_twice(640, 1280)
     assert outcome["warnings"] == []
     assert outcome["vmlck_kib"] == 0  # the kernel's count: nothing page-locked
+
+
+def test_without_a_gpu_the_readmes_first_example_runs_warning_free_for_a_user(tmp_path: Path) -> None:
+    """The first Python block of README.md, as a user with the usual 8 MiB limit runs it."""
+    if GPU:
+        pytest.skip("this machine has a usable GPU: lock='auto' locks here")
+    from test_readme import BLOCKS
+
+    first = next(block for block in BLOCKS if block.language == "python")
+    (tmp_path / "example.py").write_text(first.source)
+    (tmp_path / "runner.py").write_text(FIRST_EXAMPLE_RUNNER)
+    result = subprocess.run(
+        [*WITHOUT_IPC_LOCK, "prlimit", f"--memlock={USER_LIMIT}:{USER_LIMIT}", sys.executable, "runner.py", "example.py"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "8 of 8 batches collated in place by the workers, in 1 pool", result.stdout
+    assert lines[1:] == ["WARNINGS []", "VmLck 0"], result.stdout
 
 
 @pytest.mark.parametrize("lock", ["auto", "best-effort"])  # without a GPU: nothing locked; or locked, as with one
