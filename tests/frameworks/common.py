@@ -102,11 +102,9 @@ class Tiny(torch.nn.Module):
 
 def numa_options(rank: int) -> dict[str, Any]:
     """NumaLoader's options for this rank: FRAMEWORK_NODES="1,2" puts rank r's loader on
-    node r-th of the list (the guest test); unset, NumaLoader picks its own node. Locked
-    where the kernel allows (lock="auto" locks only where a GPU is usable), so that the
-    tests see the batches' pages locked on a CPU-only machine too."""
+    node r-th of the list (the guest test); unset, NumaLoader picks its own node."""
     nodes = os.environ.get("FRAMEWORK_NODES")
-    return {"lock": "best-effort", **({"node": int(nodes.split(",")[rank])} if nodes else {})}
+    return {"node": int(nodes.split(",")[rank])} if nodes else {}
 
 
 def wrap(loader: Any, rank: int) -> Any:
