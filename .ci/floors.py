@@ -4,7 +4,7 @@ Usage: python3 .ci/floors.py [--newest] [EXTRA...]
 
 The build requirements, the dependencies and the named extras, each pinned to
 its floor (``numpy==1.24``), or as written with ``--newest`` (pip then takes the
-newest). .ci/install gives CI's Python 3.11 environment the floors (torch's
+newest). .ci/install-matrix gives CI's Python 3.11 environment the floors (torch's
 among them: ``floors.py plot test torch``), so that every lowest version
 pyproject.toml states is one CI builds and tests with (.ci/pythons).
 """

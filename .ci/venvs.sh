@@ -1,4 +1,4 @@
-# Sourced by .ci/install, .ci/pythons and .ci/torch: the environments CI tests in
+# Sourced by .ci/install-matrix, .ci/pythons and .ci/torch: the environments CI tests in
 # beside python3 (3.11, which runs tests/run_suite.py with PyTorch 2.13.0, the CPU
 # build), each a virtual environment kept between runs under $NUMAFAST_CI_VENVS
 # (default ~/.cache/numafast-ci):

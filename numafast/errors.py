@@ -28,6 +28,7 @@ __all__ = [
     # pinned pools
     "CudaUnavailable",
     "MemlockError",
+    "LoaderHint",
     "MemlockWarning",
     "PoolClosedError",
     "PoolExhaustedError",
@@ -150,7 +151,13 @@ class MemlockError(NumaError, MemoryError):
 
 
 class MemlockWarning(UserWarning):
-    """A pool asked to lock on a best-effort basis could not: it goes on with unlocked memory."""
+    """A pool that locks on a best-effort basis (lock='best-effort', or 'auto' where a GPU
+    is usable) could not: it goes on with unlocked memory."""
+
+
+class LoaderHint(UserWarning):
+    """A NumaLoader set up so that numafast can do little for it (batches of one sample,
+    no workers): what the speed-up needs. Said once per process for each kind."""
 
 
 class CudaUnavailable(NumaError, RuntimeError):

@@ -29,6 +29,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -65,10 +66,13 @@ MEMFD_PREFIX = "numafast-pool-node"
 
 # CAP_IPC_LOCK (linux/capability.h): lets a process lock memory beyond RLIMIT_MEMLOCK.
 CAP_IPC_LOCK = 14
-# How to raise RLIMIT_MEMLOCK, for every message that refuses or skips locking.
+# How to raise RLIMIT_MEMLOCK, for a message that cannot know the shortfall: the soft
+# limit first (any user, up to the hard limit), then what needs root or an administrator.
 MEMLOCK_FIX = (
-    "`ulimit -l unlimited` in the shell that starts the job, `docker run --ulimit memlock=-1`, "
-    "`LimitMEMLOCK=infinity` in a systemd unit, or `* - memlock unlimited` in /etc/security/limits.conf"
+    "`ulimit -S -l unlimited` in the shell that starts the job (no privileges needed up to the hard limit, "
+    "`ulimit -H -l`); past it, root or an administrator: `* - memlock unlimited` in "
+    "/etc/security/limits.conf (then log in again), `LimitMEMLOCK=infinity` in a systemd unit, "
+    "`docker run --ulimit memlock=-1`"
 )
 # Errors of mlock(2) that mean "not this much, not by you".
 LOCK_REFUSALS = (errno.ENOMEM, errno.EPERM, errno.EAGAIN)
@@ -78,9 +82,10 @@ class LockMode(str, Enum):
     """How a pool page-locks its memory (``lock=``)."""
 
     AUTO = "auto"
-    """As ``best-effort``: locking only keeps the pages resident, and CUDA registration
-    pins them itself outside RLIMIT_MEMLOCK (8 MiB for a user on most systems, without
-    CAP_IPC_LOCK), so the default never fails for want of that privilege."""
+    """As ``best-effort`` where a GPU is usable (PyTorch imported and seeing a CUDA
+    device: numafast.cuda.usable); elsewhere nothing is locked and nothing said, as
+    page-locking serves copies to a GPU and buys a CPU-only job nothing but a share of
+    RLIMIT_MEMLOCK (8 MiB for a user on most systems, without CAP_IPC_LOCK)."""
     REQUIRED = "required"
     """Lock every page or raise :class:`MemlockError` naming the limit and the fix (``True``)."""
     BEST_EFFORT = "best-effort"
@@ -176,11 +181,12 @@ class _Resources:
 
     def lock_pages(self, mode: LockMode, *, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""
-        global _unlocked_warned
         region = self.region
         assert region is not None
         if mode is LockMode.OFF:
             return "not asked to lock (lock='off')"
+        if mode is LockMode.AUTO and not _gpu_usable():
+            return "lock='auto' and no usable GPU here: page-locking serves copies to a GPU"
         try:
             _libnuma.mlock(region, on_fault)
         except LibnumaError as error:
@@ -191,11 +197,13 @@ class _Resources:
             if mode is LockMode.REQUIRED:
                 raise MemlockError(_memlock_message(region.size, self.node, error, "or pass lock='best-effort' to "
                                                     "go on unlocked")) from error  # fmt: skip
-            if not _unlocked_warned:  # once per process: a loader's pools, made one by one, are refused alike
-                _unlocked_warned = True
-                message = _memlock_message(region.size, self.node, error, "or pass lock='off' not to lock")
-                warnings.warn(f"{message}. Pools go on with unlocked memory (this is said once)", MemlockWarning,
-                              stacklevel=3)  # fmt: skip
+            message = _memlock_message(region.size, self.node, error, "or pass lock='off' not to lock")
+            message += ". Pools go on with unlocked memory (this is said once)"
+            held = getattr(_held_warnings, "messages", None)
+            if held is not None:
+                held.append(message)
+            else:
+                warn_unlocked(message, stacklevel=3)  # lock_pages, PinnedPool.__init__, its caller
             return str(error)
         self.locked = True
         return ""
@@ -241,8 +249,9 @@ _pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
 """Every pool's memory not released yet (see _Resources): also a pool being made, and
 one whose PinnedPool is gone while its slots are still viewed."""
 _exit_hook_installed = False
-_unlocked_warned = False  # a MemlockWarning was given (see _Resources.lock_pages)
+_unlocked_warned = False  # a MemlockWarning was given (see warn_unlocked)
 _unregistered_warned = False  # a pool went on unregistered (see _register)
+_held_warnings = threading.local()  # .messages: the MemlockWarnings held back in this thread (memlock_warning_held)
 
 # The exit status of a forked child that cannot make its view of a pool private.
 FORK_REMAP_FAILED_STATUS = 70
@@ -717,13 +726,58 @@ def check_visible(index: int, count: int, given: str) -> None:
         raise InvalidGpuError(f"{given}: this process sees {count} CUDA devices (0 to {count - 1})")
 
 
-def _memlock_limits() -> tuple[int, int, str, bool]:
-    """RLIMIT_MEMLOCK (soft, hard), what this process locks already (VmLck, "unknown"
+def _gpu_usable() -> bool:
+    """Whether page-locking can serve a GPU here: PyTorch is imported (a pool never
+    imports it) and sees a CUDA device (numafast.cuda.usable)."""
+    if "torch" not in sys.modules:
+        return False
+    try:
+        from numafast import cuda
+    except ImportError:
+        return False
+    return cuda.usable()
+
+
+@contextlib.contextmanager
+def memlock_warning_held() -> Iterator[list[str]]:
+    """Pools made in this block, in this thread, do not say their MemlockWarning: its
+    text goes into the list yielded, for the caller to say with :func:`warn_unlocked`
+    where the user sees it (a loader makes its pools on a serving thread, which points
+    at no line of the user's, and says the warning at the next batch)."""
+    held: list[str] = []
+    before = getattr(_held_warnings, "messages", None)
+    _held_warnings.messages = held
+    try:
+        yield held
+    finally:
+        _held_warnings.messages = before
+
+
+def warn_unlocked(message: str, stacklevel: int) -> None:
+    """Say the MemlockWarning ``message``, once per process (a loader's pools, made one
+    by one, are refused alike); ``stacklevel`` as warnings.warn's, from the caller."""
+    global _unlocked_warned
+    if not _unlocked_warned:
+        _unlocked_warned = True
+        warnings.warn(message, MemlockWarning, stacklevel=stacklevel + 1)
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` as people read it: "4.5 GiB", "6.0 MiB", "512 bytes"."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _memlock_limits() -> tuple[int, int, int | None, bool]:
+    """RLIMIT_MEMLOCK (soft, hard), the bytes this process locks already (VmLck; None
     without it), and whether it has CAP_IPC_LOCK."""
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     status = read_fields(Path("/proc/self/status")) or {}
     capable = bool(int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1)
-    return soft, hard, status.get("VmLck", "unknown"), capable
+    locked = status.get("VmLck")
+    return soft, hard, None if locked is None else int(locked.split()[0]) * 1024, capable
 
 
 def memlock_room() -> int | None:
@@ -732,23 +786,37 @@ def memlock_room() -> int | None:
     soft, _hard, locked, capable = _memlock_limits()
     if soft == resource.RLIM_INFINITY or capable:
         return None
-    locked_kib = int(locked.split()[0]) if locked != "unknown" else 0
-    return max(soft - locked_kib * 1024, 0)
+    return max(soft - (locked or 0), 0)
 
 
 def _memlock_message(nbytes: int, node: int, error: LibnumaError, otherwise: str) -> str:
-    """Why locking ``nbytes`` failed, the limit, how to raise it, and ``otherwise``."""
+    """Why locking ``nbytes`` failed, by how much, the fix that works for this process
+    (its soft limit raised, which needs no privileges up to the hard one; past that,
+    root or an administrator), and ``otherwise``."""
     soft, hard, locked, capable = _memlock_limits()
-    need_kib = -(-nbytes // 1024)
     why = f"mlock: {os.strerror(error.errno or 0)}"
-
-    def limit(value: int) -> str:
-        return "unlimited" if value == resource.RLIM_INFINITY else f"{value // 1024} KiB"
-
-    return (
-        f"page-locking the {nbytes}-byte pool on node {node} failed ({why}): RLIMIT_MEMLOCK is "
-        f"{limit(soft)} (hard {limit(hard)}), this process already locks {locked}, and it "
-        f"{'has' if capable else 'lacks'} CAP_IPC_LOCK. Raise the limit by at least {need_kib} KiB: "
-        f"{MEMLOCK_FIX}; {otherwise}"
+    head = f"page-locking the {format_size(nbytes)} pool on node {node} failed ({why})"
+    if capable or soft == resource.RLIM_INFINITY:  # not the limit: the memory itself
+        return f"{head} although this process may lock without limit: is node {node} out of memory? {otherwise}"
+    needed = (locked or 0) + nbytes  # the soft limit it takes (the memory of a pool that fails is not locked)
+    needed_kib = -(-needed // 1024)
+    short_kib = needed_kib - soft // 1024
+    already = "an unknown amount (no VmLck)" if locked is None else format_size(locked)
+    limits = (
+        f"{head}: this process locks {already} already and may lock {format_size(soft)} in all "
+        f"(RLIMIT_MEMLOCK; hard limit {'unlimited' if hard == resource.RLIM_INFINITY else format_size(hard)}; "
+        f"no CAP_IPC_LOCK), {short_kib} KiB short"
     )
-
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        target = "unlimited" if hard == resource.RLIM_INFINITY else str(hard // 1024)
+        fix = (
+            f"Raise the soft limit, which needs no privileges up to the hard limit: `ulimit -S -l {target}` in the "
+            f"shell that starts the job (at least {needed_kib}: the value is in KiB)"
+        )
+    else:
+        fix = (
+            f"That is past the hard limit, which only root or an administrator can raise: `* - memlock unlimited` "
+            f"in /etc/security/limits.conf (then log in again), `LimitMEMLOCK=infinity` in a systemd unit, "
+            f"`docker run --ulimit memlock=-1`"
+        )
+    return f"{limits}. {fix}; {otherwise}"

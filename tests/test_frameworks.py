@@ -10,7 +10,8 @@ memory policy. The tests check, for every rank, epoch and step:
   shards disjoint and together the whole dataset in each epoch, reshuffled each epoch;
 * with numafast, each batch's data tensor in a ``numafast-pool-node<N>`` memfd
   mapping (/proc/self/maps) that is locked (smaps' VmFlags), every page of it mlocked
-  (kpageflags) and on node N (pagemap),
+  (kpageflags), where a GPU is usable (lock="auto"; without one, not locked at all),
+  and on node N (pagemap),
   the workers that made it mapping that memfd too, and numafast's stats for the loader
   the framework iterates saying the workers collated it there (only a loader's first
   batches, sent before its pool existed, may be copied);
@@ -212,8 +213,20 @@ def expected_cpus(node: int) -> list[int]:
     return sorted(cpu for near in nearest_cpu_nodes(node) for cpu in node_cpus(near))
 
 
+def _gpu_usable() -> bool:
+    try:
+        from numafast import cuda
+    except ImportError:
+        return False
+    return cuda.usable()
+
+
+# Whether the ranks' pools are page-locked: NumaLoader's lock="auto" locks where a GPU is usable.
+LOCKS = _gpu_usable()
+
+
 def check_numafast(label: str, ranks: list[dict[str, Any]], nodes: list[int] | None = None, *, pages: bool = False) -> None:
-    """Every batch in a locked pool of the rank's node, collated there by workers that run
+    """Every batch in a pool of the rank's node (locked where a GPU is usable: LOCKS), collated there by workers that run
     on the node with its memory policy; ``pages``: pagemap must name each page's node."""
     for rank, record in enumerate(ranks):
         node = nodes[rank] if nodes is not None else None
@@ -226,8 +239,9 @@ def check_numafast(label: str, ranks: list[dict[str, Any]], nodes: list[int] | N
             if node is None:
                 node = x["node"]
             assert x["node"] == node, f"{where}: the batch is in a node-{x['node']} pool, the rank's loader is on node {node}"
-            assert x["locked"], (
-                f"{where}: the batch's pages are not all mlocked: VmFlags {x['vmflags']!r}, {x['rss_bytes']} of "
+            assert x["locked"] == LOCKS, (
+                f"{where}: the batch's pages are {'not all' if LOCKS else ''} mlocked (lock='auto' locks "
+                f"{'where a GPU is usable, as here' if LOCKS else 'nothing without a usable GPU'}): VmFlags {x['vmflags']!r}, {x['rss_bytes']} of "
                 f"{x['mapping_bytes']} bytes resident, Locked {x['locked_bytes']} of Pss {x['pss_bytes']}"
                 f"{', ' + x['locked_error'] if 'locked_error' in x else ''}"
             )

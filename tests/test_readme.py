@@ -13,7 +13,9 @@ CLI tests already run there against the CPU-less node; the Python blocks (placem
 onto that node) run in every guest.
 * ``ci``: installs, builds the wheel, boots a guest or is the test suite itself: not
   run here (it would change the machine or recurse) but by CI, as a phase of
-  ``.ci/run``; checked here by finding each command in the CI scripts.
+  ``.ci/run``; checked here by finding each command in the CI scripts, but for the
+  shell's own set-up (``.``/``source`` of a venv's activate, ``cd``, ``export``),
+  which runs nothing.
 
 ``NUMAFAST_README_ONLY=gpu`` runs only the blocks with that tag (the GPU proof,
 bench/gpu_proof.py, runs the ``gpu`` blocks so on a GPU machine).
@@ -55,6 +57,9 @@ NEEDS_TORCH = re.compile(r"^\s*(?:import|from)\s[^\n]*\btorch\b", re.MULTILINE)
 # The training frameworks of the `frameworks` extra, each by its top-level module.
 FRAMEWORKS = ("lightning", "accelerate", "transformers", "ray")
 IMPORTED = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
+# Shell builtins that only set the shell up (a virtual environment's activate script, a
+# directory, a variable): nothing CI must run.
+SHELL_SETUP = {".", "source", "cd", "export"}
 FENCE = re.compile(r"^```(\w+)((?: [\w-]+)*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 pytestmark = pytest.mark.skipif(not README.exists(), reason="needs the source tree's README.md")
@@ -253,6 +258,8 @@ def test_ci_block_commands_are_run_by_ci(block: Block) -> None:
         command = line.split("#", 1)[0].strip()
         for part in filter(None, (p.strip() for p in command.split("&&"))):
             words = part.split()
+            if words[0] in SHELL_SETUP:
+                continue
             # A script by its name (tests/numa_vm.py: run_suite.py boots guests with it),
             # else the program and its first argument ("pip install", "python3 -m").
             script = next((Path(w).stem for w in words[:2] if w.endswith((".py", ".sh")) or w.startswith(".ci/")), None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,13 +28,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from numafast import _pid, cuda
 from numafast._validate import check_node, positive_int
 from numafast.binding import bind, numa_local
-from numafast.errors import MemlockError
+from numafast.errors import LoaderHint, MemlockError
 from numafast.pool import MEMLOCK_FIX, LockMode, memlock_room, parse_mode
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
 from numafast.torch import process_pools
-from numafast.torch.pools import LoaderStats, NodePools, node_pools
+from numafast.torch.pools import LoaderStats, NodePools, _user_level, node_pools
 from numafast.torch.sizing import check_max_pinned_bytes
 from numafast.torch.workers import watch_starts
 
@@ -214,6 +215,7 @@ class NumaLoader(DataLoader[T_co]):
         else:
             base = {**DATALOADER_DEFAULTS, "dataset": dataset}
         settings = merge_settings(base, given)
+        _hint(settings, batched=isinstance(dataset, DataLoader) or {"batch_size", "batch_sampler"} & given.keys())
         # All before DataLoader.__init__, which sets collate_fn through __setattr__.
         self.prefetch: int = positive_int(prefetch, "prefetch")
         self.slots: int | None = None if slots is None else positive_int(slots, "slots", or_none=True)
@@ -360,6 +362,35 @@ class NumaLoader(DataLoader[T_co]):
     def __repr__(self) -> str:
         target = str(self.device) if self.device is not None else "host"
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
+
+
+_hinted: set[str] = set()  # the LoaderHints said in this process, by kind
+
+
+def _hint(settings: dict[str, Any], *, batched: object) -> None:
+    """One LoaderHint per kind and process, at the user's line, where numafast can do
+    little: ``NumaLoader(dataset)`` with no batch size given (not ``batched``) makes
+    batches of one sample, as ``DataLoader(dataset)`` does; ``num_workers=0`` leaves no
+    workers to place, and the main process collates every batch itself."""
+    workers = settings["num_workers"]
+    if not batched and settings["batch_size"] == 1:
+        kind, text = "batch_size", (
+            "NumaLoader(dataset) without batch_size makes batches of 1 sample, as DataLoader(dataset) does"
+            + (", with no worker processes" if not workers else "")
+            + ": numafast's speed-up comes from workers collating whole batches into node-local slots. Pass "
+            "batch_size=... and num_workers=... (2 or more), as to a DataLoader"
+        )
+    elif not workers:
+        kind, text = "num_workers", (
+            "num_workers=0: the main process loads and collates every batch itself, so there are no workers to "
+            "place on the node and nothing runs beside the training loop. Pass num_workers=2 or more for "
+            "numafast's speed-up"
+        )
+    else:
+        return
+    if kind not in _hinted:
+        _hinted.add(kind)
+        warnings.warn(text + " (said once)", LoaderHint, stacklevel=_user_level())
 
 
 def _lands_in(value: Any, pools: NodePools, strict: bool) -> bool:

@@ -33,7 +33,9 @@ import torch
 import numafast
 from numafast import _pid
 from numafast.errors import PoolClosedError, PoolExhaustedError
-from numafast.pool import LockMode, PinnedPool, PoolStats, RegisterMode, Slot, parse_mode
+from numafast.pool import (
+    LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode, warn_unlocked,
+)
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch import process_pools
 from numafast.torch.batch import place
@@ -161,6 +163,9 @@ class NodePools:
         self.warned: set[str] = set()
         self.refused = ""  # why the last request for more room was refused
         self._kept_grew = False  # pools were added because the consumer keeps every slot
+        # A pool's MemlockWarning, held back to be said at the next batch (_warn_unlocked_pool),
+        # and whether that pool was one added for kept batches.
+        self._unlocked: tuple[str, bool] | None = None
         self.before_receive: Callable[[], None] = lambda: None  # the hook binds PyTorch's pin thread
         self.taken_over = taken_over
 
@@ -209,8 +214,10 @@ class NodePools:
     def _after_batch(self) -> None:
         """In the receiving thread (where the user's warning filters apply): the warning
         about kept batches, retired pools settled, now and then free grown pools released."""
-        if self._kept_grew and "kept" not in self.warned:
+        if self._kept_grew and "kept" not in self.warned:  # the cause first: a limit met only by kept batches
             self._warn_kept()
+        if self._unlocked is not None:
+            self._warn_unlocked_pool()
         if not self.received() % SHRINK_EVERY:
             process_pools.shrink_all()
         self._settle_retired()
@@ -332,11 +339,14 @@ class NodePools:
                 if not resize:
                     self._kept_grew = True
             try:
-                pool = self._new_pool(slot_bytes, count)
+                with memlock_warning_held() as held:  # said at the next batch, at the user's line (_after_batch)
+                    pool = self._new_pool(slot_bytes, count)
             except _DeviceUnsettled:  # answered at once: the worker's batch goes the copying way
                 with self._mutex:
                     self._publish(self.pools)
                 return False
+            if held:
+                self._unlocked = (held[0], not resize)
             with self._mutex:
                 published = not self.closed
                 if published:
@@ -498,13 +508,25 @@ class NodePools:
         if held < 2:  # only the batch being worked on: a framework reading ahead, not kept batches
             self._kept_grew = False  # looked at again after the next pool added
             return
+        kept = held - 1
         self._warn_once("kept", (
-            f"the consumer keeps tensors of at least {held - 1} earlier batches (a list of labels for metrics, "
-            f"list(loader), a cache): a tensor over a slot keeps the whole page-locked slot ({self.pools[0].slot_bytes} "
-            f"bytes), so pools were added to go on, up to max_pinned_bytes ({self.max_pinned_bytes} bytes), after which "
-            f"batches arrive unpinned. .clone() what you keep (targets.append(y.clone())): the slot comes back at once, "
-            f"and so does the memory of the pools added for them"
+            f"the consumer keeps tensors of earlier batches ({kept} {'batch' if kept == 1 else 'batches'} so far; a "
+            f"list of labels for metrics, list(loader), a cache): a tensor over a slot keeps its whole slot "
+            f"({format_size(self.pools[0].slot_bytes)}), so pools were added to go on, up to max_pinned_bytes "
+            f"({format_size(self.max_pinned_bytes)}), after which batches arrive unpinned. .clone() what you keep "
+            f"(targets.append(y.clone())): the slot comes back at once, and so does the memory of the pools added "
+            f"for them. y.to(device) copies nothing where the device is the CPU, so a device-agnostic loop keeps the "
+            f"slot that way too"
         ))  # fmt: skip
+
+    def _warn_unlocked_pool(self) -> None:
+        """The MemlockWarning held back when a pool could not be page-locked, at the user's
+        line; none for a pool added for kept batches once that warning is given: .clone(),
+        not a higher limit, is the fix there."""
+        assert self._unlocked is not None
+        (message, kept), self._unlocked = self._unlocked, None
+        if not (kept and "kept" in self.warned):
+            warn_unlocked(message, _user_level())
 
     def _warn_unpinned(self, kinds: Iterable[str], text: str = _NOT_PLACED) -> None:
         """Once per kind of leaf: ``kinds`` of leaves stay where they are, unpinned."""
@@ -572,7 +594,7 @@ _LIBRARY_FILES = tuple(
 
 def _user_level() -> int:
     """The ``stacklevel`` of the first caller outside :data:`_LIBRARY_FILES` (the line that
-    asked for the batch); 2 where none is (PyTorch's pin thread)."""
+    asked for the batch, or made the loader); 2 where none is (PyTorch's pin thread)."""
     frame = sys._getframe(1)
     level = 1
     while frame is not None:
