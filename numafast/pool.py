@@ -487,6 +487,14 @@ class PinnedPool:
                 freed += 1
         return freed
 
+    def end_lease(self, index: int, generation: int, pid: int) -> bool:
+        """End process ``pid``'s lease of slot ``index`` in ``generation`` whose batch this
+        process will not take over (it failed on arrival): the slot is free again. False
+        when that lease had ended already (adopted, reclaimed)."""
+        if not _pid.owns(self._resources.owner_pid):
+            return False
+        return bool(self._slots.reclaim(index, generation, pid))
+
     def share(self) -> PoolHandle:
         """What another process needs to map this pool and lease its slots (small and
         picklable): see :class:`numafast.pool_share.PoolView`."""

@@ -88,6 +88,10 @@ def pool_gone(message: SlotBatch) -> None:
     message.inode = 0  # a pool these pools do not have (any more)
 
 
+def oversized(message: SlotBatch) -> None:
+    message.nbytes = 1 << 40  # more than its slot holds: adopt refuses it, its lease untouched
+
+
 def check_one_error_in_place(seen: list[Any], kind: type[Exception], why: str) -> None:
     """One batch raised ``kind`` naming a worker's batch and ``why``; every other batch
     came, in order."""
@@ -120,6 +124,22 @@ def test_a_batch_that_cannot_be_taken_over_raises_in_its_place_and_the_rest_foll
         next(outcome for outcome in seen if isinstance(outcome, BaseException))
     )
     assert [batch[:, 0].tolist() for batch in loader] == expected()  # and the next epoch is whole
+
+
+def test_a_batch_not_taken_over_gives_its_slot_back_while_its_worker_lives() -> None:
+    """A take-over that fails before the slot is adopted ends the worker's lease: with
+    persistent workers, which never exit, the slot would otherwise stay leased for good."""
+    loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=TIMEOUT_S,
+                                       persistent_workers=True)  # fmt: skip
+    assert [batch[:, 0].tolist() for batch in loader] == expected()
+    spoil_one(loader.pools, oversized, at=3)
+    seen = outcomes(iter(loader))
+    errors = [outcome for outcome in seen if isinstance(outcome, BaseException)]
+    assert len(errors) == 1 and "do not fit in a slot" in str(errors[0]), seen
+    workers = loader._iterator._workers
+    assert all(worker.is_alive() for worker in workers)
+    assert sum(pool.stats().leased for pool in loader.pools.pools) == 0, loader.stats()
+    assert [batch[:, 0].tolist() for batch in loader] == expected()
 
 
 def test_a_receive_error_under_the_pin_memory_hook_leaves_torchs_pin_thread_running(

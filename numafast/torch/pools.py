@@ -187,26 +187,34 @@ class NodePools:
     def receive(self, message: SlotBatch) -> Any:
         """The batch a worker packed into one of these pools, over this process's mapping
         (called as the message is unpickled here)."""
-        self.before_receive()
-        with self._mutex:
-            pool = self._by_inode.get(message.inode)
-            try:
-                if pool is None:
-                    raise RuntimeError(
-                        f"a batch arrived in slot {message.index} of a node-{self.node} pool this loader no longer has"
-                    )
-                slot = pool.adopt(message.index, message.generation, message.nbytes)
-            except (LookupError, RuntimeError) as error:
-                # A lease ends early only when its worker is gone (reclaim_orphans), and a
-                # pool leaves this loader only once every lease of it ended.
-                if message.sender and _sender_gone(message.sender):
-                    raise SenderDied(
-                        f"DataLoader worker process {message.worker} (pid {message.sender}) died after sending "
-                        f"{message.describe()}: its slot went back to the pool when the death was seen"
-                    ) from error
-                raise
-            self.landed += 1
-            self.largest_landed = max(self.largest_landed, message.nbytes)
+        pool: PinnedPool | None = None
+        try:
+            self.before_receive()
+            with self._mutex:
+                pool = self._by_inode.get(message.inode)
+                try:
+                    if pool is None:
+                        raise RuntimeError(f"a batch arrived in slot {message.index} of a node-{self.node} pool this "
+                                           "loader no longer has")  # fmt: skip
+                    slot = pool.adopt(message.index, message.generation, message.nbytes)
+                except (LookupError, RuntimeError) as error:
+                    # A lease ends early only when its worker is gone (reclaim_orphans), and a
+                    # pool leaves this loader only once every lease of it ended.
+                    if message.sender and _sender_gone(message.sender):
+                        raise SenderDied(
+                            f"DataLoader worker process {message.worker} (pid {message.sender}) died after sending "
+                            f"{message.describe()}: its slot went back to the pool when the death was seen"
+                        ) from error
+                    raise
+                self.landed += 1
+                self.largest_landed = max(self.largest_landed, message.nbytes)
+        except BaseException:
+            # Not taken over, whatever stopped it (a signal handler's exception, a message
+            # that does not fit its slot): the lease ends here, or its slot would stay the
+            # worker's until that worker exits (never, with persistent workers).
+            if pool is not None and message.sender:
+                pool.end_lease(message.index, message.generation, message.sender)
+            raise
         self._warn_unpinned(message.unpinned)
         self._after_batch()
         return unpack(message.payload, slot)
