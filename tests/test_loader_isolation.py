@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -194,3 +195,42 @@ def test_a_dataloader_over_numafasts_collate_inherited_by_a_forked_process_gives
     assert in_forked_child(child) == "ok"
     assert leases_out(loader) == 0
     assert wrong_batches(cloned(made), in_order(count, size)) == []
+
+
+KEEPING_UNDER_A_LOW_NOFILE = """
+import resource, sys, torch
+from torch.utils.data import Dataset
+import numafast.torch
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+class Tagged(Dataset):
+    def __len__(self): return 600
+    def __getitem__(self, i): return torch.full((4096,), float(i)), i
+loader = numafast.torch.NumaLoader(Tagged(), batch_size=2, num_workers=2, max_pinned_bytes=int(sys.argv[1]))
+kept, raised = [], ""
+try:
+    for values, index in loader:
+        kept.append((values, index))
+except Exception as error:
+    raised = f"{type(error).__name__}: {error}"
+wrong = [n for n, (v, i) in enumerate(kept) if i.tolist() != [2 * n, 2 * n + 1] or not torch.equal(v[:, 0], i.to(v.dtype))]
+print(len(kept), len(wrong), loader.stats().unpinned, raised, sep="|")
+"""
+
+
+@SEMANTICS
+@pytest.mark.parametrize("max_pinned_bytes", [1 << 30, 300_000], ids=["pools-grow", "past-the-cap"])
+def test_a_consumer_keeping_every_batch_under_ulimit_n_128_gets_right_batches_or_a_clear_error(
+    max_pinned_bytes: int,
+) -> None:
+    """Out of descriptors (every kept batch that arrives unpinned holds one, as torch
+    shares it), the consumer gets right batches, then an error naming the open-files
+    limit; never a wrong batch (a lease freed because /proc could not be opened)."""
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", KEEPING_UNDER_A_LOW_NOFILE, str(max_pinned_bytes)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    kept, wrong, unpinned, raised = done.stdout.strip().splitlines()[-1].split("|", 3)
+    assert int(wrong) == 0, done.stdout
+    if raised:
+        assert "ulimit -n" in raised and int(unpinned) > 0, raised
+    else:
+        assert int(kept) == 300, done.stdout
