@@ -24,7 +24,8 @@ loader NumaLoader iterates through, Accelerate's ``base_dataloader``). Nothing i
 per batch.
 
 A worker that dies holding the lock of torch's done event does not hang the consumer
-either (:class:`_DoneEvent`).
+either (:class:`_DoneEvent`), and an exception that leaves the iterator does not keep
+it, nor its workers (:class:`_LetsGoOnError`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import select
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable
@@ -124,6 +126,7 @@ def watch_starts(
         raise
     finally:
         _local.watch = outer
+    _let_go_on_error(iterator)
     _bound_done_event(iterator)
     if watch.attach(iterator):
         made = weakref.ref(iterator)
@@ -346,6 +349,7 @@ def _found_watch() -> _StartWatch | None:
             return None
         watch = _found.get(iterator)
         if watch is None:
+            _let_go_on_error(iterator)
             watch = _found[iterator] = _StartWatch(nullcontext)
             _local.begin = (watch, weakref.ref(iterator))
         return watch
@@ -506,6 +510,52 @@ def _kill(process: Any) -> None:
         process.kill()
         process.join(5.0)
     except (OSError, ValueError, AssertionError, AttributeError):
+        pass
+
+
+# ------------------------------------------------------------ an error leaving torch's iterator
+
+
+class _LetsGoOnError:
+    """torch's multi-worker iterator, which an exception leaving it does not keep alive.
+
+    torch raises a worker's error again in the consumer from a local variable
+    (``ExceptionWrapper.reraise``): the exception's traceback holds that frame, which
+    holds the exception, a reference cycle through every frame below the consumer's, each
+    holding the iterator. Only the collector freed it: an epoch ended by an exception left
+    its workers running, their slots leased (read as batches the consumer keeps), and
+    registered for torch's SIGCHLD check, which reported one that died later as the next
+    epoch's. Here, as an exception leaves ``__next__``, the frames below it (all finished)
+    are cleared and ``__next__``'s own lets the iterator go: the exception, kept or not,
+    holds nothing of the iterator, which goes with the consumer's last reference, as at a
+    ``break``. The iterator itself is unchanged: the consumer may catch the error and call
+    ``next()`` again (PyTorch's own tests do)."""
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()  # type: ignore[misc]
+        except BaseException as error:
+            traceback.clear_frames(error.__traceback__.tb_next if error.__traceback__ is not None else None)
+            del self
+            raise
+
+
+_letting_go: dict[type, type] = {}  # per class of torch's iterator, its subclass with _LetsGoOnError
+
+
+def _let_go_on_error(iterator: Any) -> None:
+    """Make ``iterator``, torch's multi-worker iterator (any other is left as it is), one
+    that an exception leaving it does not keep (:class:`_LetsGoOnError`)."""
+    module = sys.modules.get("torch.utils.data.dataloader")
+    base = getattr(module, "_MultiProcessingDataLoaderIter", None)
+    kind = type(iterator)
+    if base is None or not isinstance(iterator, base) or issubclass(kind, _LetsGoOnError):
+        return
+    if kind not in _letting_go:
+        _letting_go[kind] = type(kind.__name__, (_LetsGoOnError, kind), {"__module__": __name__})
+    try:
+        iterator.__class__ = _letting_go[kind]
+    except TypeError:  # a subclass with a layout of its own (__slots__): left as it is
         pass
 
 
