@@ -33,6 +33,7 @@ from __future__ import annotations
 import gc
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -561,7 +562,9 @@ def _let_go_on_error(iterator: Any) -> None:
 
 # ------------------------------------------------------------ torch's done event
 
-_DONE_LOCK_WAIT_S = 2.0  # a living holder keeps the lock for microseconds
+_DONE_LOCK_WAIT_S = 2.0  # a living holder keeps the lock for microseconds: past this, is one dead?
+_DONE_LOCK_LIVE_WAIT_S = 60.0  # held this long with every worker alive: the holder is stopped, not slow
+_DONE_LOCK_POLL_S = 0.01  # the longest pause between two tries (the first come sooner)
 
 
 class _DoneEvent:
@@ -573,56 +576,105 @@ class _DoneEvent:
     killer or a SIGKILL, in the microseconds of its check) leaves it taken for good, and
     the consumer waits forever where torch reads or sets the event: where it finds a
     worker dead, and in the iterator's shutdown (torch's SIGCHLD handler ends such a wait
-    only for a worker that dies during it). Here the lock is first waited for with a
-    deadline. Where it does not come, no worker can read the event again, nor end its
-    loop: the living workers are ended, out of torch's registered workers first (so that
-    it does not take them for workers that died), and the event reads as the iterator
-    last set it."""
+    only for a worker that dies during it). Here the lock is tried, never waited for
+    unbounded, and the event read or set under that very hold. Tried until a deadline on
+    the monotonic clock: a timed wait on the semaphore (``sem_timedwait``) counts on the
+    wall clock, which a clock step moves. Taken for ``_DONE_LOCK_WAIT_S`` while a worker
+    died abnormally, or for ``_DONE_LOCK_LIVE_WAIT_S`` with all alive (one stopped holding
+    it), the lock is lost: no worker can read the event again, nor end its loop, so the
+    living workers are ended, out of torch's registered workers first (so that it does
+    not take them for workers that died), and the event reads as the iterator last set
+    it. A holder alive and only slow (descheduled, swapped out) is waited for."""
 
     def __init__(self, event: Any, iterator: Any) -> None:
         self.event = event
         self.iterator = weakref.ref(iterator)  # the iterator holds this: no cycle
+        self.processes: list[Any] = iterator._workers  # torch's very list (a replacement is put in it)
         self.done = False
         self.lock_lost = False
 
     def set(self) -> None:
         self.done = True
-        if self._lock_free():
-            self.event.set()
+        if self._take_lock():
+            try:  # Event.set() under the hold taken here
+                self.event._flag.acquire(False)
+                self.event._flag.release()
+                self.event._cond.notify_all()  # none waits: torch's workers only read the event
+            finally:
+                self.event._cond.release()
 
     def is_set(self) -> bool:
-        return bool(self.event.is_set()) if self._lock_free() else self.done
+        if not self._take_lock():
+            return self.done
+        try:  # Event.is_set() under the hold taken here
+            if self.event._flag.acquire(False):
+                self.event._flag.release()
+                return True
+            return False
+        finally:
+            self.event._cond.release()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.event, name)
 
-    def _lock_free(self) -> bool:
+    def _take_lock(self) -> bool:
+        """The event's lock, taken by this thread (True), or lost for good (False)."""
         if self.lock_lost:
             return False
         lock = self.event._cond
-        if lock.acquire(timeout=_DONE_LOCK_WAIT_S):
-            lock.release()
-            return True
+        began = time.monotonic()
+        pause = 0.0005
+        while not lock.acquire(False):
+            waited = time.monotonic() - began
+            if waited >= _DONE_LOCK_LIVE_WAIT_S or (waited >= _DONE_LOCK_WAIT_S and (dead := self._died())):
+                self._lose(waited, dead if waited < _DONE_LOCK_LIVE_WAIT_S else [])
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, _DONE_LOCK_POLL_S)
+        return True
+
+    def _died(self) -> list[str]:
+        """The workers that ended abnormally (the holder is among them, if it is dead)."""
+        died = []
+        for process in list(self.processes):
+            code = process.exitcode  # reaped here where it has exited, as torch's own look does
+            if code is not None and code != 0:
+                died.append(f"pid {process.pid} {_how_it_ended(code)}")
+        return died
+
+    def _lose(self, waited: float, dead: list[str]) -> None:
         self.lock_lost = True
-        iterator = self.iterator()
-        alive = [process for process in getattr(iterator, "_workers", []) if process.is_alive()]
+        alive = [process for process in list(self.processes) if process.is_alive()]
+        why = (f"a DataLoader worker died holding it ({', '.join(dead)}: killed, by the OOM killer or a SIGKILL, in "
+               "the instant it checked the event)" if dead else
+               "every DataLoader worker is alive: the one holding it is stopped (SIGSTOP, a debugger)")  # fmt: skip
         warnings.warn(
-            f"numafast: the lock of torch's done event stayed taken for {_DONE_LOCK_WAIT_S:g} s: a DataLoader worker "
-            "died holding it (killed, by the OOM killer or a SIGKILL, in the instant it checked the event). No worker "
-            f"can read that event again, so the {len(alive)} still alive were ended, where torch would have waited "
-            "for them forever",
-            RuntimeWarning, stacklevel=3)  # fmt: skip
+            f"numafast: the lock of torch's done event stayed taken for {waited:.0f} s: {why}. No worker can read "
+            f"that event again, so the {len(alive)} still alive were ended, where torch would have waited for them "
+            "forever",
+            RuntimeWarning, stacklevel=4)  # fmt: skip
+        iterator = self.iterator()
         if iterator is not None and (pids := _worker_pids(iterator)) is not None:
             pids(())
         for process in alive:
             _kill(process)
-        return False
+
+
+def _how_it_ended(code: int) -> str:
+    """A process's exit as multiprocessing's ``exitcode`` gives it (negative: the signal)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _bound_done_event(iterator: Any) -> None:
     """Make ``iterator``'s done event a :class:`_DoneEvent` (a torch iterator with workers)."""
     event = getattr(iterator, "_workers_done_event", None)
-    if event is not None and not isinstance(event, _DoneEvent) and hasattr(event, "_cond"):
+    known = hasattr(event, "_cond") and hasattr(event, "_flag") and isinstance(getattr(iterator, "_workers", None), list)
+    if event is not None and not isinstance(event, _DoneEvent) and known:
         iterator._workers_done_event = _DoneEvent(event, iterator)
 
 
