@@ -208,8 +208,8 @@ class _StartWatch:
                 self._release(worker, worker.token)
                 self.last_start = now
         started = sum(worker.token is None for worker in self.workers)
-        late = [(worker, worker.token) for worker in self.workers if worker.token is not None
-                and now >= max(worker.token.forked_at, self.last_start) + START_DEADLINE_S]  # fmt: skip
+        late = [(worker, worker.token) for worker in self.workers if worker.token is not None and (
+                now >= max(worker.token.forked_at, self.last_start) + START_DEADLINE_S or _ended(worker.pid))]  # fmt: skip
         if getattr(made(), "_shutdown", True):  # gone, or torch ended its workers: one that wakes up yet exits at once
             for worker in self.workers:
                 if worker.token is not None:
@@ -234,26 +234,33 @@ class _StartWatch:
         worker.token = None
 
     def _late(self, iterator: Any, worker: _Worker, token: _Token, started: int) -> None:
-        """``worker`` missed its deadline: condemned, then replaced, or its error queued."""
+        """``worker`` missed its deadline, or ended before it started: condemned, then
+        replaced, or its error queued."""
         waited = time.monotonic() - token.forked_at
         condemned = _claim(token.read)
         self._release(worker, token)
         if not condemned:  # it started after all, just now
             self.last_start = time.monotonic()
             return
-        what = (
-            f"DataLoader worker {worker.index} (pid {worker.pid}) had not started {waited:.1f} s after it was forked "
-            f"({started} of its {len(self.workers)} workers had): {_stuck_in(worker.pid)}"
-        )
+        ended = _ended(worker.pid)
+        if ended is None:
+            what = (f"DataLoader worker {worker.index} (pid {worker.pid}) had not started {waited:.1f} s after it was "
+                    f"forked ({started} of its {len(self.workers)} workers had): {_stuck_in(worker.pid)}")
+            cause = f" {_cause()}; {_FIX}"
+        else:
+            what = (f"DataLoader worker {worker.index} (pid {worker.pid}) {ended} before it started, {waited:.1f} s "
+                    "after it was forked: before numafast's first step after the fork, which runs before any code of "
+                    "the worker, so a handler of the fork that ran before it (os.register_at_fork) or a signal ended it")
+            cause = ""
         why_not = self._replace(iterator, worker)
         if why_not is not None:
-            self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}. {_cause()}; {_FIX}")
+            self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}.{cause}")
             return
         global _warned
         if not _warned:
             _warned = True
             replaced = (f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
-                        f"any index, so the epoch's batches are unchanged. {_cause()}; {_FIX}")
+                        f"any index, so the epoch's batches are unchanged.{cause}")
             warnings.warn(replaced, RuntimeWarning, stacklevel=1)
 
     def _replace(self, iterator: Any, worker: _Worker) -> str | None:
@@ -432,6 +439,20 @@ def _unclaimed(tokens: list[_Token]) -> set[int]:
     for token in tokens:
         poller.register(token.read, select.POLLIN)
     return {fd for fd, events in poller.poll(0) if events & select.POLLIN}
+
+
+def _ended(pid: int) -> str | None:
+    """How this process's child ``pid`` ended, or None while it runs. Only looked at
+    (``WNOWAIT``): multiprocessing reaps it, and torch reads its status."""
+    try:
+        status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return "ended" if pid > 0 else None  # reaped already (multiprocessing reaps at each start)
+    except OSError:
+        return None
+    if status is None or status.si_pid == 0:
+        return None
+    return _how_it_ended(status.si_status if status.si_code == os.CLD_EXITED else -status.si_status)
 
 
 def _close(token: _Token) -> None:
