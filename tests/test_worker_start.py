@@ -563,3 +563,40 @@ def test_a_worker_whose_replacements_die_too_is_named_in_the_error() -> None:
     error = outcome["error"] or ""
     assert "WorkerStartError" in error and "exited with status 70 before it started" in error, outcome
     assert "could not replace it" in error and "os.fork()" not in error, outcome
+
+
+_forks_from: list[str] = []  # the thread of each fork of this process, in order
+os.register_at_fork(before=lambda: _forks_from.append(threading.current_thread().name))
+
+
+def test_a_replacement_is_forked_and_registered_in_the_consuming_thread(
+    head_lock_at_fork: HeadLockAtFork, short_deadline: None
+) -> None:
+    """Not in the watch's thread, while the consumer may be inside CUDA, OpenMP or an
+    allocator (a replacement forked then may block past its start, unwatched), nor
+    racing torch's shutdown in its registry of worker pids (a remove and a put from
+    another thread: torch's own remove then fails and skips its terminate loop)."""
+    registry = {torch._C._set_worker_pids, torch._C._remove_worker_pids}
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and arg in registry:
+            calls.append(threading.current_thread().name)
+
+    loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=20)
+    replaced = workers.replaced_workers()
+    head_lock_at_fork.wedge(1)
+    forks = len(_forks_from)
+    threading.setprofile(profile)  # the threads started from now on: the watch's
+    sys.setprofile(profile)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert firsts(iter(loader)) == expected()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert workers.replaced_workers() == replaced + 1
+    consumer = threading.current_thread().name
+    assert _forks_from[forks:] == [consumer] * 3  # two workers, then the one in worker 1's place
+    assert len(calls) >= 3 and set(calls) == {consumer}, calls  # set, re-set without the stuck one, removed

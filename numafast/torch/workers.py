@@ -14,18 +14,21 @@ Python.)
 
 So each worker claims a start token (a pipe holding one byte) in an after-fork hook,
 which runs before multiprocessing's bootstrap, so before the worker reads any index.
-One that has not by ``START_DEADLINE_S`` is condemned (the parent takes its token),
-forked again with the same target and arguments (worker id, seeds, index queue) in its
-place among torch's workers, and killed: the epoch's batches are unchanged. Where that
-cannot be done, the consumer meets a :class:`WorkerStartError` at that worker's first
-batch. Either way a warning says so, once. Watched are the workers :func:`watch_starts`
+One that has not by ``START_DEADLINE_S`` (or ended before it could) is condemned (the
+parent takes its token), forked again with the same target and arguments (worker id,
+seeds, index queue) in its place among torch's workers, and killed: the epoch's batches
+are unchanged. Where that cannot be done, the consumer meets a
+:class:`WorkerStartError` at that worker's first batch. Either way a warning says so,
+once. The watch's thread only condemns: the replacement is forked, and torch's record
+of the workers changed, in the thread that iterates, where torch forked the first (see
+:class:`_Iterating`). Watched are the workers :func:`watch_starts`
 forks and those of a torch iterator found forking with numafast's collate function (a
 loader NumaLoader iterates through, Accelerate's ``base_dataloader``). Nothing is done
 per batch.
 
 A worker that dies holding the lock of torch's done event does not hang the consumer
 either (:class:`_DoneEvent`), and an exception that leaves the iterator does not keep
-it, nor its workers (:class:`_LetsGoOnError`).
+it, nor its workers (:class:`_Iterating`).
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ def watch_starts(
         raise
     finally:
         _local.watch = outer
-    _let_go_on_error(iterator)
+    _extend(iterator)
     _bound_done_event(iterator)
     if watch.attach(iterator):
         made = weakref.ref(iterator)
@@ -144,7 +147,9 @@ class _StartWatch:
         self.tokens: list[_Token] = []
         self.workers: list[_Worker] = []
         self.last_start = 0.0  # when a worker last started (or stopped being waited for)
+        self.condemned: list[tuple[_Worker, str, str]] = []  # (worker, what, cause): for the iterating thread
         self.doomed: list[tuple[Any, int]] = []  # (process, task): see _fail
+        self.lock = threading.Lock()  # between the watch's thread and the iterating one
 
     def token(self) -> _Token:
         """A new token, for the fork about to happen (the before-fork hook)."""
@@ -163,10 +168,11 @@ class _StartWatch:
         if not self.tokens:
             return False  # no worker forked (none asked for, or spawned, or served by a forkserver)
         processes = getattr(iterator, "_workers", None)
-        if not isinstance(processes, list) or len(processes) != len(self.tokens):
-            self.close()  # not torch's iterator as known: its workers cannot be told apart
+        if not isinstance(iterator, _Iterating) or not isinstance(processes, list) or len(processes) != len(self.tokens):
+            self.close()  # not torch's iterator as known: its workers cannot be told apart, nor replaced
             return False
         _runs[iterator] = [token.run for token in self.tokens]
+        _watches[iterator] = self
         for index, (process, token) in enumerate(zip(processes, self.tokens)):
             token.run = None
             self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token))
@@ -178,8 +184,7 @@ class _StartWatch:
         self.tokens.clear()
 
     def run(self, made: weakref.ref[Any]) -> None:
-        """The watch thread, until no worker is left to wait for."""
-        _local.watch = self  # this thread forks only workers in others' place: their tokens are this watch's
+        """The watch thread, until no worker is left to wait for (nor to replace)."""
         try:
             looks = 0
             while self._look(made):
@@ -201,6 +206,12 @@ class _StartWatch:
                 return bool(self.tokens) and time.monotonic() < self.tokens[0].forked_at + 60
             _bound_done_event(iterator)
             return self.attach(iterator)
+        with self.lock:
+            return self._look_at_workers(made)
+
+    def _look_at_workers(self, made: weakref.ref[Any]) -> bool:
+        """:meth:`_look` at the attached workers' tokens: condemn the late, and wake the
+        iterating thread to replace them."""
         now = time.monotonic()
         unclaimed = _unclaimed(self.tokens)  # the pending workers' tokens are this watch's open ones
         for worker in self.workers:
@@ -218,14 +229,11 @@ class _StartWatch:
             for process, _task in self.doomed:
                 _end(iterator, process)
             return False
-        if late or self.doomed:
-            iterator = made()
-            if iterator is None:
-                return True  # gone since: the next look ends the watch
-            for worker, token in late:
-                self._late(iterator, worker, token, started)
-            self._settle_doomed(iterator)
-        return any(worker.token is not None for worker in self.workers) or bool(self.doomed)
+        for worker, token in late:
+            self._late(worker, token, started)
+        if late and self.condemned:
+            _wake(made())
+        return any(worker.token is not None for worker in self.workers) or bool(self.condemned or self.doomed)
 
     def _release(self, worker: _Worker, token: _Token) -> None:
         """No more waiting for ``worker`` to claim ``token``: it is closed."""
@@ -233,9 +241,9 @@ class _StartWatch:
         self.tokens.remove(token)
         worker.token = None
 
-    def _late(self, iterator: Any, worker: _Worker, token: _Token, started: int) -> None:
-        """``worker`` missed its deadline, or ended before it started: condemned, then
-        replaced, or its error queued."""
+    def _late(self, worker: _Worker, token: _Token, started: int) -> None:
+        """``worker`` missed its deadline, or ended before it started: condemned, for the
+        iterating thread to replace it, or to queue its error (:meth:`serve`)."""
         waited = time.monotonic() - token.forked_at
         condemned = _claim(token.read)
         self._release(worker, token)
@@ -252,6 +260,26 @@ class _StartWatch:
                     "after it was forked: before numafast's first step after the fork, which runs before any code of "
                     "the worker, so a handler of the fork that ran before it (os.register_at_fork) or a signal ended it")
             cause = ""
+        self.condemned.append((worker, what, cause))
+
+    def serve(self, iterator: Any) -> None:
+        """In the thread that iterates, as it waits for a batch: fork the condemned
+        workers' replacements (or queue their errors), and kill the stuck workers whose
+        error the consumer met. There, where torch forked the first workers, the thread
+        that forks is not inside CUDA, OpenMP or an allocator (a child forked meanwhile
+        from another thread inherits their locks held, and may block past its start,
+        unwatched), and torch's record of the workers changes in the thread that ends
+        them (from another, it raced torch's shutdown)."""
+        if not (self.condemned or self.doomed):
+            return
+        with self.lock:
+            condemned, self.condemned = self.condemned, []
+            for worker, what, cause in condemned:
+                self._in_place(iterator, worker, what, cause)
+            self._settle_doomed(iterator)
+
+    def _in_place(self, iterator: Any, worker: _Worker, what: str, cause: str) -> None:
+        """Replace the condemned ``worker``, else queue its error; warn, once."""
         why_not = self._replace(iterator, worker)
         if why_not is not None:
             self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}.{cause}")
@@ -278,11 +306,14 @@ class _StartWatch:
             return f"the {MAX_RESTARTS} workers forked in its place did not start either"
         replacement = type(old)(**run)
         forks = len(self.tokens)
+        outer, _local.watch = getattr(_local, "watch", None), self  # its token is this watch's
         try:
             with self.fork_scope():
                 replacement.start()
         except Exception as error:  # noqa: BLE001 - said in the error the consumer gets
             return f"forking a worker in its place failed ({error!r})"
+        finally:
+            _local.watch = outer
         iterator._workers[worker.index] = replacement
         _end(iterator, old)
         global _replaced
@@ -294,8 +325,6 @@ class _StartWatch:
             worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
         else:
             self.last_start = time.monotonic()  # forked without a token: nothing to wait for
-        if getattr(iterator, "_shutdown", False):
-            _end(iterator, replacement)  # the iteration ended meanwhile
         return None
 
     def _fail(self, iterator: Any, worker: _Worker, message: str) -> None:
@@ -357,7 +386,7 @@ def _found_watch() -> _StartWatch | None:
             return None
         watch = _found.get(iterator)
         if watch is None:
-            _let_go_on_error(iterator)
+            _extend(iterator)
             watch = _found[iterator] = _StartWatch(nullcontext)
             _local.begin = (watch, weakref.ref(iterator))
         return watch
@@ -478,9 +507,12 @@ def _worker_pids(iterator: Any) -> Callable[[tuple[int, ...]], None] | None:
         return None
 
     def set_pids(pids: tuple[int, ...]) -> None:
-        if iterator._worker_pids_set:  # False once the iterator shut its workers down
-            remove(id(iterator))
-            put(id(iterator), pids)
+        # Only in the thread that iterates, where torch's shutdown runs too: never between the two calls.
+        if iterator._worker_pids_set and not iterator._shutdown:  # torch let them go (or is about to)
+            try:
+                remove(id(iterator))
+            finally:  # also where a signal handler raised in between (torch's SIGCHLD check)
+                put(id(iterator), pids)
 
     return set_pids
 
@@ -538,20 +570,28 @@ def _kill(process: Any) -> None:
 # ------------------------------------------------------------ an error leaving torch's iterator
 
 
-class _LetsGoOnError:
-    """torch's multi-worker iterator, which an exception leaving it does not keep alive.
+_WAKE = -1  # the task number of the message that wakes the iterating thread (torch's are >= 0)
+_watches: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()  # per iterator
 
-    torch raises a worker's error again in the consumer from a local variable
-    (``ExceptionWrapper.reraise``): the exception's traceback holds that frame, which
-    holds the exception, a reference cycle through every frame below the consumer's, each
-    holding the iterator. Only the collector freed it: an epoch ended by an exception left
-    its workers running, their slots leased (read as batches the consumer keeps), and
-    registered for torch's SIGCHLD check, which reported one that died later as the next
-    epoch's. Here, as an exception leaves ``__next__``, the frames below it (all finished)
-    are cleared and ``__next__``'s own lets the iterator go: the exception, kept or not,
-    holds nothing of the iterator, which goes with the consumer's last reference, as at a
-    ``break``. The iterator itself is unchanged: the consumer may catch the error and call
-    ``next()`` again (PyTorch's own tests do)."""
+
+class _Iterating:
+    """torch's multi-worker iterator, with numafast's part in the thread that iterates.
+
+    Its wait for a batch also does what the start watch asks of that thread
+    (:meth:`_StartWatch.serve`), woken for it by a ``_WAKE`` message, which is no batch.
+
+    And an exception leaving it does not keep it alive. torch raises a worker's error
+    again in the consumer from a local variable (``ExceptionWrapper.reraise``): the
+    exception's traceback holds that frame, which holds the exception, a reference cycle
+    through every frame below the consumer's, each holding the iterator. Only the
+    collector freed it: an epoch ended by an exception left its workers running, their
+    slots leased (read as batches the consumer keeps), and registered for torch's SIGCHLD
+    check, which reported one that died later as the next epoch's. Here, as an exception
+    leaves ``__next__``, the frames below it (all finished) are cleared and ``__next__``'s
+    own lets the iterator go: the exception, kept or not, holds nothing of the iterator,
+    which goes with the consumer's last reference, as at a ``break``. The iterator itself
+    is unchanged: the consumer may catch the error and call ``next()`` again (PyTorch's
+    own tests do)."""
 
     def __next__(self) -> Any:
         try:
@@ -561,23 +601,42 @@ class _LetsGoOnError:
             del self
             raise
 
+    def _try_get_data(self, timeout: float | None = None) -> tuple[bool, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            watch = _watches.get(self)
+            if watch is not None:
+                watch.serve(self)
+            left = () if deadline is None else (max(deadline - time.monotonic(), 0.0),)  # torch's default, or the rest
+            got, data = super()._try_get_data(*left)  # type: ignore[misc]
+            if not (got and isinstance(data, tuple) and len(data) == 2 and data[0] == _WAKE):
+                return got, data
 
-_letting_go: dict[type, type] = {}  # per class of torch's iterator, its subclass with _LetsGoOnError
+
+def _wake(iterator: Any) -> None:
+    """Wake the thread that iterates ``iterator`` where it waits for a batch (see :class:`_Iterating`)."""
+    try:
+        iterator._worker_result_queue.put((_WAKE, None))
+    except Exception:  # noqa: BLE001 - gone, or closed: it waits no more
+        pass
 
 
-def _let_go_on_error(iterator: Any) -> None:
-    """Make ``iterator``, torch's multi-worker iterator (any other is left as it is), one
-    that an exception leaving it does not keep (:class:`_LetsGoOnError`)."""
+_extended: dict[type, type] = {}  # per class of torch's iterator, its subclass with _Iterating
+
+
+def _extend(iterator: Any) -> None:
+    """Make ``iterator``, torch's multi-worker iterator (any other is left as it is), an
+    :class:`_Iterating` one."""
     module = sys.modules.get("torch.utils.data.dataloader")
     base = getattr(module, "_MultiProcessingDataLoaderIter", None)
     kind = type(iterator)
-    if base is None or not isinstance(iterator, base) or issubclass(kind, _LetsGoOnError):
+    if base is None or not isinstance(iterator, base) or issubclass(kind, _Iterating):
         return
-    if kind not in _letting_go:
-        _letting_go[kind] = type(kind.__name__, (_LetsGoOnError, kind), {"__module__": __name__})
+    if kind not in _extended:
+        _extended[kind] = type(kind.__name__, (_Iterating, kind), {"__module__": __name__})
     try:
-        iterator.__class__ = _letting_go[kind]
-    except TypeError:  # a subclass with a layout of its own (__slots__): left as it is
+        iterator.__class__ = _extended[kind]
+    except TypeError:  # a subclass with a layout of its own (__slots__): left as it is, unwatched
         pass
 
 
