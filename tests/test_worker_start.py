@@ -600,3 +600,55 @@ def test_a_replacement_is_forked_and_registered_in_the_consuming_thread(
     consumer = threading.current_thread().name
     assert _forks_from[forks:] == [consumer] * 3  # two workers, then the one in worker 1's place
     assert len(calls) >= 3 and set(calls) == {consumer}, calls  # set, re-set without the stuck one, removed
+
+
+# Garbage made at the last moment before a worker's fork, and a handler that allocates
+# in the child before numafast's first step (registered before numafast's, it runs
+# first): enough to set the collector off there, with it on.
+COLLECTS_BEFORE_NUMAFAST = """
+import gc, os, sys
+record = sys.argv[1]
+
+class Finalized:
+    def __init__(self) -> None:
+        self.cycle = self
+
+    def __del__(self) -> None:
+        with open(record, "a") as file:
+            file.write(f"{os.getpid()}\\n")
+
+forks = [0]
+
+def garbage() -> None:
+    forks[0] += 1
+    if forks[0] == 1:
+        Finalized()
+
+def allocate() -> None:
+    [[] for _ in range(2000)]
+
+os.register_at_fork(before=garbage, after_in_child=allocate)
+import torch
+import numafast.torch
+
+assert gc.isenabled()
+loader = numafast.torch.NumaLoader([torch.zeros(4) for _ in range(8)], batch_size=2, num_workers=2)
+assert sum(1 for _batch in loader) == 4 and gc.isenabled()
+gc.collect()
+print(os.getpid())
+"""
+
+
+def test_a_worker_never_runs_the_finalizers_of_garbage_it_inherited_even_with_the_collector_on(
+    tmp_path: Path,
+) -> None:
+    """The collector may run in the child before numafast's first step there (any
+    allocation in an earlier after-fork handler): it is off from the fork until then."""
+    import subprocess
+
+    record = tmp_path / "finalized"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(numafast.__file__).parents[1]), *sys.path])}
+    ran = subprocess.run([sys.executable, "-c", COLLECTS_BEFORE_NUMAFAST, str(record)], capture_output=True, text=True,
+                         timeout=120, env=env)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert record.read_text().split() == [ran.stdout.split()[-1]]  # finalized once, in the parent

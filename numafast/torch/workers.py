@@ -358,10 +358,18 @@ class _StartWatch:
 def _before_fork() -> None:
     watch = getattr(_local, "watch", None) or _found_watch()
     _local.pending = watch.token() if watch is not None else None
+    # A worker's collector stays off until its first step freezes what it inherited (see
+    # _after_fork_in_child): the after-fork handlers registered before numafast's run first.
+    _local.collecting = watch is not None and gc.isenabled()
+    if _local.collecting:
+        gc.disable()
 
 
 def _after_fork_in_parent() -> None:
     _local.pending = None
+    if getattr(_local, "collecting", False):
+        _local.collecting = False
+        gc.enable()
     begin, _local.begin = getattr(_local, "begin", None), None
     if begin is not None:  # the first fork of an iterator found forking: its watch thread
         watch, made = begin
@@ -398,6 +406,7 @@ def _after_fork_in_child() -> None:
     """A forked child's first step: claim its start token (a watched worker) and drop the
     parent's tokens."""
     token: _Token | None = getattr(_local, "pending", None)
+    collecting, _local.collecting = getattr(_local, "collecting", False), False
     _local.pending = _local.watch = _local.begin = None  # this child's own forks are not watched
     started = token is None or _claim(token.read)
     for fd in _open_tokens:
@@ -414,6 +423,8 @@ def _after_fork_in_child() -> None:
         # importlib's _ModuleLock.acquire). Frozen, the collector never looks at what
         # the worker inherited; nor does it write to those pages, so they stay shared.
         gc.freeze()
+    if collecting:
+        gc.enable()
     if not started:
         os._exit(0)  # condemned: only slow, it must not race the worker forked in its place
 
