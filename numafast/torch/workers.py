@@ -578,7 +578,7 @@ def _kill(process: Any) -> None:
         pass
 
 
-# ------------------------------------------------------------ an error leaving torch's iterator
+# ------------------------------------------------------------ torch's iterator, in the thread that iterates
 
 
 _WAKE = -1  # the task number of the message that wakes the iterating thread (torch's are >= 0)
