@@ -167,8 +167,8 @@ class _StartWatch:
         order); False, the tokens closed, where there is nothing to watch."""
         if not self.tokens:
             return False  # no worker forked (none asked for, or spawned, or served by a forkserver)
-        processes = getattr(iterator, "_workers", None)
-        if not isinstance(iterator, _Iterating) or not isinstance(processes, list) or len(processes) != len(self.tokens):
+        processes = getattr(iterator, "_workers", None) if isinstance(iterator, _Iterating) else None
+        if not isinstance(processes, list) or len(processes) != len(self.tokens):
             self.close()  # not torch's iterator as known: its workers cannot be told apart, nor replaced
             return False
         _runs[iterator] = [token.run for token in self.tokens]
@@ -220,7 +220,8 @@ class _StartWatch:
                 self.last_start = now
         started = sum(worker.token is None for worker in self.workers)
         late = [(worker, worker.token) for worker in self.workers if worker.token is not None and (
-                now >= max(worker.token.forked_at, self.last_start) + START_DEADLINE_S or _ended(worker.pid))]  # fmt: skip
+                now >= max(worker.token.forked_at, self.last_start) + START_DEADLINE_S
+                or _ended(worker.pid))]  # fmt: skip
         if getattr(made(), "_shutdown", True):  # gone, or torch ended its workers: one that wakes up yet exits at once
             for worker in self.workers:
                 if worker.token is not None:
@@ -257,8 +258,9 @@ class _StartWatch:
             cause = f" {_cause()}; {_FIX}"
         else:
             what = (f"DataLoader worker {worker.index} (pid {worker.pid}) {ended} before it started, {waited:.1f} s "
-                    "after it was forked: before numafast's first step after the fork, which runs before any code of "
-                    "the worker, so a handler of the fork that ran before it (os.register_at_fork) or a signal ended it")
+                    "after it was forked: before numafast's first step after the fork, which runs before any code "
+                    "of the worker, so a handler of the fork that ran before it (os.register_at_fork) or a signal "
+                    "ended it")
             cause = ""
         self.condemned.append((worker, what, cause))
 
@@ -764,7 +766,8 @@ def _how_it_ended(code: int) -> str:
 def _bound_done_event(iterator: Any) -> None:
     """Make ``iterator``'s done event a :class:`_DoneEvent` (a torch iterator with workers)."""
     event = getattr(iterator, "_workers_done_event", None)
-    known = hasattr(event, "_cond") and hasattr(event, "_flag") and isinstance(getattr(iterator, "_workers", None), list)
+    processes = getattr(iterator, "_workers", None)
+    known = hasattr(event, "_cond") and hasattr(event, "_flag") and isinstance(processes, list)
     if event is not None and not isinstance(event, _DoneEvent) and known:
         iterator._workers_done_event = _DoneEvent(event, iterator)
 
