@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -79,6 +80,90 @@ def test_a_worker_killed_holding_the_done_events_lock_does_not_hang_the_consumer
         ended.set()
         assert not stuck, f"the consumer waited on the done event's lock for {BOUND_S:g} s"
     assert not any(worker.is_alive() for worker in workers)
+    said = [str(warning.message) for warning in caught]
+    assert any("lock of torch's done event stayed taken" in text and "killed by SIGKILL" in text
+               and "the 1 still alive were ended" in text for text in said), said  # fmt: skip
+
+    data.epoch = 1
+    values = sorted(int(value) for batch in loader for value in batch[:, 0].tolist())
+    assert values == list(range(16))
+
+
+def done_lock(frame: Any) -> Any:
+    """The lock of the done event of the torch worker loop ``frame`` runs in."""
+    while frame.f_code.co_name != "_worker_loop":
+        frame = frame.f_back
+    return frame.f_locals["done_event"]._cond
+
+
+HOLD_S = 3.5  # longer than the 2 s a dead holder is waited for
+
+
+class SlowToLetGoOfTheDoneLock(torch.utils.data.Dataset):  # type: ignore[misc]
+    """16 samples; the worker that reads the last one holds the lock of the done event for
+    HOLD_S in a thread of its own, as a worker stopped (descheduled, swapped out, paused
+    by a debugger) while it checks the event holds it: alive, and it lets go."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> Any:
+        if index == 15 and torch.utils.data.get_worker_info() is not None:
+            lock, taken = done_lock(sys._getframe()), threading.Event()
+
+            def hold() -> None:
+                with lock:
+                    taken.set()
+                    time.sleep(HOLD_S)
+
+            threading.Thread(target=hold, daemon=True).start()
+            taken.wait(5)
+        return torch.tensor([index, os.getpid()])
+
+
+def test_a_worker_slow_to_let_go_of_the_done_events_lock_is_waited_for() -> None:
+    """The holder is alive: the shutdown waits for it (it lets go in seconds), and the
+    workers end as torch ends them; none is killed, no warning."""
+    loader = numafast.torch.NumaLoader(SlowToLetGoOfTheDoneLock(), batch_size=2, num_workers=2, timeout=20)
+    iterator = iter(loader)
+    workers = list(iterator._workers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = [batch[:, 0].tolist() for batch in iterator]  # the shutdown waits on the lock at the end
+    assert batches == [[2 * number, 2 * number + 1] for number in range(8)]
+    assert not [str(warning.message) for warning in caught if "done event" in str(warning.message)]
+    for worker in workers:
+        worker.join(10)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+
+
+def test_off_the_main_thread_a_worker_killed_holding_the_lock_does_not_hang_the_consumer() -> None:
+    """An iterator made off the main thread has no SIGCHLD handler: torch finds the dead
+    worker at its next look (every 5 s) and reads the event (is_set) to mark it gone."""
+    data = DiesHoldingTheDoneLock()
+    loader = numafast.torch.NumaLoader(data, batch_size=2, num_workers=2)
+    outcome: list[Any] = []
+
+    def consume() -> None:
+        iterator = iter(loader)
+        outcome.append(list(iterator._workers))
+        try:
+            for _batch in iterator:
+                pass
+        except RuntimeError as error:
+            outcome.append(str(error))
+        iterator._shutdown_workers()  # as when the consumer drops the iterator
+        outcome.append("shut down")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        consumer = threading.Thread(target=consume, daemon=True)
+        consumer.start()
+        consumer.join(BOUND_S)
+    assert not consumer.is_alive(), "the consumer waited on the done event's lock"
+    processes, error, ended = outcome
+    assert "exited unexpectedly" in error and ended == "shut down", outcome
+    assert not any(process.is_alive() for process in processes)
     said = [str(warning.message) for warning in caught]
     assert any("lock of torch's done event stayed taken" in text and "the 1 still alive were ended" in text
                for text in said), said  # fmt: skip

@@ -487,3 +487,168 @@ def test_a_worker_never_runs_the_finalizers_of_garbage_it_inherited(tmp_path: Pa
         gc.enable()
     gc.collect()
     assert record.read_text().split() == [str(os.getpid())]  # finalized once, here
+
+
+# A process whose chosen forks die before numafast's first step after the fork: its own
+# after-fork handler, registered before numafast's (handlers run in that order), ends
+# the child, as numafast.pool's ends one that cannot make its view of a pool private.
+# It iterates off the main thread, where torch's SIGCHLD handler does not report the
+# death at once (in the main thread it mostly does, and the watch is not needed).
+DIES_BEFORE_IT_STARTS = """
+import json, os, sys, threading, warnings
+forks, dying = [0], {int(fork) for fork in sys.argv[1].split(",")}
+
+def count() -> None:
+    forks[0] += 1
+
+def die() -> None:
+    if forks[0] - 1 in dying:
+        os._exit(70)
+
+os.register_at_fork(before=count, after_in_child=die)
+import torch
+import numafast.torch
+from numafast.torch import workers
+
+workers.START_DEADLINE_S = 1.0
+data = [torch.tensor([index]) for index in range(16)]
+loader = numafast.torch.NumaLoader(data, batch_size=2, num_workers=2, timeout=20)
+said, error, batches = [], None, []
+
+def consume() -> None:  # off the main thread: no SIGCHLD handler reports the death at once
+    global error
+    try:
+        for batch in loader:
+            batches.append(batch[:, 0].tolist())
+    except Exception as raised:
+        error = f"{type(raised).__name__}: {raised}"
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    consumer.join(60)
+said = [str(warning.message) for warning in caught if "DataLoader worker" in str(warning.message)]
+print(json.dumps({"batches": batches, "error": error, "said": said, "replaced": workers.replaced_workers()}))
+"""
+
+
+def dies_before_it_starts(*forks: int) -> dict[str, Any]:
+    """What a loader whose worker forks ``forks`` (counted from 0) die before they start did."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(numafast.__file__).parents[1]), *sys.path])}
+    ran = subprocess.run([sys.executable, "-c", DIES_BEFORE_IT_STARTS, ",".join(map(str, forks))],
+                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    outcome: dict[str, Any] = json.loads(ran.stdout.splitlines()[-1])
+    return outcome
+
+
+def test_a_worker_that_died_before_it_started_is_named_as_such_and_replaced() -> None:
+    """Not "stuck inside os.fork()": what ended it (its exit status) is said."""
+    outcome = dies_before_it_starts(1)
+    assert outcome["batches"] == [[2 * number, 2 * number + 1] for number in range(BATCHES)], outcome
+    assert outcome["replaced"] == 1 and outcome["error"] is None, outcome
+    said = outcome["said"]
+    assert len(said) == 1 and "DataLoader worker 1 (pid" in said[0] and "exited with status 70" in said[0], said
+    assert "before it started" in said[0] and "replaced by pid" in said[0], said
+    assert "os.fork()" not in said[0] and "gh-112275" not in said[0], said
+
+
+def test_a_worker_whose_replacements_die_too_is_named_in_the_error() -> None:
+    outcome = dies_before_it_starts(1, 2, 3, 4)  # worker 1 and the 3 forked in its place
+    assert outcome["replaced"] == 3, outcome
+    error = outcome["error"] or ""
+    assert "WorkerStartError" in error and "exited with status 70 before it started" in error, outcome
+    assert "could not replace it" in error and "os.fork()" not in error, outcome
+
+
+_forks_from: list[str] = []  # the thread of each fork of this process, in order
+os.register_at_fork(before=lambda: _forks_from.append(threading.current_thread().name))
+
+
+def test_a_replacement_is_forked_and_registered_in_the_consuming_thread(
+    head_lock_at_fork: HeadLockAtFork, short_deadline: None
+) -> None:
+    """Not in the watch's thread, while the consumer may be inside CUDA, OpenMP or an
+    allocator (a replacement forked then may block past its start, unwatched), nor
+    racing torch's shutdown in its registry of worker pids (a remove and a put from
+    another thread: torch's own remove then fails and skips its terminate loop)."""
+    registry = {torch._C._set_worker_pids, torch._C._remove_worker_pids}
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and arg in registry:
+            calls.append(threading.current_thread().name)
+
+    loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=20)
+    replaced = workers.replaced_workers()
+    head_lock_at_fork.wedge(1)
+    forks = len(_forks_from)
+    threading.setprofile(profile)  # the threads started from now on: the watch's
+    sys.setprofile(profile)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert firsts(iter(loader)) == expected()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert workers.replaced_workers() == replaced + 1
+    consumer = threading.current_thread().name
+    assert _forks_from[forks:] == [consumer] * 3  # two workers, then the one in worker 1's place
+    assert len(calls) >= 3 and set(calls) == {consumer}, calls  # set, re-set without the stuck one, removed
+
+
+# Garbage made at the last moment before a worker's fork, and a handler that allocates
+# in the child before numafast's first step (registered before numafast's, it runs
+# first): enough to set the collector off there, with it on.
+COLLECTS_BEFORE_NUMAFAST = """
+import gc, os, sys
+record = sys.argv[1]
+
+class Finalized:
+    def __init__(self) -> None:
+        self.cycle = self
+
+    def __del__(self) -> None:
+        with open(record, "a") as file:
+            file.write(f"{os.getpid()}\\n")
+
+forks = [0]
+
+def garbage() -> None:
+    forks[0] += 1
+    if forks[0] == 1:
+        Finalized()
+
+def allocate() -> None:
+    [[] for _ in range(2000)]
+
+os.register_at_fork(before=garbage, after_in_child=allocate)
+import torch
+import numafast.torch
+
+assert gc.isenabled()
+loader = numafast.torch.NumaLoader([torch.zeros(4) for _ in range(8)], batch_size=2, num_workers=2)
+assert sum(1 for _batch in loader) == 4 and gc.isenabled()
+gc.collect()
+print(os.getpid())
+"""
+
+
+def test_a_worker_never_runs_the_finalizers_of_garbage_it_inherited_even_with_the_collector_on(
+    tmp_path: Path,
+) -> None:
+    """The collector may run in the child before numafast's first step there (any
+    allocation in an earlier after-fork handler): it is off from the fork until then."""
+    import subprocess
+
+    record = tmp_path / "finalized"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(numafast.__file__).parents[1]), *sys.path])}
+    ran = subprocess.run([sys.executable, "-c", COLLECTS_BEFORE_NUMAFAST, str(record)], capture_output=True, text=True,
+                         timeout=120, env=env)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert record.read_text().split() == [ran.stdout.split()[-1]]  # finalized once, in the parent

@@ -14,17 +14,21 @@ Python.)
 
 So each worker claims a start token (a pipe holding one byte) in an after-fork hook,
 which runs before multiprocessing's bootstrap, so before the worker reads any index.
-One that has not by ``START_DEADLINE_S`` is condemned (the parent takes its token),
-forked again with the same target and arguments (worker id, seeds, index queue) in its
-place among torch's workers, and killed: the epoch's batches are unchanged. Where that
-cannot be done, the consumer meets a :class:`WorkerStartError` at that worker's first
-batch. Either way a warning says so, once. Watched are the workers :func:`watch_starts`
+One that has not by ``START_DEADLINE_S`` (or ended before it could) is condemned (the
+parent takes its token), forked again with the same target and arguments (worker id,
+seeds, index queue) in its place among torch's workers, and killed: the epoch's batches
+are unchanged. Where that cannot be done, the consumer meets a
+:class:`WorkerStartError` at that worker's first batch. Either way a warning says so,
+once. The watch's thread only condemns: the replacement is forked, and torch's record
+of the workers changed, in the thread that iterates, where torch forked the first (see
+:class:`_Iterating`). Watched are the workers :func:`watch_starts`
 forks and those of a torch iterator found forking with numafast's collate function (a
 loader NumaLoader iterates through, Accelerate's ``base_dataloader``). Nothing is done
 per batch.
 
 A worker that dies holding the lock of torch's done event does not hang the consumer
-either (:class:`_DoneEvent`).
+either (:class:`_DoneEvent`), and an exception that leaves the iterator does not keep
+it, nor its workers (:class:`_Iterating`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from __future__ import annotations
 import gc
 import os
 import select
+import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable
@@ -124,6 +130,7 @@ def watch_starts(
         raise
     finally:
         _local.watch = outer
+    _extend(iterator)
     _bound_done_event(iterator)
     if watch.attach(iterator):
         made = weakref.ref(iterator)
@@ -140,7 +147,9 @@ class _StartWatch:
         self.tokens: list[_Token] = []
         self.workers: list[_Worker] = []
         self.last_start = 0.0  # when a worker last started (or stopped being waited for)
+        self.condemned: list[tuple[_Worker, str, str]] = []  # (worker, what, cause): for the iterating thread
         self.doomed: list[tuple[Any, int]] = []  # (process, task): see _fail
+        self.lock = threading.Lock()  # between the watch's thread and the iterating one
 
     def token(self) -> _Token:
         """A new token, for the fork about to happen (the before-fork hook)."""
@@ -158,11 +167,12 @@ class _StartWatch:
         order); False, the tokens closed, where there is nothing to watch."""
         if not self.tokens:
             return False  # no worker forked (none asked for, or spawned, or served by a forkserver)
-        processes = getattr(iterator, "_workers", None)
+        processes = getattr(iterator, "_workers", None) if isinstance(iterator, _Iterating) else None
         if not isinstance(processes, list) or len(processes) != len(self.tokens):
-            self.close()  # not torch's iterator as known: its workers cannot be told apart
+            self.close()  # not torch's iterator as known: its workers cannot be told apart, nor replaced
             return False
         _runs[iterator] = [token.run for token in self.tokens]
+        _watches[iterator] = self
         for index, (process, token) in enumerate(zip(processes, self.tokens)):
             token.run = None
             self.workers.append(_Worker(index, getattr(process, "pid", None) or 0, token))
@@ -174,8 +184,7 @@ class _StartWatch:
         self.tokens.clear()
 
     def run(self, made: weakref.ref[Any]) -> None:
-        """The watch thread, until no worker is left to wait for."""
-        _local.watch = self  # this thread forks only workers in others' place: their tokens are this watch's
+        """The watch thread, until no worker is left to wait for (nor to replace)."""
         try:
             looks = 0
             while self._look(made):
@@ -197,6 +206,12 @@ class _StartWatch:
                 return bool(self.tokens) and time.monotonic() < self.tokens[0].forked_at + 60
             _bound_done_event(iterator)
             return self.attach(iterator)
+        with self.lock:
+            return self._look_at_workers(made)
+
+    def _look_at_workers(self, made: weakref.ref[Any]) -> bool:
+        """:meth:`_look` at the attached workers' tokens: condemn the late, and wake the
+        iterating thread to replace them."""
         now = time.monotonic()
         unclaimed = _unclaimed(self.tokens)  # the pending workers' tokens are this watch's open ones
         for worker in self.workers:
@@ -204,8 +219,9 @@ class _StartWatch:
                 self._release(worker, worker.token)
                 self.last_start = now
         started = sum(worker.token is None for worker in self.workers)
-        late = [(worker, worker.token) for worker in self.workers if worker.token is not None
-                and now >= max(worker.token.forked_at, self.last_start) + START_DEADLINE_S]  # fmt: skip
+        late = [(worker, worker.token) for worker in self.workers if worker.token is not None and (
+                now >= max(worker.token.forked_at, self.last_start) + START_DEADLINE_S
+                or _ended(worker.pid))]  # fmt: skip
         if getattr(made(), "_shutdown", True):  # gone, or torch ended its workers: one that wakes up yet exits at once
             for worker in self.workers:
                 if worker.token is not None:
@@ -214,14 +230,11 @@ class _StartWatch:
             for process, _task in self.doomed:
                 _end(iterator, process)
             return False
-        if late or self.doomed:
-            iterator = made()
-            if iterator is None:
-                return True  # gone since: the next look ends the watch
-            for worker, token in late:
-                self._late(iterator, worker, token, started)
-            self._settle_doomed(iterator)
-        return any(worker.token is not None for worker in self.workers) or bool(self.doomed)
+        for worker, token in late:
+            self._late(worker, token, started)
+        if late and self.condemned:
+            _wake(made())
+        return any(worker.token is not None for worker in self.workers) or bool(self.condemned or self.doomed)
 
     def _release(self, worker: _Worker, token: _Token) -> None:
         """No more waiting for ``worker`` to claim ``token``: it is closed."""
@@ -229,27 +242,55 @@ class _StartWatch:
         self.tokens.remove(token)
         worker.token = None
 
-    def _late(self, iterator: Any, worker: _Worker, token: _Token, started: int) -> None:
-        """``worker`` missed its deadline: condemned, then replaced, or its error queued."""
+    def _late(self, worker: _Worker, token: _Token, started: int) -> None:
+        """``worker`` missed its deadline, or ended before it started: condemned, for the
+        iterating thread to replace it, or to queue its error (:meth:`serve`)."""
         waited = time.monotonic() - token.forked_at
         condemned = _claim(token.read)
         self._release(worker, token)
         if not condemned:  # it started after all, just now
             self.last_start = time.monotonic()
             return
-        what = (
-            f"DataLoader worker {worker.index} (pid {worker.pid}) had not started {waited:.1f} s after it was forked "
-            f"({started} of its {len(self.workers)} workers had): {_stuck_in(worker.pid)}"
-        )
+        ended = _ended(worker.pid)
+        if ended is None:
+            what = (f"DataLoader worker {worker.index} (pid {worker.pid}) had not started {waited:.1f} s after it was "
+                    f"forked ({started} of its {len(self.workers)} workers had): {_stuck_in(worker.pid)}")
+            cause = f" {_cause()}; {_FIX}"
+        else:
+            what = (f"DataLoader worker {worker.index} (pid {worker.pid}) {ended} before it started, {waited:.1f} s "
+                    "after it was forked: before numafast's first step after the fork, which runs before any code "
+                    "of the worker, so a handler of the fork that ran before it (os.register_at_fork) or a signal "
+                    "ended it")
+            cause = ""
+        self.condemned.append((worker, what, cause))
+
+    def serve(self, iterator: Any) -> None:
+        """In the thread that iterates, as it waits for a batch: fork the condemned
+        workers' replacements (or queue their errors), and kill the stuck workers whose
+        error the consumer met. There, where torch forked the first workers, the thread
+        that forks is not inside CUDA, OpenMP or an allocator (a child forked meanwhile
+        from another thread inherits their locks held, and may block past its start,
+        unwatched), and torch's record of the workers changes in the thread that ends
+        them (from another, it raced torch's shutdown)."""
+        if not (self.condemned or self.doomed):
+            return
+        with self.lock:
+            condemned, self.condemned = self.condemned, []
+            for worker, what, cause in condemned:
+                self._in_place(iterator, worker, what, cause)
+            self._settle_doomed(iterator)
+
+    def _in_place(self, iterator: Any, worker: _Worker, what: str, cause: str) -> None:
+        """Replace the condemned ``worker``, else queue its error; warn, once."""
         why_not = self._replace(iterator, worker)
         if why_not is not None:
-            self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}. {_cause()}; {_FIX}")
+            self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}.{cause}")
             return
         global _warned
         if not _warned:
             _warned = True
             replaced = (f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
-                        f"any index, so the epoch's batches are unchanged. {_cause()}; {_FIX}")
+                        f"any index, so the epoch's batches are unchanged.{cause}")
             warnings.warn(replaced, RuntimeWarning, stacklevel=1)
 
     def _replace(self, iterator: Any, worker: _Worker) -> str | None:
@@ -267,11 +308,14 @@ class _StartWatch:
             return f"the {MAX_RESTARTS} workers forked in its place did not start either"
         replacement = type(old)(**run)
         forks = len(self.tokens)
+        outer, _local.watch = getattr(_local, "watch", None), self  # its token is this watch's
         try:
             with self.fork_scope():
                 replacement.start()
         except Exception as error:  # noqa: BLE001 - said in the error the consumer gets
             return f"forking a worker in its place failed ({error!r})"
+        finally:
+            _local.watch = outer
         iterator._workers[worker.index] = replacement
         _end(iterator, old)
         global _replaced
@@ -283,8 +327,6 @@ class _StartWatch:
             worker.token.forked_at = time.monotonic()  # its deadline counts from now, whoever started since
         else:
             self.last_start = time.monotonic()  # forked without a token: nothing to wait for
-        if getattr(iterator, "_shutdown", False):
-            _end(iterator, replacement)  # the iteration ended meanwhile
         return None
 
     def _fail(self, iterator: Any, worker: _Worker, message: str) -> None:
@@ -318,10 +360,18 @@ class _StartWatch:
 def _before_fork() -> None:
     watch = getattr(_local, "watch", None) or _found_watch()
     _local.pending = watch.token() if watch is not None else None
+    # A worker's collector stays off until its first step freezes what it inherited (see
+    # _after_fork_in_child): the after-fork handlers registered before numafast's run first.
+    _local.collecting = watch is not None and gc.isenabled()
+    if _local.collecting:
+        gc.disable()
 
 
 def _after_fork_in_parent() -> None:
     _local.pending = None
+    if getattr(_local, "collecting", False):
+        _local.collecting = False
+        gc.enable()
     begin, _local.begin = getattr(_local, "begin", None), None
     if begin is not None:  # the first fork of an iterator found forking: its watch thread
         watch, made = begin
@@ -346,6 +396,7 @@ def _found_watch() -> _StartWatch | None:
             return None
         watch = _found.get(iterator)
         if watch is None:
+            _extend(iterator)
             watch = _found[iterator] = _StartWatch(nullcontext)
             _local.begin = (watch, weakref.ref(iterator))
         return watch
@@ -357,6 +408,7 @@ def _after_fork_in_child() -> None:
     """A forked child's first step: claim its start token (a watched worker) and drop the
     parent's tokens."""
     token: _Token | None = getattr(_local, "pending", None)
+    collecting, _local.collecting = getattr(_local, "collecting", False), False
     _local.pending = _local.watch = _local.begin = None  # this child's own forks are not watched
     started = token is None or _claim(token.read)
     for fd in _open_tokens:
@@ -373,6 +425,8 @@ def _after_fork_in_child() -> None:
         # importlib's _ModuleLock.acquire). Frozen, the collector never looks at what
         # the worker inherited; nor does it write to those pages, so they stay shared.
         gc.freeze()
+    if collecting:
+        gc.enable()
     if not started:
         os._exit(0)  # condemned: only slow, it must not race the worker forked in its place
 
@@ -429,6 +483,20 @@ def _unclaimed(tokens: list[_Token]) -> set[int]:
     return {fd for fd, events in poller.poll(0) if events & select.POLLIN}
 
 
+def _ended(pid: int) -> str | None:
+    """How this process's child ``pid`` ended, or None while it runs. Only looked at
+    (``WNOWAIT``): multiprocessing reaps it, and torch reads its status."""
+    try:
+        status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return "ended" if pid > 0 else None  # reaped already (multiprocessing reaps at each start)
+    except OSError:
+        return None
+    if status is None or status.si_pid == 0:
+        return None
+    return _how_it_ended(status.si_status if status.si_code == os.CLD_EXITED else -status.si_status)
+
+
 def _close(token: _Token) -> None:
     if token.read in _open_tokens:
         _open_tokens.discard(token.read)
@@ -452,9 +520,12 @@ def _worker_pids(iterator: Any) -> Callable[[tuple[int, ...]], None] | None:
         return None
 
     def set_pids(pids: tuple[int, ...]) -> None:
-        if iterator._worker_pids_set:  # False once the iterator shut its workers down
-            remove(id(iterator))
-            put(id(iterator), pids)
+        # Only in the thread that iterates, where torch's shutdown runs too: never between the two calls.
+        if iterator._worker_pids_set and not iterator._shutdown:  # torch let them go (or is about to)
+            try:
+                remove(id(iterator))
+            finally:  # also where a signal handler raised in between (torch's SIGCHLD check)
+                put(id(iterator), pids)
 
     return set_pids
 
@@ -509,9 +580,84 @@ def _kill(process: Any) -> None:
         pass
 
 
+# ------------------------------------------------------------ torch's iterator, in the thread that iterates
+
+
+_WAKE = -1  # the task number of the message that wakes the iterating thread (torch's are >= 0)
+_watches: weakref.WeakKeyDictionary[Any, _StartWatch] = weakref.WeakKeyDictionary()  # per iterator
+
+
+class _Iterating:
+    """torch's multi-worker iterator, with numafast's part in the thread that iterates.
+
+    Its wait for a batch also does what the start watch asks of that thread
+    (:meth:`_StartWatch.serve`), woken for it by a ``_WAKE`` message, which is no batch.
+
+    And an exception leaving it does not keep it alive. torch raises a worker's error
+    again in the consumer from a local variable (``ExceptionWrapper.reraise``): the
+    exception's traceback holds that frame, which holds the exception, a reference cycle
+    through every frame below the consumer's, each holding the iterator. Only the
+    collector freed it: an epoch ended by an exception left its workers running, their
+    slots leased (read as batches the consumer keeps), and registered for torch's SIGCHLD
+    check, which reported one that died later as the next epoch's. Here, as an exception
+    leaves ``__next__``, the frames below it (all finished) are cleared and ``__next__``'s
+    own lets the iterator go: the exception, kept or not, holds nothing of the iterator,
+    which goes with the consumer's last reference, as at a ``break``. The iterator itself
+    is unchanged: the consumer may catch the error and call ``next()`` again (PyTorch's
+    own tests do)."""
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()  # type: ignore[misc]
+        except BaseException as error:
+            traceback.clear_frames(error.__traceback__.tb_next if error.__traceback__ is not None else None)
+            del self
+            raise
+
+    def _try_get_data(self, timeout: float | None = None) -> tuple[bool, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            watch = _watches.get(self)
+            if watch is not None:
+                watch.serve(self)
+            left = () if deadline is None else (max(deadline - time.monotonic(), 0.0),)  # torch's default, or the rest
+            got, data = super()._try_get_data(*left)  # type: ignore[misc]
+            if not (got and isinstance(data, tuple) and len(data) == 2 and data[0] == _WAKE):
+                return got, data
+
+
+def _wake(iterator: Any) -> None:
+    """Wake the thread that iterates ``iterator`` where it waits for a batch (see :class:`_Iterating`)."""
+    try:
+        iterator._worker_result_queue.put((_WAKE, None))
+    except Exception:  # noqa: BLE001 - gone, or closed: it waits no more
+        pass
+
+
+_extended: dict[type, type] = {}  # per class of torch's iterator, its subclass with _Iterating
+
+
+def _extend(iterator: Any) -> None:
+    """Make ``iterator``, torch's multi-worker iterator (any other is left as it is), an
+    :class:`_Iterating` one."""
+    module = sys.modules.get("torch.utils.data.dataloader")
+    base = getattr(module, "_MultiProcessingDataLoaderIter", None)
+    kind = type(iterator)
+    if base is None or not isinstance(iterator, base) or issubclass(kind, _Iterating):
+        return
+    if kind not in _extended:
+        _extended[kind] = type(kind.__name__, (_Iterating, kind), {"__module__": __name__})
+    try:
+        iterator.__class__ = _extended[kind]
+    except TypeError:  # a subclass with a layout of its own (__slots__): left as it is, unwatched
+        pass
+
+
 # ------------------------------------------------------------ torch's done event
 
-_DONE_LOCK_WAIT_S = 2.0  # a living holder keeps the lock for microseconds
+_DONE_LOCK_WAIT_S = 2.0  # a living holder keeps the lock for microseconds: past this, is one dead?
+_DONE_LOCK_LIVE_WAIT_S = 60.0  # held this long with every worker alive: the holder is stopped, not slow
+_DONE_LOCK_POLL_S = 0.01  # the longest pause between two tries (the first come sooner)
 
 
 class _DoneEvent:
@@ -523,56 +669,106 @@ class _DoneEvent:
     killer or a SIGKILL, in the microseconds of its check) leaves it taken for good, and
     the consumer waits forever where torch reads or sets the event: where it finds a
     worker dead, and in the iterator's shutdown (torch's SIGCHLD handler ends such a wait
-    only for a worker that dies during it). Here the lock is first waited for with a
-    deadline. Where it does not come, no worker can read the event again, nor end its
-    loop: the living workers are ended, out of torch's registered workers first (so that
-    it does not take them for workers that died), and the event reads as the iterator
-    last set it."""
+    only for a worker that dies during it). Here the lock is tried, never waited for
+    unbounded, and the event read or set under that very hold. Tried until a deadline on
+    the monotonic clock: a timed wait on the semaphore (``sem_timedwait``) counts on the
+    wall clock, which a clock step moves. Taken for ``_DONE_LOCK_WAIT_S`` while a worker
+    died abnormally, or for ``_DONE_LOCK_LIVE_WAIT_S`` with all alive (one stopped holding
+    it), the lock is lost: no worker can read the event again, nor end its loop, so the
+    living workers are ended, out of torch's registered workers first (so that it does
+    not take them for workers that died), and the event reads as the iterator last set
+    it. A holder alive and only slow (descheduled, swapped out) is waited for."""
 
     def __init__(self, event: Any, iterator: Any) -> None:
         self.event = event
         self.iterator = weakref.ref(iterator)  # the iterator holds this: no cycle
+        self.processes: list[Any] = iterator._workers  # torch's very list (a replacement is put in it)
         self.done = False
         self.lock_lost = False
 
     def set(self) -> None:
         self.done = True
-        if self._lock_free():
-            self.event.set()
+        if self._take_lock():
+            try:  # Event.set() under the hold taken here
+                self.event._flag.acquire(False)
+                self.event._flag.release()
+                self.event._cond.notify_all()  # none waits: torch's workers only read the event
+            finally:
+                self.event._cond.release()
 
     def is_set(self) -> bool:
-        return bool(self.event.is_set()) if self._lock_free() else self.done
+        if not self._take_lock():
+            return self.done
+        try:  # Event.is_set() under the hold taken here
+            if self.event._flag.acquire(False):
+                self.event._flag.release()
+                return True
+            return False
+        finally:
+            self.event._cond.release()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.event, name)
 
-    def _lock_free(self) -> bool:
+    def _take_lock(self) -> bool:
+        """The event's lock, taken by this thread (True), or lost for good (False)."""
         if self.lock_lost:
             return False
         lock = self.event._cond
-        if lock.acquire(timeout=_DONE_LOCK_WAIT_S):
-            lock.release()
-            return True
+        began = time.monotonic()
+        pause = 0.0005
+        while not lock.acquire(False):
+            waited = time.monotonic() - began
+            if waited >= _DONE_LOCK_LIVE_WAIT_S or (waited >= _DONE_LOCK_WAIT_S and (dead := self._died())):
+                self._lose(waited, dead if waited < _DONE_LOCK_LIVE_WAIT_S else [])
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, _DONE_LOCK_POLL_S)
+        return True
+
+    def _died(self) -> list[str]:
+        """The workers that ended abnormally (the holder is among them, if it is dead)."""
+        died = []
+        for process in list(self.processes):
+            code = process.exitcode  # reaped here where it has exited, as torch's own look does
+            if code is not None and code != 0:
+                died.append(f"pid {process.pid} {_how_it_ended(code)}")
+        return died
+
+    def _lose(self, waited: float, dead: list[str]) -> None:
         self.lock_lost = True
-        iterator = self.iterator()
-        alive = [process for process in getattr(iterator, "_workers", []) if process.is_alive()]
+        alive = [process for process in list(self.processes) if process.is_alive()]
+        why = (f"a DataLoader worker died holding it ({', '.join(dead)}: killed, by the OOM killer or a SIGKILL, in "
+               "the instant it checked the event)" if dead else
+               "every DataLoader worker is alive: the one holding it is stopped (SIGSTOP, a debugger)")  # fmt: skip
         warnings.warn(
-            f"numafast: the lock of torch's done event stayed taken for {_DONE_LOCK_WAIT_S:g} s: a DataLoader worker "
-            "died holding it (killed, by the OOM killer or a SIGKILL, in the instant it checked the event). No worker "
-            f"can read that event again, so the {len(alive)} still alive were ended, where torch would have waited "
-            "for them forever",
-            RuntimeWarning, stacklevel=3)  # fmt: skip
+            f"numafast: the lock of torch's done event stayed taken for {waited:.0f} s: {why}. No worker can read "
+            f"that event again, so the {len(alive)} still alive were ended, where torch would have waited for them "
+            "forever",
+            RuntimeWarning, stacklevel=4)  # fmt: skip
+        iterator = self.iterator()
         if iterator is not None and (pids := _worker_pids(iterator)) is not None:
             pids(())
         for process in alive:
             _kill(process)
-        return False
+
+
+def _how_it_ended(code: int) -> str:
+    """A process's exit as multiprocessing's ``exitcode`` gives it (negative: the signal)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _bound_done_event(iterator: Any) -> None:
     """Make ``iterator``'s done event a :class:`_DoneEvent` (a torch iterator with workers)."""
     event = getattr(iterator, "_workers_done_event", None)
-    if event is not None and not isinstance(event, _DoneEvent) and hasattr(event, "_cond"):
+    processes = getattr(iterator, "_workers", None)
+    known = hasattr(event, "_cond") and hasattr(event, "_flag") and isinstance(processes, list)
+    if event is not None and not isinstance(event, _DoneEvent) and known:
         iterator._workers_done_event = _DoneEvent(event, iterator)
 
 
