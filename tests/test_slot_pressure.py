@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,66 @@ def test_pools_grown_for_kept_batches_shrink_back_once_they_are_dropped() -> Non
     del loader
     gc.collect()
     assert numafast.torch.close_idle_pools() == 1 and vmlck() == before
+
+
+def pool_bytes_mapped_by(pid: int) -> int:
+    """Bytes of numafast pool files process ``pid`` maps, as its /proc/PID/maps says."""
+    total = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "numafast-pool-node" in line:
+            low, high = (int(part, 16) for part in line.split()[0].split("-"))
+            total += high - low
+    return total
+
+
+def grown_then_dropped() -> tuple[Any, list[int]]:
+    """A loader whose 2 persistent workers filled grown pools, whose batches are gone and
+    whose grown pools were just released (stats()); and its workers' pids."""
+    loader = numafast.torch.NumaLoader(DataLoader(Images(512), batch_size=8, num_workers=2, persistent_workers=True),
+                                       lock="off")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batches = list(loader)
+    assert [int(label) for _images, labels in batches for label in labels] == list(range(512))
+    workers = [worker.pid for worker in loader._iterator._workers]
+    grown = loader.stats()
+    assert len(grown.pools) > 2 and grown.mapped_by_workers == 0, grown
+    assert sum(map(pool_bytes_mapped_by, workers)) > 2 * grown.pools[0].bytes_mapped
+    del batches
+    assert len(loader.stats().pools) == 1  # the grown pools released here
+    return loader, workers
+
+
+def pool_files_mapped_by(pid: int) -> set[int]:
+    """The inodes of the numafast pool files process ``pid`` maps."""
+    return {int(line.split()[4]) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if "numafast-pool-node" in line}  # fmt: skip
+
+
+@SEMANTICS
+def test_idle_persistent_workers_let_go_of_the_pools_their_loader_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pools shrink back in the workers too: idle persistent workers (between epochs, no
+    next batch to make them look at the board) unmap the pools the owner let go, so the
+    memory is not kept resident by them; until they do, stats() counts it."""
+    monkeypatch.setattr(numafast.torch.collate, "IDLE_LOOK_S", 3600.0)  # workers forked now never look
+    loader, workers = grown_then_dropped()
+    first_pool = loader.stats().pools[0].bytes_mapped
+    kept = sum(map(pool_bytes_mapped_by, workers)) - 2 * first_pool
+    assert kept > 0 and loader.stats().mapped_by_workers == kept, (kept, loader.stats())
+    del loader
+    monkeypatch.undo()
+    loader, workers = grown_then_dropped()
+    kept = {pool.share().inode for pool in loader.pools.pools}
+
+    def released_still_mapped() -> set[int]:
+        return {inode for pid in workers for inode in pool_files_mapped_by(pid)} - kept
+
+    deadline = time.monotonic() + 10 * numafast.torch.collate.IDLE_LOOK_S
+    while released_still_mapped() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert released_still_mapped() == set()
+    assert loader.stats().mapped_by_workers == 0
+    assert sum(1 for _batch in loader) == 64  # the next epoch, on the same idle workers
 
 
 @SEMANTICS

@@ -16,6 +16,7 @@ along when a framework builds a new DataLoader from a NumaLoader's settings.
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -93,7 +94,12 @@ class SlotCollate:
                 self._bound_pid = _pid.pid
             pid, _worker, number = self._batch
             self._batch = (_pid.pid, info.id, number + 1 if pid == _pid.pid else 1)
-            return self._in_worker(samples)
+            with _making_batch:
+                batch = self._in_worker(samples)
+                if self._packer is not None:
+                    self._packer.reset(b"")  # between batches it keeps no slot (see _let_go_while_idle)
+            _watch_while_idle()
+            return batch
         if self.pools is not None and _pid.pid == self.owner_pid:
             return self.pools.collate_here(samples, self.collate_fn, self.direct)
         _warn_elsewhere(self.owner_pid)
@@ -196,6 +202,38 @@ class SlotCollate:
 
 # In a worker: the board of each loader it serves, mapped once.
 _readers: dict[BoardHandle, BoardReader] = {}
+# How often an idle worker looks for pools the owner let go (a look is a read of the board).
+IDLE_LOOK_S = 1.0
+_making_batch = threading.Lock()  # held by a worker's collate: the idle look waits its turn
+_idle_watch_pid = 0  # the worker process whose idle look runs
+
+
+def _watch_while_idle() -> None:
+    """Once per worker process: start the thread of :func:`_let_go_while_idle`."""
+    global _idle_watch_pid
+    if _idle_watch_pid != _pid.pid:
+        _idle_watch_pid = _pid.pid
+        threading.Thread(target=_let_go_while_idle, name="numafast idle pools", daemon=True).start()
+
+
+def _let_go_while_idle() -> None:
+    """A worker maps each pool it fills and lets go of those the owner delisted at its next
+    batch; an idle one (persistent workers between epochs, an eval loader's while training
+    goes on) has no next batch for a while, and the pools the owner released would stay
+    resident in it: up to twice max_pinned_bytes in all. So, between batches, it looks at
+    the board now and then, and unmaps what is no longer listed."""
+    while True:
+        time.sleep(IDLE_LOOK_S)
+        if not _making_batch.acquire(blocking=False):
+            continue  # a batch is being made: it looks at the board itself
+        try:
+            for reader in list(_readers.values()):
+                try:
+                    reader.pools()
+                except OSError:
+                    pass  # the next batch's look says why
+        finally:
+            _making_batch.release()
 
 
 def _free_slot(views: list[PoolView], needed: int) -> tuple[PoolView, int, int] | None:

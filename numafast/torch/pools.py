@@ -26,6 +26,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
@@ -34,7 +35,7 @@ import numafast
 from numafast import _pid
 from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import (
-    LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode, warn_unlocked,
+    MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode, warn_unlocked,
 )
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch import process_pools
@@ -61,6 +62,7 @@ SHRINK_EVERY = 8
 _ACQUIRE_ATTEMPTS = 4
 
 _owner_ids = itertools.count(1)
+POOL_FILE = f"/memfd:{MEMFD_PREFIX}"  # how /proc/PID/maps names a pool's file
 
 _FIXES = {
     FallbackReason.NO_FREE_SLOT: "every slot was held and the loader's pool thread did not answer a worker's "
@@ -108,6 +110,10 @@ class LoaderStats:
     """Bytes mapped by the pools of every loader of this process (see :func:`pinned_bytes`)."""
     max_pinned_bytes: int = 0
     """The bound on ``pinned_bytes`` that these pools grow within."""
+    mapped_by_workers: int = 0
+    """Bytes of pools these pools let go (resized, shrunk) that the loader's live workers
+    still map: resident until they let go too (an idle worker does within a second or
+    two), and not counted in ``pinned_bytes``."""
 
 
 class NodePools:
@@ -143,6 +149,8 @@ class NodePools:
         self.users = 0  # the loaders landing their batches here
         self.closed = False
         self._by_inode: dict[int, PinnedPool] = {}
+        self._inodes_made: set[int] = set()  # of every pool made here, for mapped_by_workers
+        self._senders: set[int] = set()  # the pids of the workers whose batches landed
         self._server: threading.Thread | None = None  # makes the pools workers ask for
         self._server_mutex = threading.Lock()
         # Taken by the receive of every batch: held for bookkeeping only, never while a
@@ -208,6 +216,7 @@ class NodePools:
                     raise
                 self.landed += 1
                 self.largest_landed = max(self.largest_landed, message.nbytes)
+                self._senders.add(message.sender)
         except BaseException:
             # Not taken over, whatever stopped it (a signal handler's exception, a message
             # that does not fit its slot): the lease ends here, or its slot would stay the
@@ -358,7 +367,9 @@ class NodePools:
             with self._mutex:
                 published = not self.closed
                 if published:
-                    self._by_inode[pool.share().inode] = pool
+                    inode = pool.share().inode
+                    self._by_inode[inode] = pool
+                    self._inodes_made.add(inode)
                     if resize:  # the pools in use retire, released as their slots come back
                         if self.pools:
                             self.resized += 1
@@ -563,7 +574,28 @@ class NodePools:
             held=self._held(pools),
             pinned_bytes=pinned_bytes(),
             max_pinned_bytes=self.max_pinned_bytes,
+            mapped_by_workers=self._mapped_by_workers(),
         )
+
+    def _mapped_by_workers(self) -> int:
+        """Bytes of the pools made here and let go since that live workers still map, as
+        their /proc/PID/maps say (a worker that is gone is forgotten)."""
+        with self._mutex:
+            gone = self._inodes_made - self._by_inode.keys()
+            senders = list(self._senders)
+        mapped = 0
+        for pid in senders if gone else ():
+            try:
+                lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            except OSError:
+                self._senders.discard(pid)
+                continue
+            for line in lines:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and POOL_FILE in fields[5] and int(fields[4]) in gone:
+                    low, high = (int(part, 16) for part in fields[0].split("-"))
+                    mapped += high - low
+        return mapped
 
     def close(self) -> None:
         """Close every pool (each released once its slots are back) and the board; the
