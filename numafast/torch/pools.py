@@ -6,8 +6,9 @@ Neither a batch's size nor how many batches the consumer keeps is known before t
 first batch, so workers ask for room (:meth:`NodePools.make_room`, on a thread serving
 the board): the first batch sizes the first pool, a larger batch gets a pool of larger
 slots, and when the consumer keeps every slot another pool is added at once rather
-than waiting for a slot that would never come back; all within ``max_pinned_bytes``,
-past which batches arrive unpinned. Idle pools outlive their loader for the next one
+than waiting for a slot that would never come back; all within the node's pinned budget
+that every numafast process there shares, and ``max_pinned_bytes`` where given, past
+which batches arrive unpinned. Idle pools outlive their loader for the next one
 on the node (:mod:`numafast.torch.process_pools`).
 """
 
@@ -105,12 +106,16 @@ class LoaderStats:
     pinned_bytes: int = 0
     """Bytes mapped by the pools of every loader of this process (see :func:`pinned_bytes`)."""
     max_pinned_bytes: int = 0
-    """The bound on ``pinned_bytes`` that these pools grow within."""
+    """The bound these pools grow within: the node's pinned budget, shared by every numafast
+    process on the node (a quarter of its memory, or of the cgroup's limit where lower), or
+    an explicit ``max_pinned_bytes`` for this process's pools where lower."""
 
 
 class NodePools:
     """Pinned pools on ``node``, the first with ``slots`` slots, made as batches need them
-    within ``max_pinned_bytes`` for all the process's loader pools (None: the default)."""
+    within the node's pinned budget, shared by every numafast process on the node
+    (:mod:`numafast.node_budget`), and within ``max_pinned_bytes`` for all this process's
+    loader pools where given."""
 
     def __init__(
         self,
