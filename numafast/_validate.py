@@ -6,6 +6,7 @@ that a typo in a launcher script reads as such rather than as EINVAL.
 
 from __future__ import annotations
 
+import errno
 import operator
 import os
 import re
@@ -148,8 +149,14 @@ def online_nodes() -> tuple[int, ...]:
 
 
 def allowed_nodes() -> list[int]:
-    """Nodes this process may allocate on: its cpuset's mems (Mems_allowed), read afresh."""
-    return _libnuma.get_mems_allowed()
+    """Nodes this process may allocate on: its cpuset's mems (Mems_allowed), read afresh;
+    node 0 alone on a kernel without NUMA system calls (ENOSYS), which has no other."""
+    try:
+        return _libnuma.get_mems_allowed()
+    except OSError as error:
+        if error.errno != errno.ENOSYS:
+            raise
+        return [0]
 
 
 def allowed_cpus() -> set[int]:

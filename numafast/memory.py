@@ -19,7 +19,9 @@ from __future__ import annotations
 import errno
 import math
 import os
+import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from pathlib import Path
@@ -147,7 +149,7 @@ def allocate(
         _advise(buffer, huge_end, mapped, _libnuma.MADV_NOHUGEPAGE)
     mode = Mode.BIND if len(targets) == 1 else Mode.INTERLEAVE
     # Bound before any page exists: each one is placed by the policy as it is faulted in.
-    _libnuma.mbind(buffer, MODE_NUMBERS[mode], targets, 0)
+    _bind_fresh(buffer, mode, targets)
     if not pretouch:
         return buffer
     # Big buffers: threads pinned to the node's CPUs share the zeroing, each on memory
@@ -162,6 +164,39 @@ def allocate(
             raise NodeMemoryError(f"{_room_text(targets)}; {nbytes} bytes asked for did not fit") from error
         raise
     return buffer
+
+
+_unplaced_warned = False  # a fresh allocation went on unbound (see _bind_fresh)
+
+
+def _bind_fresh(buffer: _libnuma.MappedBuffer, mode: Mode, targets: list[int]) -> None:
+    """mbind a fresh allocation; where the kernel has no NUMA system calls (ENOSYS: built
+    without CONFIG_NUMA, or a sandbox answering so), it goes on unbound, where the kernel
+    puts it (one node, or none to choose), said once per process."""
+    global _unplaced_warned
+    try:
+        _libnuma.mbind(buffer, MODE_NUMBERS[mode], targets, 0)
+    except LibnumaError as error:
+        if error.errno != errno.ENOSYS:
+            raise
+        if not _unplaced_warned:
+            _unplaced_warned = True
+            warnings.warn(
+                f"mbind: this kernel has no NUMA support (ENOSYS), so numafast's memory (pinned pools, arrays) is "
+                f"not placed on node {format_ids(targets)} but where the kernel puts it; everything else works. "
+                "This is said once", RuntimeWarning, stacklevel=_outside_numafast(),
+            )
+
+
+def _outside_numafast() -> int:
+    """The ``stacklevel`` of the first caller outside the numafast package (2 where none is)."""
+    package = os.path.dirname(__file__) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(package):
+            return level
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return 2
 
 
 def _even_huge_bytes(nbytes: int, huge_page: int, ways: int) -> int:

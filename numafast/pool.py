@@ -29,11 +29,11 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from numafast import _libnuma, _pid
 from numafast._buffers import PAGE_SIZE
@@ -142,6 +142,12 @@ class PoolStats:
     closed: bool
 
 
+class Releasable(Protocol):
+    """What is given back with a pool's memory (a node budget's reservation)."""
+
+    def release(self) -> None: ...
+
+
 class _Resources:
     """A pool's memfd, its mapping, and what pins them, released once in reverse order.
     Known to the at-fork handler before the file exists: a child forked by another
@@ -156,6 +162,8 @@ class _Resources:
         self.region: _libnuma.MappedBuffer | None = None
         self.locked = False
         self.registration: Registration | None = None
+        self.reservation: Releasable | None = None  # given back once the memory is released
+        self.released = False
         self.lock = threading.Lock()
         _pool_files.add(self)
 
@@ -240,6 +248,10 @@ class _Resources:
         fd, self.fd = self.fd, -1  # forgotten before closed: its number may be reused
         if fd >= 0:
             os.close(fd)
+        self.released = True
+        reservation, self.reservation = self.reservation, None
+        if reservation is not None:
+            reservation.release()
 
 
 _live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
@@ -494,6 +506,23 @@ class PinnedPool:
         if not _pid.owns(self._resources.owner_pid):
             return False
         return bool(self._slots.reclaim(index, generation, pid))
+
+    def defer_settle(self, defer: Callable[[Callable[[], bool]], bool]) -> None:
+        """Once closed, let ``defer(settle)`` keep the settle a dropped slot queues for the
+        main thread (a pending call, which runs between any two of its instructions):
+        True when ``defer`` calls ``settle`` later itself, as when that thread holds a lock
+        that other threads wait for, which settling (waiting for fences, unmapping) must
+        not run under; False to settle now."""
+        self._slots.defer_settle = defer
+
+    def release_with(self, reservation: Releasable) -> None:
+        """Call ``reservation.release()`` once this pool's memory is released (unmapped, its
+        file closed), or now if it is already: a node budget's share of it comes back."""
+        resources = self._resources
+        if resources.released:
+            reservation.release()
+        else:
+            resources.reservation = reservation
 
     def share(self) -> PoolHandle:
         """What another process needs to map this pool and lease its slots (small and

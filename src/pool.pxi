@@ -381,6 +381,7 @@ cdef class SlotPool:
     cdef readonly bint drained  # on_drained has run
     cdef bint settle_queued
     cdef bint abandoned
+    cdef public object defer_settle  # see _settle_pending
     cdef pthread_mutex_t mutex
     cdef pthread_cond_t returned
 
@@ -703,6 +704,11 @@ cdef int _settle_pending(void *pool) noexcept with gil:
         # would fail on them): the kernel takes the mappings and files back at exit.
         return 0
     try:
+        # A closed pool's settle waits for its fences and releases its memory: where the
+        # main thread holds its owner's lock now (the pending call runs between any two
+        # instructions), ``defer_settle(settle)`` keeps it for when that lock is let go.
+        if slots.closed and slots.defer_settle is not None and slots.defer_settle(slots.settle):
+            return 0
         slots.settle()
     except BaseException as error:
         PyErr_SetObject(type(error), error)
@@ -790,6 +796,67 @@ def seqlock_read(buf, Py_ssize_t payload, int64_t known) -> tuple:
             if first == second:
                 return <int64_t>first, copy
         raise BlockingIOError(f"the seqlock was being written at each of {_SEQLOCK_TRIES} reads")
+    finally:
+        PyBuffer_Release(&view)
+
+
+# ---------------------------------------------------------------- shared counters
+#
+# A node's pinned budget (numafast.node_budget): words in a shared file that processes
+# change with compare-and-swap or atomic add, each publishing its own bytes and then
+# reading everyone's. That order must hold across CPUs for a store followed by loads
+# of other words, which acquire and release do not give (two processes could each
+# miss the other's add): these are sequentially consistent.
+
+cdef extern from *:
+    """
+    static inline int nf_cas64_sc(uint64_t *word, uint64_t expected, uint64_t desired) {
+        return __atomic_compare_exchange_n(word, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    }
+    static inline uint64_t nf_load64_sc(uint64_t *word) { return __atomic_load_n(word, __ATOMIC_SEQ_CST); }
+    static inline uint64_t nf_add64_sc(uint64_t *word, uint64_t delta) {
+        return __atomic_add_fetch(word, delta, __ATOMIC_SEQ_CST);
+    }
+    """
+    bint nf_cas64_sc(uint64_t *word, uint64_t expected, uint64_t desired) nogil
+    uint64_t nf_load64_sc(uint64_t *word) nogil
+    uint64_t nf_add64_sc(uint64_t *word, uint64_t delta) nogil
+
+
+cdef uint64_t *_shared_word(Py_buffer *view, Py_ssize_t index) except NULL:
+    if (<uintptr_t>view.buf) % 8 or index < 0 or index >= view.len // 8:
+        raise IndexError(f"word {index} of an 8-byte aligned buffer of {view.len} bytes at {<uintptr_t>view.buf:#x}")
+    return &(<uint64_t *>view.buf)[index]
+
+
+def shared_load(buf, Py_ssize_t index) -> int:
+    """64-bit word ``index`` of ``buf`` (a shared mapping), loaded sequentially consistent."""
+    cdef Py_buffer view
+    _hold(buf, &view, True)
+    try:
+        return nf_load64_sc(_shared_word(&view, index))
+    finally:
+        PyBuffer_Release(&view)
+
+
+def shared_cas(buf, Py_ssize_t index, uint64_t expected, uint64_t desired) -> bool:
+    """Word ``index`` of ``buf`` from ``expected`` to ``desired`` in one compare-and-swap
+    (sequentially consistent); False when it held something else."""
+    cdef Py_buffer view
+    _hold(buf, &view, True)
+    try:
+        return nf_cas64_sc(_shared_word(&view, index), expected, desired)
+    finally:
+        PyBuffer_Release(&view)
+
+
+def shared_add(buf, Py_ssize_t index, int64_t delta) -> int:
+    """Add ``delta`` to word ``index`` of ``buf`` atomically (sequentially consistent);
+    the new value, as a signed 64-bit number."""
+    cdef Py_buffer view
+    _hold(buf, &view, True)
+    try:
+        return <int64_t>nf_add64_sc(_shared_word(&view, index), <uint64_t>delta)
     finally:
         PyBuffer_Release(&view)
 

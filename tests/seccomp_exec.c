@@ -2,8 +2,9 @@
  *
  * Runs CMD under a seccomp filter that answers the named NUMA system calls with
  * EPERM, as a container's seccomp profile does (Docker's default one without
- * CAP_SYS_NICE). Names: set_mempolicy, get_mempolicy, mbind, migrate_pages,
- * move_pages. Built by the tests with the system cc; x86-64 only.
+ * CAP_SYS_NICE); a name followed by ":ENOSYS" is answered with ENOSYS instead, as
+ * a kernel built without NUMA answers. Names: set_mempolicy, get_mempolicy, mbind,
+ * migrate_pages, move_pages. Built by the tests with the system cc; x86-64 only.
  */
 #include <errno.h>
 #include <linux/audit.h>
@@ -39,13 +40,23 @@ int main(int argc, char **argv) {
     filter[n++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr));
     snprintf(names, sizeof names, "%s", argv[1]);
     for (char *name = strtok(names, ","); name && n < 28; name = strtok(NULL, ",")) {
+        char *answer = strchr(name, ':');
+        int error = EPERM;
+        if (answer) {
+            *answer++ = '\0';
+            if (strcmp(answer, "ENOSYS")) {
+                fprintf(stderr, "seccomp_exec: unknown answer %s\n", answer);
+                return 2;
+            }
+            error = ENOSYS;
+        }
         long nr = number_of(name);
         if (nr < 0) {
             fprintf(stderr, "seccomp_exec: unknown system call %s\n", name);
             return 2;
         }
         filter[n++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, nr, 0, 1);
-        filter[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM);
+        filter[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | error);
     }
     filter[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
     struct sock_fprog program = {.len = n, .filter = filter};

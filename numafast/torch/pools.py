@@ -6,8 +6,9 @@ Neither a batch's size nor how many batches the consumer keeps is known before t
 first batch, so workers ask for room (:meth:`NodePools.make_room`, on a thread serving
 the board): the first batch sizes the first pool, a larger batch gets a pool of larger
 slots, and when the consumer keeps every slot another pool is added at once rather
-than waiting for a slot that would never come back; all within ``max_pinned_bytes``,
-past which batches arrive unpinned. Idle pools outlive their loader for the next one
+than waiting for a slot that would never come back; all within the node's pinned budget
+that every numafast process there shares, and ``max_pinned_bytes`` where given, past
+which batches arrive unpinned. Idle pools outlive their loader for the next one
 on the node (:mod:`numafast.torch.process_pools`).
 """
 
@@ -32,10 +33,11 @@ from typing import Any, TypeVar, cast
 import torch
 
 import numafast
-from numafast import _pid
+from numafast import _pid, node_budget
 from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import (
-    MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode, warn_unlocked,
+    MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode,
+    pool_bytes, warn_unlocked,
 )
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
 from numafast.torch import process_pools
@@ -109,7 +111,9 @@ class LoaderStats:
     pinned_bytes: int = 0
     """Bytes mapped by the pools of every loader of this process (see :func:`pinned_bytes`)."""
     max_pinned_bytes: int = 0
-    """The bound on ``pinned_bytes`` that these pools grow within."""
+    """The bound these pools grow within: the node's pinned budget, shared by every numafast
+    process on the node (a quarter of its memory, or of the cgroup's limit where lower), or
+    an explicit ``max_pinned_bytes`` for this process's pools where lower."""
     mapped_by_workers: int = 0
     """Bytes of pools these pools let go (resized, shrunk) that the loader's live workers
     still map: resident until they let go too (an idle worker does within a second or
@@ -118,7 +122,9 @@ class LoaderStats:
 
 class NodePools:
     """Pinned pools on ``node``, the first with ``slots`` slots, made as batches need them
-    within ``max_pinned_bytes`` for all the process's loader pools (None: the default)."""
+    within the node's pinned budget, shared by every numafast process on the node
+    (:mod:`numafast.node_budget`), and within ``max_pinned_bytes`` for all this process's
+    loader pools where given."""
 
     def __init__(
         self,
@@ -154,8 +160,8 @@ class NodePools:
         self._server: threading.Thread | None = None  # makes the pools workers ask for
         self._server_mutex = threading.Lock()
         # Taken by the receive of every batch: held for bookkeeping only, never while a
-        # pool is faulted in or registered. _making: one pool is made at a time.
-        self._mutex = threading.RLock()
+        # pool is faulted in, registered or released. _making: one pool is made at a time.
+        self._mutex = _Mutex()
         self._making = threading.Lock()
         receivers[self.owner_id] = self
         process_pools.every.add(self)
@@ -163,7 +169,8 @@ class NodePools:
     def _start(self, in_flight: int, max_pinned_bytes: int | None, *, taken_over: bool) -> None:
         """The settings and counters of a loader starting on these pools (new, or idle ones
         ``taken_over`` from a loader gone since: its first batches may need larger slots)."""
-        self.max_pinned_bytes = max_pinned_bytes or default_max_pinned_bytes(self.node)
+        self.node_budget = default_max_pinned_bytes(self.node)
+        self.cap = max_pinned_bytes
         self.in_flight = in_flight  # the batches the DataLoader may hold unread, which LoaderStats.held leaves out
         self.landed = self.copied = self.bytes_copied = self.unpinned = 0
         self.largest_landed = 0  # the largest batch landed in a worker: what an added pool is sized by
@@ -176,6 +183,16 @@ class NodePools:
         self._unlocked: tuple[str, bool] | None = None
         self.before_receive: Callable[[], None] = lambda: None  # the hook binds PyTorch's pin thread
         self.taken_over = taken_over
+
+    @property
+    def max_pinned_bytes(self) -> int:
+        """What these pools grow within: the node's budget, shared with every numafast process
+        on it, and an explicit ``max_pinned_bytes`` (:attr:`cap`) for this process's pools."""
+        return self.node_budget if self.cap is None else min(self.cap, self.node_budget)
+
+    @max_pinned_bytes.setter
+    def max_pinned_bytes(self, value: int | None) -> None:
+        self.cap = value
 
     def attach(self, user: object) -> None:
         """``user`` (a loader's collate function) lands its batches here: the pools stay
@@ -247,6 +264,7 @@ class NodePools:
         # A shortage that has passed (a slot is free now) was an iterator that is gone
         # (iter() called again with batches unread: its workers' leases, its queued
         # batches), not the consumer holding batches: counted, but no warning.
+        self._reclaim()
         passed = fallback.reason is FallbackReason.NO_FREE_SLOT and any(stats.free for _, stats in self._counted())
         return self._copy(fallback.batch, fallback.reason, fallback.detail, warn=not passed)
 
@@ -323,45 +341,37 @@ class NodePools:
 
         The pool is made outside the mutex every receive takes (a registered pool is
         faulted in whole: seconds per GiB), under ``_making``, taken before deciding:
-        another thread may have made room meanwhile."""
+        another thread may have made room meanwhile. Its bytes are reserved first, on
+        the node's budget that every numafast process there shares (see
+        :mod:`numafast.node_budget`), and given back once its memory is released."""
         with self._making:
             if more:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
                 for pool in self.pools:
                     pool.reap(wait=True)
+            self._reclaim()
+            room = self._room()  # read outside the mutex: /proc says which processes live
             with self._mutex:
-                if self.closed:
-                    return False
-                resize = not self.pools or nbytes > self.pools[0].slot_bytes
-                slots_now = sum(pool.slots for pool in self.pools)
-                if resize:
-                    slot_bytes, wanted = slot_bytes_for(nbytes), self.slots
-                # A slot only in flight (a GPU copy still reads it) is free soon: waited for.
-                elif not more or any(stats.free or stats.in_flight for _, stats in self._counted(nbytes)):
-                    return True
-                elif len(self.pools) >= BOARD_ENTRIES:
-                    return self._refuse(
-                        f"these pools are {len(self.pools)}, as many as a loader's pool board lists (BOARD_ENTRIES), "
-                        f"holding {slots_now} slots, every one held"
-                    )
-                else:
-                    slot_bytes = grown_slot_bytes(self.pools[0].slot_bytes, max(nbytes, self.largest_landed))
-                    wanted = max(self.slots, slots_now)
-                room = self.max_pinned_bytes - pinned_bytes()
-                count = min(wanted, slots_within(slot_bytes, room))
-                if count < 1:
-                    return self._refuse(
-                        f"max_pinned_bytes is {self.max_pinned_bytes} bytes and this process's loader pools map "
-                        f"{self.max_pinned_bytes - room} already; another pool of {slot_bytes}-byte slots would go past it"
-                    )
-                if not resize:
-                    self._kept_grew = True
+                wanted = self._wanted(nbytes, more, room)
+                if not isinstance(wanted, tuple):
+                    return wanted
+            slot_bytes, count, resize = wanted
+            reservation = None
+            if count:
+                reservation = node_budget.reserve(self.node, pool_bytes(slot_bytes, count), self.node_budget, self.cap)
+            if reservation is None:
+                with self._mutex:
+                    return self._refuse(self._over(slot_bytes))
             try:
                 with memlock_warning_held() as held:  # said at the next batch, at the user's line (_after_batch)
                     pool = self._new_pool(slot_bytes, count)
-            except _DeviceUnsettled:  # answered at once: the worker's batch goes the copying way
-                with self._mutex:
+            except BaseException as error:
+                reservation.release()
+                if not isinstance(error, _DeviceUnsettled):
+                    raise
+                with self._mutex:  # answered at once: the worker's batch goes the copying way
                     self._publish(self.pools)
                 return False
+            pool.release_with(reservation)
             if held:
                 self._unlocked = (held[0], not resize)
             with self._mutex:
@@ -376,6 +386,7 @@ class NodePools:
                         self._publish([pool], retiring=self.pools)
                     else:
                         self.grown += 1
+                        self._kept_grew = True
                         self._publish([*self.pools, pool])
         if not published:  # closed meanwhile
             pool.close()
@@ -383,12 +394,58 @@ class NodePools:
         self._settle_retired()
         return True
 
+    def _wanted(self, nbytes: int, more: bool, room: int) -> tuple[int, int, bool] | bool:
+        """The pool make_room would add, ``(slot_bytes, slots, resize)``, as many slots as fit
+        in ``room`` (0: none), or its answer without one (True: room already). Under the mutex."""
+        if self.closed:
+            return False
+        resize = not self.pools or nbytes > self.pools[0].slot_bytes
+        slots_now = sum(pool.slots for pool in self.pools)
+        if resize:
+            slot_bytes, wanted = slot_bytes_for(nbytes), self.slots
+        # A slot only in flight (a GPU copy still reads it) is free soon: waited for.
+        elif not more or any(stats.free or stats.in_flight for _, stats in self._counted(nbytes)):
+            return True
+        elif len(self.pools) >= BOARD_ENTRIES:
+            return self._refuse(
+                f"these pools are {len(self.pools)}, as many as a loader's pool board lists (BOARD_ENTRIES), "
+                f"holding {slots_now} slots, every one held"
+            )
+        else:
+            slot_bytes = grown_slot_bytes(self.pools[0].slot_bytes, max(nbytes, self.largest_landed))
+            wanted = max(self.slots, slots_now)
+        return slot_bytes, min(wanted, slots_within(slot_bytes, room)), resize
+
+    def _room(self) -> int:
+        """Bytes another pool may map now: within the node's budget, given what every
+        process's pools there hold, and within :attr:`cap`, given this process's."""
+        room = self.node_budget - node_budget.ledger(self.node).total()
+        if self.cap is not None:
+            room = min(room, self.cap - node_budget.process_reserved())
+        return room
+
+    def _over(self, slot_bytes: int) -> str:
+        """Why another pool of ``slot_bytes`` slots does not fit."""
+        pool = pool_bytes(slot_bytes, 1)
+        if self.cap is not None and node_budget.process_reserved() + pool > self.cap:
+            return (
+                f"max_pinned_bytes is {self.cap} bytes and this process's loader pools map "
+                f"{node_budget.process_reserved()} already; another pool of {slot_bytes}-byte slots would go past it"
+            )
+        ledger = node_budget.ledger(self.node)
+        return (
+            f"node {self.node}'s pinned memory budget is {self.node_budget} bytes, shared by the numafast processes "
+            f"on it, and their loader pools hold {ledger.total()} ({ledger.mine()} this process's); another pool of "
+            f"{slot_bytes}-byte slots would go past it"
+        )
+
     def _refuse(self, why: str) -> bool:
         """Refuse a request for room: say why (warned as batches arrive unpinned) and
         republish the board unchanged, the waiting worker's answer. Under the mutex."""
         self.refused = (
-            f"{why}. Pinned memory stays within max_pinned_bytes (NumaLoader(..., max_pinned_bytes=...), default a "
-            f"quarter of the node's memory); if the consumer keeps batches, .clone() what it keeps "
+            f"{why}. Pinned memory stays within max_pinned_bytes (NumaLoader(..., max_pinned_bytes=...), for this "
+            f"process) and within the node's budget for every numafast process there (a quarter of the node's memory, "
+            f"or of the cgroup's memory limit where lower); if the consumer keeps batches, .clone() what it keeps "
             f"(targets.append(y.clone())) so that their slots come back"
         )
         self._publish(self.pools)
@@ -399,6 +456,7 @@ class NodePools:
         ``slots`` free slots (the first pool stays): off the board first, then closed.
         Returns how many."""
         gone: list[PinnedPool] = []
+        self._reclaim()
         with self._mutex:
             if not self.closed and len(self.pools) > 1:
                 counted = self._counted()
@@ -413,11 +471,17 @@ class NodePools:
         self._settle_retired()
         return len(gone)
 
-    def _counted(self, nbytes: int = 0) -> list[tuple[PinnedPool, PoolStats]]:
-        """The pools in use whose slots hold ``nbytes``, with their counters, once the
-        leases of workers that are gone are ended."""
-        for pool in [*self.pools, *self.retired]:
+    def _reclaim(self) -> None:
+        """End the leases of workers that are gone, in every pool: before _counted, and
+        outside the mutex, as a retired pool whose last lease ends here is released."""
+        with self._mutex:
+            pools = [*self.pools, *self.retired]
+        for pool in pools:
             pool.reclaim_orphans()
+
+    def _counted(self, nbytes: int = 0) -> list[tuple[PinnedPool, PoolStats]]:
+        """The pools in use whose slots hold ``nbytes``, with their counters (the caller
+        ended the leases of workers that are gone first: :meth:`_reclaim`)."""
         return [(pool, pool.stats()) for pool in self.pools if pool.slot_bytes >= nbytes]
 
     def _held(self, counters: Iterable[PoolStats]) -> int:
@@ -440,10 +504,12 @@ class NodePools:
             if self._server is not None and threading.current_thread() is self._server:
                 raise _DeviceUnsettled
             device = self.device = iteration_gpu(None, stacklevel=_user_level() + 1)
-        return PinnedPool(
+        pool = PinnedPool(
             self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
             prefault=False, device=device,
         )
+        pool.defer_settle(functools.partial(_settle_later, weakref.ref(self)))
+        return pool
 
     def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
         """``pools`` in use from now on, on the board; ``retiring`` to be closed and released
@@ -505,6 +571,7 @@ class NodePools:
         """A slot of ``nbytes`` for a copy here: a free one, else one in flight to the GPU
         (free soon), else a new pool's; _NoRoom, saying why, when no room may be made."""
         for _attempt in range(_ACQUIRE_ATTEMPTS):
+            self._reclaim()
             with self._mutex:
                 if self.closed:
                     raise PoolClosedError(f"the node-{self.node} pools of this loader are closed")
@@ -523,6 +590,7 @@ class NodePools:
     # ------------------------------------------------------------ warnings
 
     def _warn_kept(self) -> None:
+        self._reclaim()
         held = self._held(stats for _, stats in self._counted())
         if held < 2:  # only the batch being worked on: a framework reading ahead, not kept batches
             self._kept_grew = False  # looked at again after the next pool added
@@ -560,7 +628,7 @@ class NodePools:
     # ------------------------------------------------------------ state
 
     def stats(self) -> LoaderStats:
-        self.shrink()
+        self.shrink()  # which ends the leases of workers that are gone
         pools = [stats for _, stats in self._counted()]
         return LoaderStats(
             node=self.node,
@@ -614,6 +682,48 @@ def _sender_gone(pid: int) -> bool:
         return _pid.start_time(pid) is None
     except OSError:
         return False
+
+
+class _Mutex:
+    """NodePools' per-batch lock: reentrant, and it knows whether the calling thread holds
+    it, so that a retired pool's settle that a dropped slot queued for the main thread
+    while it held the lock (src/pool.pxi's pending call) runs as the lock is let go."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._owner = 0
+        self._depth = 0
+        self.after: list[Callable[[], object]] = []  # run once the lock is let go
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        self._depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._depth -= 1
+        if self._depth:
+            self._lock.release()
+            return
+        self._owner = 0
+        after, self.after = self.after, []
+        self._lock.release()
+        for call in after:
+            call()
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock (only that thread sets it to its own id)."""
+        return self._owner == threading.get_ident()
+
+
+def _settle_later(pools: weakref.ref[NodePools], settle: Callable[[], object]) -> bool:
+    """A pool's defer_settle (see :meth:`PinnedPool.defer_settle`): ``settle`` kept for when
+    this thread lets go of the pools' mutex, if it holds it."""
+    target = pools()
+    if target is None or not target._mutex.held_here():
+        return False
+    target._mutex.after.append(settle)
+    return True
 
 
 class _DeviceUnsettled(Exception):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from numafast import _libnuma
+from numafast import node_budget
 from numafast._validate import integer
 from numafast.errors import InvalidSizeError
 from numafast.pool import pool_bytes, whole_pages
@@ -11,8 +11,6 @@ from numafast.pool import pool_bytes, whole_pages
 # Slots are this much larger than the batch that sized them (batches vary), rounded up to SLOT_GRAIN.
 HEADROOM = 1.25
 SLOT_GRAIN = 1 << 16
-# The default max_pinned_bytes: this share of the node's memory.
-PINNED_SHARE_OF_NODE = 4
 # How many times less the batches landed lately must need for smaller slots (grown_slot_bytes).
 GROWN_SMALLER = 4
 
@@ -40,10 +38,13 @@ def slots_within(slot_bytes: int, room: int) -> int:
 
 
 def default_max_pinned_bytes(node: int) -> int:
-    """The default bound on the loader pools' bytes: a quarter of ``node``'s memory.
-    (Where RLIMIT_MEMLOCK is finite and the process lacks CAP_IPC_LOCK, the kernel
+    """The default bound on the loader pools' bytes: ``node``'s pinned budget, shared by
+    every numafast process of this user on the node (:mod:`numafast.node_budget`): a
+    quarter of its memory, or of this process's cgroup memory limit where lower. An
+    explicit ``max_pinned_bytes`` bounds this process's loader pools, within that budget
+    too. (Where RLIMIT_MEMLOCK is finite and the process lacks CAP_IPC_LOCK, the kernel
     refuses to lock past it too, and ``lock='auto'`` goes on unlocked, with a MemlockWarning.)"""
-    return max(_libnuma.node_size64(node)[0] // PINNED_SHARE_OF_NODE, SLOT_GRAIN)
+    return node_budget.budget_bytes(node, floor=SLOT_GRAIN)
 
 
 def check_max_pinned_bytes(value: object) -> int | None:
