@@ -530,7 +530,7 @@ def test_under_a_users_locking_limit_the_default_runs_and_required_is_refused_at
     assert result.returncode == 0, result.stderr
     if lock == "required":
         assert result.stdout.startswith("MemlockError lock='required', but this process may page-lock only 8192 KiB")
-        assert "ulimit -S -l unlimited" in result.stdout and "lock='auto'" in result.stdout
+        assert "ulimit -S -l unlimited" in result.stdout and "lock='best-effort'" in result.stdout
     else:  # lock='auto' locks only where a GPU is usable; there, one warning
         same, warned, gpu = result.stdout.split()
         assert (same, warned) == ("True", "1" if gpu == "True" else "0"), result.stdout + result.stderr

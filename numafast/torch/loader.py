@@ -277,8 +277,8 @@ class NumaLoader(DataLoader[T_co]):
                 raise MemlockError(
                     f"lock='required', but this process may page-lock only {room // 1024} KiB more (RLIMIT_MEMLOCK, "
                     f"without CAP_IPC_LOCK), and a loader's pools grow with its batches: raise the limit "
-                    f"({MEMLOCK_FIX}), or pass lock='auto' to lock where the kernel allows and go on unlocked, with "
-                    "one warning, where it does not"
+                    f"({MEMLOCK_FIX}), or pass lock='best-effort' to lock where the kernel allows and go on "
+                    "unlocked, with one warning, where it does not (lock='auto' does so where a GPU is usable)"
                 )
         index = iteration_gpu(self.device)
         if index is not None:

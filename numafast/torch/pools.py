@@ -608,11 +608,12 @@ class NodePools:
 
     def _warn_unlocked_pool(self) -> None:
         """The MemlockWarning held back when a pool could not be page-locked, at the user's
-        line; none for a pool added for kept batches once that warning is given: .clone(),
-        not a higher limit, is the fix there."""
+        line; none for a pool added for kept batches: .clone() (the kept-batches warning,
+        which may come a few batches later, once the held slots are counted), not a higher
+        limit, is the fix there."""
         assert self._unlocked is not None
         (message, kept), self._unlocked = self._unlocked, None
-        if not (kept and "kept" in self.warned):
+        if not kept:
             warn_unlocked(message, _user_level())
 
     def _warn_unpinned(self, kinds: Iterable[str], text: str = _NOT_PLACED) -> None:
