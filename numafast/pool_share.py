@@ -26,11 +26,14 @@ __all__ = ["BoardHandle", "PoolBoard", "PoolHandle", "PoolView", "open_shared_fi
 # A board lists at most this many pools (a loader's pools of one slot size, and the
 # ones it is retiring); each entry is a PoolHandle's six fields. The file is a seqlock
 # (src/pool.pxi): its version (odd while the owner writes), then the payload: the
-# number of entries, then the entries.
+# number of entries (and, above bit 32, REFUSED), then the entries.
 BOARD_ENTRIES = 16
 _ENTRY = struct.Struct("6q")
 _COUNT = struct.Struct("q")
 _PAYLOAD_BYTES = _COUNT.size + BOARD_ENTRIES * _ENTRY.size
+# Set beside the count where the owner answered a request for room by refusing it; an
+# answer without it (the same pools) says a slot is free or soon free: look again.
+REFUSED = 1 << 32
 BOARD_BYTES = 8 + _PAYLOAD_BYTES
 # How long a reader waits for a board that the owner is writing at each look: only an
 # owner stopped in the middle of a write (SIGSTOP, a debugger) takes more than microseconds.
@@ -110,14 +113,17 @@ class PoolBoard:
             self.owner_pid, self.fd, os.fstat(self.fd).st_ino, self.request_fd, os.fstat(self.request_fd).st_ino
         )
 
-    def publish(self, pools: Sequence[PoolHandle]) -> None:
-        """Make the first BOARD_ENTRIES of ``pools`` what workers see; only the board's
-        maker may (a forked child's copy maps the same file)."""
+    def publish(self, pools: Sequence[PoolHandle], *, refused: bool = False) -> None:
+        """Make the first BOARD_ENTRIES of ``pools`` what workers see, a new version (the
+        answer a worker waits for), ``refused`` where it answers a request for room with
+        none; only the board's maker may (a forked child's copy maps the same file)."""
         if not _pid.owns(self.owner_pid):
             raise RuntimeError(f"this pool board belongs to process {self.owner_pid}: a forked child "
                                "cannot publish on it")  # fmt: skip
         pools = list(pools)[:BOARD_ENTRIES]
-        payload = _COUNT.pack(len(pools)) + b"".join(_ENTRY.pack(*astuple(pool)) for pool in pools)
+        payload = _COUNT.pack(len(pools) | (REFUSED if refused else 0)) + b"".join(
+            _ENTRY.pack(*astuple(pool)) for pool in pools
+        )
         self.version = _libnuma.seqlock_write(self.memory, payload)
 
     def serve_requests(self, make_room: Callable[[int, bool], object], name: str) -> threading.Thread:
@@ -173,21 +179,28 @@ class BoardReader:
         self.handle = handle
         self.version = -1
         self.views: list[PoolView] = []
+        self.refused = False  # the owner's last answer was a refusal (see REFUSED)
         self._requests = -1  # the pipe's write end, opened at the first request
         self._quiet_until = 0.0
+        self._quiet_version = -1  # the board's version when a request went unanswered
 
     def unanswered(self) -> None:
         """A request went unanswered (the owner failed to make the pool, or held its GIL):
-        ask again only after ASK_AGAIN_S, so a failing owner costs a wait now and then,
-        not one per batch."""
+        ask again only once the owner publishes, or after ASK_AGAIN_S, so a failing owner
+        costs a wait now and then, not one per batch, and a slow one none once it answers."""
         self._quiet_until = time.monotonic() + ASK_AGAIN_S
+        self._quiet_version = self.version
 
     def ask(self, nbytes: int, *, more: bool = False) -> bool:
         """Ask the owner for slots of ``nbytes`` or more (``more`` of them: every one is
         held), without blocking (a full pipe holds requests enough). False when not
         asked: one went unanswered lately, or the pipe cannot be opened here."""
         if time.monotonic() < self._quiet_until:
-            return False
+            try:
+                if self._read(self._quiet_version)[0] == self._quiet_version:
+                    return False  # not answered since
+            except OSError:
+                return False
         try:
             if self._requests < 0:
                 handle = self.handle
@@ -202,9 +215,10 @@ class BoardReader:
             return False
         return True
 
-    def _read(self, known: int | None = None) -> tuple[int, list[PoolHandle] | None]:
-        """The board's version and its entries, None while the version is still ``known``
-        (default: this reader's); OSError when the owner stays mid-write _BOARD_WAIT_S."""
+    def _read(self, known: int | None = None) -> tuple[int, list[PoolHandle] | None, bool]:
+        """The board's version, its entries (None while the version is still ``known``,
+        default: this reader's) and whether it answers with a refusal; OSError when the
+        owner stays mid-write _BOARD_WAIT_S."""
         known = self.version if known is None else known
         deadline = None
         while True:
@@ -219,15 +233,17 @@ class BoardReader:
                 time.sleep(0.0001)
                 continue
             if payload is None:
-                return version, None
-            count = min(_COUNT.unpack_from(payload)[0], BOARD_ENTRIES)
-            return version, [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
+                return version, None, self.refused
+            word = _COUNT.unpack_from(payload)[0]
+            count = min(word & (REFUSED - 1), BOARD_ENTRIES)
+            entries = [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
+            return version, entries, bool(word & REFUSED)
 
     def pools(self) -> list[PoolView]:
         """The pools listed now, each mapped once and let go once delisted; OSError when one
         cannot be mapped here (unless the owner let it go and published since: read again)."""
         while True:
-            version, entries = self._read()
+            version, entries, refused = self._read()
             if entries is None:
                 return self.views
             known = {view.handle: view for view in self.views}
@@ -241,7 +257,7 @@ class BoardReader:
             for handle, view in known.items():
                 if handle not in entries:
                     view.close()
-            self.version = version
+            self.version, self.refused = version, refused
             return views
 
 

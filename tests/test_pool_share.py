@@ -303,6 +303,28 @@ def test_workers_ask_for_room_and_the_owners_thread_answers_until_the_board_clos
         pool.close()
 
 
+def test_an_unanswered_worker_asks_again_once_the_owner_publishes_and_tells_refusal_from_room() -> None:
+    """A request the owner answered late quiets the worker only until the owner publishes
+    (not ASK_AGAIN_S, 30 s, of batches copied by the main process); and the board tells a
+    refusal from "a slot is free or soon free" (the same pools either way)."""
+    board = PoolBoard()
+    with numafast.PinnedPool(NODES[0], MIB, 1) as pool:
+        board.publish([pool.share()])
+        reader = BoardReader(board.handle())
+        assert [view.handle for view in reader.pools()] == [pool.share()]
+        assert reader.ask(MIB, more=True)  # nobody serves: unanswered
+        reader.unanswered()
+        assert not reader.ask(MIB, more=True)  # quiet, the board unchanged
+        board.publish([pool.share()])  # the owner's (late) answer
+        assert reader.ask(MIB, more=True)
+        reader.pools()
+        assert not reader.refused
+        board.publish([pool.share()], refused=True)
+        assert [view.handle for view in reader.pools()] == [pool.share()] and reader.refused
+        reader.views.clear()
+    board.close()
+
+
 def test_a_board_closed_before_its_serving_thread_runs_leaves_no_descriptor_to_it() -> None:
     """The thread owns the read end from the moment it is asked for: a board closed at
     once (before the thread has read anything) ends it with the closing request, and

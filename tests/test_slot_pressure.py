@@ -7,8 +7,10 @@ counters."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
 from numafast.torch import pools as node_pools_module  # noqa: E402
+from sysfs_truth import online_nodes  # noqa: E402
 
 SEMANTICS = pytest.mark.host_only("loader semantics, the same on any kernel; worker processes cost seconds under TCG")
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,6 +201,47 @@ def test_pools_grown_for_kept_batches_shrink_back_once_they_are_dropped() -> Non
     del loader
     gc.collect()
     assert numafast.torch.close_idle_pools() == 1 and vmlck() == before
+
+
+@SEMANTICS
+def test_a_copy_in_the_receiving_thread_waits_at_most_a_second_for_a_pool_being_made() -> None:
+    """The consumer's copy of a batch that found no free slot must not stall behind a pool
+    another thread is making (registering one with CUDA takes seconds per GiB): after
+    MAKING_WAIT_S the batch is handed over unpinned, as the DataLoader made it, counted,
+    without a warning (it passes); the next copy gets its slot."""
+    from numafast.torch.message import Fallback, FallbackReason
+
+    pools = node_pools_module.NodePools(online_nodes()[0], 2, lock="off")
+    try:
+        held = [pools.pin(torch.full((1024,), float(index))) for index in range(2)]  # every slot held
+        assert len(pools.pools) == 1 and pools.stats().pools[0].free == 0
+        making, release = threading.Event(), threading.Event()
+
+        def make_slowly() -> None:
+            with pools._making:  # what the pool thread holds while it registers a large pool
+                making.set()
+                release.wait(30)
+
+        maker = threading.Thread(target=make_slowly)
+        maker.start()
+        making.wait(10)
+        batch = torch.full((1024,), 7.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            started = time.monotonic()
+            got = pools.copy_in(Fallback(os.getpid(), pools.owner_id, batch, FallbackReason.NO_FREE_SLOT))
+            waited = time.monotonic() - started
+        release.set()
+        maker.join(10)
+        assert waited < 3, f"the consumer waited {waited:.1f} s for another thread's pool"
+        assert got is batch and torch.equal(got, torch.full((1024,), 7.0))
+        assert waited >= node_pools_module.MAKING_WAIT_S
+        assert pools.stats().unpinned == 1 and numafast_warnings(caught) == [], numafast_warnings(caught)
+        again = pools.copy_in(Fallback(os.getpid(), pools.owner_id, torch.full((1024,), 8.0), FallbackReason.NO_FREE_SLOT))
+        assert pools.holds(again.data_ptr()) and torch.equal(again, torch.full((1024,), 8.0))
+        del held, again
+    finally:
+        pools.close()
 
 
 def pool_bytes_mapped_by(pid: int) -> int:

@@ -158,8 +158,9 @@ class SlotCollate:
 
     def _more_slots(self, reader: BoardReader, needed: int) -> tuple[tuple[PoolView, int, int] | None, bool]:
         """Ask the owner for more slots and lease one once published: ``(lease, False)``;
-        ``(None, True)`` when it refused (republished the same pools), now or lately with
-        the board unchanged since; ``(None, False)`` with no answer within POOL_WAIT_S."""
+        ``(None, True)`` when it refused, now or lately with the board unchanged since;
+        ``(None, False)`` when it answered that a slot is free or soon free and none was
+        free here, or gave no answer within POOL_WAIT_S."""
         pid, version, until = self._refused
         if pid == _pid.pid and version == reader.version and time.monotonic() < until:
             return None, True
@@ -175,9 +176,11 @@ class SlotCollate:
                     return lease, False
                 if reader.version != version:
                     now = [view.handle for view in views]
-                    if now == before:  # the owner's answer: no more room
+                    if now == before and reader.refused:  # the owner's answer: no more room
                         self._refused = (_pid.pid, reader.version, time.monotonic() + REFUSAL_KEPT_S)
                         return None, True
+                    if now == before:  # its answer: a slot is free or soon free, taken by a sibling first
+                        return None, False  # the owner copies this batch, making room if it must
                     # New pools, whose free slots other workers took first: ask again.
                     version, before = reader.version, now
                     if not reader.ask(needed, more=True):

@@ -59,6 +59,9 @@ Batch = TypeVar("Batch")
 # a multiple of this (every loader's pools: see process_pools.shrink_all), and at
 # stats(), iter() and when its loader is gone: a look at each pool's counters.
 SHRINK_EVERY = 8
+# How long a copy in the receiving thread waits for a pool another thread is making (a
+# registered one is faulted in whole, seconds per GiB) before its batch goes unpinned.
+MAKING_WAIT_S = 1.0
 # How often a copy in this process tries for a slot when the new ones it made room for
 # are taken by workers first.
 _ACQUIRE_ATTEMPTS = 4
@@ -67,9 +70,10 @@ _owner_ids = itertools.count(1)
 POOL_FILE = f"/memfd:{MEMFD_PREFIX}"  # how /proc/PID/maps names a pool's file
 
 _FIXES = {
-    FallbackReason.NO_FREE_SLOT: "every slot was held and the loader's pool thread did not answer a worker's "
-    "request for more within a second (the main process held the interpreter lock that long, or making the pool "
-    "failed: the copy here meets that error)",
+    FallbackReason.NO_FREE_SLOT: "every slot was held and none came free for the worker: the loader's pool thread "
+    "answered that one was free or soon free (another worker took it first, or a GPU copy still read it), or did not "
+    "answer within a second (the main process held the interpreter lock that long, or making the pool failed: the "
+    "copy here meets that error)",
     FallbackReason.TOO_LARGE: "the batch was larger than a slot ({slot_bytes} bytes); the pool was resized to "
     "fit it. If batch sizes vary, the first batches should be the largest",
     FallbackReason.CANNOT_MAP: "{detail}. Its batches are copied by the main process instead; use the fork "
@@ -103,7 +107,8 @@ class LoaderStats:
     """The counters of the pools in use now (retiring ones not included)."""
     unpinned: int = 0
     """Batches handed over as the DataLoader made them: no room for more pinned slots
-    (``max_pinned_bytes``, or the board's limit on pools)."""
+    (``max_pinned_bytes``, the node's budget, or the board's limit on pools), or none yet
+    (a pool another thread was making for a second, registering it with CUDA)."""
     held: int = 0
     """Slots whose batches the consumer holds now (``targets.append(y)`` keeps ``y``'s
     whole slot): the slots in use beyond those of the batches the DataLoader may hold
@@ -268,13 +273,15 @@ class NodePools:
         passed = fallback.reason is FallbackReason.NO_FREE_SLOT and any(stats.free for _, stats in self._counted())
         return self._copy(fallback.batch, fallback.reason, fallback.detail, warn=not passed)
 
-    def _unpinned(self, batch: Batch) -> Batch:
-        """``batch`` handed over as it is, no room for more pinned slots: counted, warned once."""
+    def _unpinned(self, batch: Batch, *, warn: bool = True) -> Batch:
+        """``batch`` handed over as it is, no room for more pinned slots: counted, warned once
+        (not for a pool still being made: that passes)."""
         with self._mutex:
             self.unpinned += 1
             why = self.refused or "no room for more pinned slots"
-        self._warn_once(FallbackReason.NO_ROOM.value, f"a batch reached the consumer unpinned, as the DataLoader made "
-                        f"it: {why}")  # fmt: skip
+        if warn:
+            self._warn_once(FallbackReason.NO_ROOM.value, f"a batch reached the consumer unpinned, as the DataLoader "
+                            f"made it: {why}")  # fmt: skip
         self._after_batch()
         return batch
 
@@ -299,8 +306,8 @@ class NodePools:
             return self._copy(collate_fn(samples), first)
         try:
             slot = self._acquire(needed or self.pools[0].slot_bytes)[0]
-        except _NoRoom:
-            return self._unpinned(collate_fn(samples))
+        except _NoRoom as no_room:
+            return self._unpinned(collate_fn(samples), warn=not no_room.transient)
         packer = SlotPacker(memoryview(slot))
         del slot  # the batch's tensors hold the slot now: it comes back when the last of them goes
         try:
@@ -320,8 +327,8 @@ class NodePools:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
         try:
             pinned = self.pin(batch)
-        except _NoRoom:
-            return self._unpinned(batch)
+        except _NoRoom as no_room:
+            return self._unpinned(batch, warn=not no_room.transient)
         if reason is not None:
             self.fallbacks[reason.value] += 1
             if warn and reason is not FallbackReason.FIRST_BATCHES:
@@ -334,7 +341,7 @@ class NodePools:
 
     # ------------------------------------------------------------ room for batches
 
-    def make_room(self, nbytes: int, more: bool) -> bool:
+    def make_room(self, nbytes: int, more: bool, *, wait_s: float | None = None) -> bool:
         """Room for a batch of ``nbytes``: a pool of larger slots when it fits none, and with
         ``more`` (no slot came free) another pool of as many slots as all before it, within
         ``max_pinned_bytes``. True when there is room (now or soon); False when refused.
@@ -343,51 +350,65 @@ class NodePools:
         faulted in whole: seconds per GiB), under ``_making``, taken before deciding:
         another thread may have made room meanwhile. Its bytes are reserved first, on
         the node's budget that every numafast process there shares (see
-        :mod:`numafast.node_budget`), and given back once its memory is released."""
-        with self._making:
-            if more:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
-                for pool in self.pools:
-                    pool.reap(wait=True)
-            self._reclaim()
-            room = self._room()  # read outside the mutex: /proc says which processes live
+        :mod:`numafast.node_budget`), and given back once its memory is released. Room
+        that exists already is said on the board too, the answer a worker waits for.
+        ``wait_s`` bounds the wait for another thread making a pool (_NoRoom after it): the
+        receiving thread must not stall behind a registration (seconds per GiB)."""
+        if not self._making.acquire(timeout=-1 if wait_s is None else wait_s):
+            raise _NoRoom(f"another thread was still making a pool on node {self.node} after {wait_s:g} s",
+                          transient=True)  # fmt: skip
+        try:
+            return self._make_room(nbytes, more)
+        finally:
+            self._making.release()
+
+    def _make_room(self, nbytes: int, more: bool) -> bool:
+        """make_room, under ``_making``."""
+        if more:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
+            for pool in self.pools:
+                pool.reap(wait=True)
+        self._reclaim()
+        room = self._room()  # read outside the mutex: /proc says which processes live
+        with self._mutex:
+            wanted = self._wanted(nbytes, more, room)
+            if wanted is True:
+                self._publish(self.pools)  # room already: the waiting worker looks again, or copies
+            if not isinstance(wanted, tuple):
+                return wanted
+        slot_bytes, count, resize = wanted
+        reservation = None
+        if count:
+            reservation = node_budget.reserve(self.node, pool_bytes(slot_bytes, count), self.node_budget, self.cap)
+        if reservation is None:
             with self._mutex:
-                wanted = self._wanted(nbytes, more, room)
-                if not isinstance(wanted, tuple):
-                    return wanted
-            slot_bytes, count, resize = wanted
-            reservation = None
-            if count:
-                reservation = node_budget.reserve(self.node, pool_bytes(slot_bytes, count), self.node_budget, self.cap)
-            if reservation is None:
-                with self._mutex:
-                    return self._refuse(self._over(slot_bytes))
-            try:
-                with memlock_warning_held() as held:  # said at the next batch, at the user's line (_after_batch)
-                    pool = self._new_pool(slot_bytes, count)
-            except BaseException as error:
-                reservation.release()
-                if not isinstance(error, _DeviceUnsettled):
-                    raise
-                with self._mutex:  # answered at once: the worker's batch goes the copying way
-                    self._publish(self.pools)
-                return False
-            pool.release_with(reservation)
-            if held:
-                self._unlocked = (held[0], not resize)
-            with self._mutex:
-                published = not self.closed
-                if published:
-                    inode = pool.share().inode
-                    self._by_inode[inode] = pool
-                    self._inodes_made.add(inode)
-                    if resize:  # the pools in use retire, released as their slots come back
-                        if self.pools:
-                            self.resized += 1
-                        self._publish([pool], retiring=self.pools)
-                    else:
-                        self.grown += 1
-                        self._kept_grew = True
-                        self._publish([*self.pools, pool])
+                return self._refuse(self._over(slot_bytes))
+        try:
+            with memlock_warning_held() as held:  # said at the next batch, at the user's line (_after_batch)
+                pool = self._new_pool(slot_bytes, count)
+        except BaseException as error:
+            reservation.release()
+            if not isinstance(error, _DeviceUnsettled):
+                raise
+            with self._mutex:  # answered at once: the worker's batch goes the copying way
+                self._publish(self.pools)
+            return False
+        pool.release_with(reservation)
+        if held:
+            self._unlocked = (held[0], not resize)
+        with self._mutex:
+            published = not self.closed
+            if published:
+                inode = pool.share().inode
+                self._by_inode[inode] = pool
+                self._inodes_made.add(inode)
+                if resize:  # the pools in use retire, released as their slots come back
+                    if self.pools:
+                        self.resized += 1
+                    self._publish([pool], retiring=self.pools)
+                else:
+                    self.grown += 1
+                    self._kept_grew = True
+                    self._publish([*self.pools, pool])
         if not published:  # closed meanwhile
             pool.close()
             return False
@@ -441,14 +462,14 @@ class NodePools:
 
     def _refuse(self, why: str) -> bool:
         """Refuse a request for room: say why (warned as batches arrive unpinned) and
-        republish the board unchanged, the waiting worker's answer. Under the mutex."""
+        republish the board unchanged, marked refused: the waiting worker's answer. Under the mutex."""
         self.refused = (
             f"{why}. Pinned memory stays within max_pinned_bytes (NumaLoader(..., max_pinned_bytes=...), for this "
             f"process) and within the node's budget for every numafast process there (a quarter of the node's memory, "
             f"or of the cgroup's memory limit where lower); if the consumer keeps batches, .clone() what it keeps "
             f"(targets.append(y.clone())) so that their slots come back"
         )
-        self._publish(self.pools)
+        self._publish(self.pools, refused=True)
         return False
 
     def shrink(self) -> int:
@@ -511,13 +532,14 @@ class NodePools:
         pool.defer_settle(functools.partial(_settle_later, weakref.ref(self)))
         return pool
 
-    def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
-        """``pools`` in use from now on, on the board; ``retiring`` to be closed and released
-        by :meth:`_settle_retired`, which the caller runs once out of the mutex. Under the mutex."""
+    def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = (), refused: bool = False) -> None:
+        """``pools`` in use from now on, on the board (``refused``: the answer to a request
+        for room is no); ``retiring`` to be closed and released by :meth:`_settle_retired`,
+        which the caller runs once out of the mutex. Under the mutex."""
         self.pools = pools
         # First: a pool the board lists is never one already let go, and no worker leases
         # a slot of a pool the board no longer lists (see _settle_retired).
-        self.board.publish([pool.share() for pool in pools])
+        self.board.publish([pool.share() for pool in pools], refused=refused)
         self.retired.extend(retiring)
 
     def _settle_retired(self) -> None:
@@ -582,7 +604,7 @@ class NodePools:
                 busy = [pool for pool, stats in self._counted(nbytes) if stats.in_flight]
             if busy:
                 return busy[0].acquire(nbytes, None), busy[0]
-            if not self.make_room(nbytes, more=True):
+            if not self.make_room(nbytes, more=True, wait_s=MAKING_WAIT_S):
                 break
         # Refused, or each new slot was taken by a worker before this thread: the batch goes unpinned.
         raise _NoRoom(f"no slot for a {nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
@@ -732,7 +754,12 @@ class _DeviceUnsettled(Exception):
 
 
 class _NoRoom(PoolExhaustedError):
-    """No slot for a copy and no room for another pool: the batch goes unpinned."""
+    """No slot for a copy and no room for another pool (``transient``: not yet, another
+    thread is making one): the batch goes unpinned."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 # Where a loader's warnings are said from, not pointed at: numafast, torch (the DataLoader
