@@ -319,7 +319,7 @@ ACCELERATE_VARIANTS = {
 
 def lightning_jobs(tmp: Path) -> list[Run]:
     runs = []
-    for variant in ("plain", "reload"):
+    for variant in ("plain", "reload", "fork"):
         for numafast in (False, True):
             name = f"lightning-{variant}-{'numafast' if numafast else 'without'}"
             arguments = ["--out", str(tmp / name), "--name", name, "--variant", variant, *(["--numafast"] if numafast else [])]
@@ -405,10 +405,12 @@ def job(host_jobs: dict[str, Run], test: str, name: str) -> Run:
 
 
 @pytest.mark.host_only(HOST_ONLY)
-@pytest.mark.parametrize("variant", ["plain", "reload"])
+@pytest.mark.parametrize("variant", ["plain", "reload", "fork"])
 def test_lightning_ddp_numaloader(host_jobs: dict[str, Run], variant: str) -> None:
     """Trainer(strategy="ddp", devices=2, accelerator="cpu"); train_dataloader() returns
-    NumaLoader(DataLoader(...)); "reload": reload_dataloaders_every_n_epochs=1."""
+    NumaLoader(DataLoader(...)); "reload": reload_dataloaders_every_n_epochs=1; "fork":
+    strategy="ddp_fork", the loader made and its first batch peeked at before fit (a
+    notebook user's run: the ranks inherit a loader their parent iterated)."""
     test = "test_lightning_ddp_numaloader"
     without = job(host_jobs, test, f"lightning-{variant}-without").ranks()
     check_shards(f"Lightning {variant} without numafast (the baseline)", without)

@@ -20,7 +20,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -327,7 +327,12 @@ class NumaLoader(DataLoader[T_co]):
         if self._node_guessed:
             self.node = landing_node(self.device)[0]
         self._first_iteration_done = False
-        self._take_pools()
+        inherited, mine = self.pools, process_pools.replacing.get(self.pools)
+        if mine is None or mine.closed or mine.node != self.node:
+            self._take_pools()
+            process_pools.replacing[inherited] = self.pools
+        else:  # a framework's copy of this loader, or the loader it copies, came first
+            self._take_pools(cast("NodePools", mine))
         self.collate_fn = self.collate_fn  # __setattr__ wraps the user's again, over the new pools
         if self._through is not None:
             settings_loader(self._through).collate_fn = self.collate_fn
@@ -456,7 +461,9 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
 
 def loader_stats(loader: object) -> LoaderStats | None:
     """The :class:`LoaderStats` of the numafast pools behind ``loader`` (a NumaLoader, a
-    DataLoader a framework made from one, or a wrapper around either), or None."""
+    DataLoader a framework made from one, or a wrapper around either), or None (in a
+    forked child, for a DataLoader over pools of the parent's that no NumaLoader of the
+    child replaced: its batches are collated as torch does)."""
     seen: set[int] = set()
     pending = [loader]
     while pending:
@@ -464,10 +471,13 @@ def loader_stats(loader: object) -> LoaderStats | None:
         if id(current) in seen:
             continue
         seen.add(id(current))
+        if isinstance(current, NumaLoader):
+            return current.stats()  # in a forked child, its own pools (see _own_pools)
         attributes = vars(current) if hasattr(current, "__dict__") else {}
         collate = attributes.get("collate_fn")
         if isinstance(collate, SlotCollate) and collate.pools is not None:
-            return collate.pools.stats()
+            pools = collate.pools if _pid.owns(collate.pools.owner_pid) else process_pools.replacing.get(collate.pools)
+            return None if pools is None else cast("NodePools", pools).stats()
         pending.extend(attributes[name] for name in _INNER_LOADER_ATTRIBUTES if attributes.get(name) is not None)
     return None
 

@@ -47,6 +47,10 @@ _idle_mutex = threading.Lock()
 """Guards _idle and every NodePools' ``users``."""
 
 
+# In a forked child: the pools made here in the place of each set inherited from the
+# parent, so that the loaders over one inherited set (the user's and a framework's copy
+# of it) land in one set here too, as they did there.
+replacing: weakref.WeakKeyDictionary[LoaderPools, LoaderPools] = weakref.WeakKeyDictionary()
 iterators: weakref.WeakSet[Any] = weakref.WeakSet()
 """torch's iterators over NumaLoaders of this process that have workers: a forked child
 inherits them (see :func:`forget_inherited`)."""
@@ -62,6 +66,7 @@ def forget_inherited() -> None:
     global _idle_mutex
     _idle_mutex = threading.Lock()
     _idle.clear()
+    replacing.clear()
     for iterator in list(iterators):
         iterator._shutdown = True  # torch's iterator: its __del__ shuts down only what is not
     iterators.clear()

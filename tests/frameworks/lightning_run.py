@@ -6,7 +6,10 @@
 
 Started once: Lightning's own launcher (``strategy="ddp"``) runs this script again
 for rank 1, with the same arguments. ``--variant reload`` sets
-``reload_dataloaders_every_n_epochs=1``.
+``reload_dataloaders_every_n_epochs=1``. ``--variant fork`` is a notebook user's run:
+the loader is made (and wrapped) before ``trainer.fit``, its first batch peeked at
+with ``next(iter(loader))``, and ``strategy="ddp_fork"`` forks the two ranks, which
+inherit it.
 """
 
 from __future__ import annotations
@@ -29,11 +32,15 @@ class Module(L.LightningModule):
         self.model = common.Tiny()
         self.recorder: common.Recorder | None = None
         self.own: Any = None
+        self.made_before: Any = None  # --variant fork: the loader made, and peeked at, before the ranks
 
     def setup(self, stage: str) -> None:
         self.recorder = common.Recorder(self.args, self.global_rank, self.trainer.world_size)
 
     def train_dataloader(self) -> Any:
+        if self.made_before is not None:
+            self.own = self.made_before
+            return self.made_before
         loader = common.make_loader(self.args.out)
         if self.args.numafast:
             loader = common.wrap(loader, self.global_rank)  # the user's one-line change
@@ -53,6 +60,11 @@ class Module(L.LightningModule):
         assert self.recorder is not None
         self.recorder.epoch_end(self.current_epoch, self.trainer.train_dataloader, self.own)
 
+    def on_train_end(self) -> None:
+        if self.args.variant == "fork":  # a forked rank ends without returning to main()
+            assert self.recorder is not None
+            self.recorder.write()
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
@@ -61,8 +73,12 @@ def main() -> None:
     args = common.arguments()
     L.seed_everything(common.SEED, verbose=False)
     module = Module(args)
+    if args.variant == "fork":
+        loader = common.make_loader(args.out)
+        module.made_before = common.wrap(loader, 0) if args.numafast else loader
+        next(iter(module.made_before))  # a look at the first batch, before the ranks are forked
     trainer = L.Trainer(
-        strategy="ddp", devices=2, accelerator="cpu", max_epochs=common.EPOCHS,
+        strategy="ddp_fork" if args.variant == "fork" else "ddp", devices=2, accelerator="cpu", max_epochs=common.EPOCHS,
         reload_dataloaders_every_n_epochs=1 if args.variant == "reload" else 0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=args.out,
@@ -75,6 +91,8 @@ def main() -> None:
 
             module.recorder.write(error=traceback.format_exc())
         raise
+    if args.variant == "fork":
+        return  # the parent of the forked ranks, which wrote their records (on_train_end)
     assert module.recorder is not None
     module.recorder.write()
 
