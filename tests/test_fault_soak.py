@@ -52,7 +52,15 @@ def locked():
     return int(Path("/proc/self/status").read_text().split("VmLck:")[1].split()[0])
 
 def fds():
-    return len(os.listdir("/proc/self/fd"))
+    # Open descriptors, less the node budget's ledger, which a process maps once and keeps
+    # (Python's mmap holds a descriptor of the file it maps).
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "numafast-pinned-" not in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listing's own descriptor, closed since
+    return count
 
 # A hang says where, before the test's timeout: what the children wait in, then
 # every thread's stack here, and exit.
