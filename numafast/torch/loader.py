@@ -30,6 +30,7 @@ from numafast._validate import check_node, positive_int
 from numafast.binding import bind, numa_local
 from numafast.errors import LoaderHint, MemlockError
 from numafast.pool import MEMLOCK_FIX, LockMode, memlock_room, parse_mode
+from numafast.private import LIGHTNING_SAVED_ARGUMENTS, LOADER_GET_ITERATOR, LOADER_ITERATOR, RAY_INNER_LOADER
 from numafast.torch.batch import flatten, record_stream
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
@@ -63,7 +64,7 @@ DATALOADER_DEFAULTS: dict[str, Any] = {
 _BATCHING = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
 # Where loaders that wrap another keep it (Accelerate's DataLoaderShard, Ray Train's
 # _WrappedDataLoader, a NumaLoader iterating through another).
-_INNER_LOADER_ATTRIBUTES = ("base_dataloader", "_dataloader", "_through", "dataloader", "loader")
+_INNER_LOADER_ATTRIBUTES = ("base_dataloader", RAY_INNER_LOADER, "_through", "dataloader", "loader")
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def iterates_itself(loader: DataLoader[Any]) -> bool:
     return (
         settings_loader(loader) is loader
         and kind.__iter__ is DataLoader.__iter__
-        and kind._get_iterator is DataLoader._get_iterator
+        and getattr(kind, LOADER_GET_ITERATOR) is getattr(DataLoader, LOADER_GET_ITERATOR)
         and kind.__len__ is DataLoader.__len__
     )
 
@@ -322,7 +323,7 @@ class NumaLoader(DataLoader[T_co]):
         alone: its workers' slots, its mutexes (maybe held by a thread at the fork), its
         idle pools; so is a persistent iterator inherited from it, whose workers are the
         parent's (see :func:`numafast.torch.process_pools.forget_inherited`)."""
-        self._iterator = None
+        setattr(self, LOADER_ITERATOR, None)
         self.device, self._node_guessed = self._asked
         if self._node_guessed:
             self.node = landing_node(self.device)[0]
@@ -344,7 +345,7 @@ class NumaLoader(DataLoader[T_co]):
         self.pools.shrink()  # pools grown for the batches a consumer kept, free again since
         if self._through is not None:
             batches: Iterator[Any] = _through_batches(self, iter(self._through))
-        elif self.persistent_workers and self._iterator is not None:
+        elif self.persistent_workers and getattr(self, LOADER_ITERATOR) is not None:
             batches = super().__iter__()  # the same workers, another epoch: nothing forks
         else:
             # The workers fork here, inside the node's scope: they start on its CPUs with
@@ -412,11 +413,6 @@ def _shared_pools(collate_fn: Any, node: int, lock: str | bool) -> NodePools | N
         return pools
     return None
 
-
-# Where Lightning keeps the arguments a DataLoader was made with inside a ``*_dataloader``
-# hook, to make the same class again from them with its DistributedSampler
-# (lightning.fabric.utilities.data: _wrap_init_method, _get_dataloader_init_args_and_kwargs).
-LIGHTNING_SAVED_ARGUMENTS = ("__pl_saved_args", "__pl_saved_kwargs", "__pl_saved_arg_names")
 
 
 def _travel_with_lightnings_arguments(loader: NumaLoader[Any]) -> None:

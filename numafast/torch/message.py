@@ -30,11 +30,9 @@ from traceback import walk_tb
 from typing import Any, Protocol
 
 from numafast import _pid
+from numafast.private import PIN_THREAD_NAME, exception_wrapper
 
 __all__ = ["Fallback", "FallbackReason", "Receiver", "SenderDied", "SlotBatch", "in_pin_thread", "receivers"]
-
-# The name PyTorch's pin thread gives itself (torch.utils.data._utils.pin_memory).
-PIN_THREAD_NAME = "pt_data_pin"
 
 
 class FallbackReason(str, Enum):
@@ -173,9 +171,7 @@ def _failed(batch: str) -> Any:
     """The exception being handled, as torch's DataLoader carries a worker's: its
     iterator raises it in the consumer at this batch (its type, message and traceback,
     and where: which batch of which worker)."""
-    from torch._utils import ExceptionWrapper  # torch is loaded: a DataLoader unpickles this
-
-    wrap: Any = ExceptionWrapper  # untyped in some torch versions
+    wrap = exception_wrapper()  # torch is loaded: a DataLoader unpickles this
     return wrap(where=f"in the main process, taking over {batch}")
 
 

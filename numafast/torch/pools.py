@@ -20,7 +20,6 @@ import itertools
 import multiprocessing
 import os
 import queue
-import sys
 import threading
 import warnings
 import weakref
@@ -40,6 +39,7 @@ from numafast.pool import (
     pool_bytes, warn_unlocked,
 )
 from numafast.pool_share import BOARD_ENTRIES, PoolBoard
+from numafast.private import getframe
 from numafast.torch import process_pools
 from numafast.torch.batch import place
 from numafast.torch.device import gpu_usable, iteration_gpu
@@ -773,7 +773,7 @@ _LIBRARY_FILES = tuple(
 def _user_level() -> int:
     """The ``stacklevel`` of the first caller outside :data:`_LIBRARY_FILES` (the line that
     asked for the batch, or made the loader); 2 where none is (PyTorch's pin thread)."""
-    frame = sys._getframe(1)
+    frame = getframe(1)
     level = 1
     while frame is not None:
         if not frame.f_code.co_filename.startswith(_LIBRARY_FILES):

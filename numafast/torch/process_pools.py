@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from numafast import _pid
 from numafast.pool import LockMode, PinnedPool, RegisterMode
+from numafast.private import ITERATOR_SHUTDOWN
 
 __all__ = ["close_idle_pools", "pinned_bytes"]
 
@@ -68,7 +69,7 @@ def forget_inherited() -> None:
     _idle.clear()
     replacing.clear()
     for iterator in list(iterators):
-        iterator._shutdown = True  # torch's iterator: its __del__ shuts down only what is not
+        setattr(iterator, ITERATOR_SHUTDOWN, True)  # torch's iterator: its __del__ shuts down only what is not
     iterators.clear()
 
 

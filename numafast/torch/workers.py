@@ -50,6 +50,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+from numafast.private import (
+    EVENT_CONDITION, EVENT_FLAG, ITERATOR_COLLATE, ITERATOR_DONE_EVENT, ITERATOR_RECEIVED, ITERATOR_RESULT_QUEUE,
+    ITERATOR_SHUTDOWN, ITERATOR_TASK_INFO, ITERATOR_WORKER_PIDS_SET, ITERATOR_WORKERS, NOT_A_CHILD_ERROR,
+    POPEN_PROCESS_LOCAL, PROCESS_RUN_ATTRIBUTES, REMOVE_WORKER_PIDS, SET_WORKER_PIDS, exception_wrapper, getframe,
+    multi_worker_iterator, signal_handling,
+)  # fmt: skip
 from numafast.torch.collate import SlotCollate
 
 __all__ = ["MAX_RESTARTS", "START_DEADLINE_S", "WorkerStartError", "replaced_workers", "watch_starts"]
@@ -167,7 +173,7 @@ class _StartWatch:
         order); False, the tokens closed, where there is nothing to watch."""
         if not self.tokens:
             return False  # no worker forked (none asked for, or spawned, or served by a forkserver)
-        processes = getattr(iterator, "_workers", None) if isinstance(iterator, _Iterating) else None
+        processes = getattr(iterator, ITERATOR_WORKERS, None) if isinstance(iterator, _Iterating) else None
         if not isinstance(processes, list) or len(processes) != len(self.tokens):
             self.close()  # not torch's iterator as known: its workers cannot be told apart, nor replaced
             return False
@@ -200,9 +206,9 @@ class _StartWatch:
         moment, its pools not yet idle for the next loader, and end in this thread."""
         if not self.workers:  # found forking (_found_watch): it attaches once torch started all the workers
             iterator = made()
-            if iterator is None or getattr(iterator, "_shutdown", False):
+            if iterator is None or getattr(iterator, ITERATOR_SHUTDOWN, False):
                 return False
-            if getattr(iterator, "_worker_pids_set", False) is not True:
+            if getattr(iterator, ITERATOR_WORKER_PIDS_SET, False) is not True:
                 return bool(self.tokens) and time.monotonic() < self.tokens[0].forked_at + 60
             _bound_done_event(iterator)
             return self.attach(iterator)
@@ -222,7 +228,8 @@ class _StartWatch:
         late = [(worker, worker.token) for worker in self.workers if worker.token is not None and (
                 now >= max(worker.token.forked_at, self.last_start) + START_DEADLINE_S
                 or _ended(worker.pid))]  # fmt: skip
-        if getattr(made(), "_shutdown", True):  # gone, or torch ended its workers: one that wakes up yet exits at once
+        # Gone, or torch ended its workers: one that wakes up yet exits at once.
+        if getattr(made(), ITERATOR_SHUTDOWN, True):
             for worker in self.workers:
                 if worker.token is not None:
                     _claim(worker.token.read)
@@ -316,7 +323,7 @@ class _StartWatch:
             return f"forking a worker in its place failed ({error!r})"
         finally:
             _local.watch = outer
-        iterator._workers[worker.index] = replacement
+        getattr(iterator, ITERATOR_WORKERS)[worker.index] = replacement
         _end(iterator, old)
         global _replaced
         _replaced += 1
@@ -347,7 +354,7 @@ class _StartWatch:
 
     def _settle_doomed(self, iterator: Any) -> None:
         """Kill the stuck workers whose error the consumer has met (see :meth:`_fail`)."""
-        received = getattr(iterator, "_rcvd_idx", None)
+        received = getattr(iterator, ITERATOR_RECEIVED, None)
         for process, task in list(self.doomed):
             if not isinstance(received, int) or received > task:
                 _end(iterator, process)
@@ -387,12 +394,11 @@ def _found_watch() -> _StartWatch | None:
     """The watch of the torch iterator forking now, when numafast's collate is its
     workers' (found in the frames of its ``__init__``); None for any other fork."""
     try:
-        module = sys.modules.get("torch.utils.data.dataloader")
-        kind = getattr(module, "_MultiProcessingDataLoaderIter", None)
+        kind = multi_worker_iterator()
         if kind is None:
             return None
-        iterator = _held_above(sys._getframe(2), 16, kind, "self", function="__init__")
-        if iterator is None or not isinstance(getattr(iterator, "_collate_fn", None), SlotCollate):
+        iterator = _held_above(getframe(2), 16, kind, "self", function="__init__")
+        if iterator is None or not isinstance(getattr(iterator, ITERATOR_COLLATE, None), SlotCollate):
             return None
         watch = _found.get(iterator)
         if watch is None:
@@ -439,11 +445,11 @@ def _process_forking() -> _Run | None:
     frames of its ``start()``, the only place that still has them), or None."""
     from multiprocessing.process import BaseProcess
 
-    frame = sys._getframe(2)  # the before-fork hook; then the caller of os.fork(), up to start()
-    process = _held_above(frame, 8, BaseProcess, "process_obj", "self")
+    frame = getframe(2)  # the before-fork hook; then the caller of os.fork(), up to start()
+    process = _held_above(frame, 8, BaseProcess, POPEN_PROCESS_LOCAL, "self")
     if process is None:
         return None
-    target, args, kwargs = (getattr(process, part, None) for part in ("_target", "_args", "_kwargs"))
+    target, args, kwargs = (getattr(process, part, None) for part in PROCESS_RUN_ATTRIBUTES)
     if callable(target) and isinstance(args, tuple) and isinstance(kwargs, dict):
         return dict(target=target, args=args, kwargs=kwargs, name=process.name, daemon=bool(process.daemon))
     return None
@@ -510,18 +516,17 @@ def _worker_pids(iterator: Any) -> Callable[[tuple[int, ...]], None] | None:
     """A function that makes ``pids`` the iterator's workers for torch's SIGCHLD check
     (so that a killed worker is not taken for one that died), or None where torch's
     signal handling is not as known."""
-    try:
-        from torch.utils.data._utils import signal_handling
-    except ImportError:
-        return None
-    remove = getattr(signal_handling, "_remove_worker_pids", None)
-    put = getattr(signal_handling, "_set_worker_pids", None)
-    if not callable(remove) or not callable(put) or not isinstance(getattr(iterator, "_worker_pids_set", None), bool):
+    module = signal_handling()
+    remove = getattr(module, REMOVE_WORKER_PIDS, None)
+    put = getattr(module, SET_WORKER_PIDS, None)
+    registered = getattr(iterator, ITERATOR_WORKER_PIDS_SET, None)
+    if not callable(remove) or not callable(put) or not isinstance(registered, bool):
         return None
 
     def set_pids(pids: tuple[int, ...]) -> None:
         # Only in the thread that iterates, where torch's shutdown runs too: never between the two calls.
-        if iterator._worker_pids_set and not iterator._shutdown:  # torch let them go (or is about to)
+        # Else torch let them go (or is about to).
+        if getattr(iterator, ITERATOR_WORKER_PIDS_SET) and not getattr(iterator, ITERATOR_SHUTDOWN):
             try:
                 remove(id(iterator))
             finally:  # also where a signal handler raised in between (torch's SIGCHLD check)
@@ -532,7 +537,7 @@ def _worker_pids(iterator: Any) -> Callable[[tuple[int, ...]], None] | None:
 
 def _worker_process(iterator: Any, index: int) -> Any:
     """Worker ``index`` of torch's ``_workers``, or None."""
-    processes = getattr(iterator, "_workers", None)
+    processes = getattr(iterator, ITERATOR_WORKERS, None)
     return processes[index] if isinstance(processes, list) and index < len(processes) else None
 
 
@@ -541,13 +546,11 @@ def _queue_error(iterator: Any, index: int, message: str) -> int | None:
     first batch the iterator waits for from it (torch's ``_task_info``): that batch, or
     None where there is none or it cannot be done."""
     try:
-        from torch._utils import ExceptionWrapper
-
-        waiting = [task for task, info in list(iterator._task_info.items()) if info == (index,)]
+        waiting = [task for task, info in list(getattr(iterator, ITERATOR_TASK_INFO).items()) if info == (index,)]
         task: int = min(waiting)
-        wrap: Any = ExceptionWrapper  # untyped in some torch versions
+        wrap = exception_wrapper()
         error = wrap((WorkerStartError, WorkerStartError(message), None), where=f"in DataLoader worker process {index}")
-        iterator._worker_result_queue.put((task, error))
+        getattr(iterator, ITERATOR_RESULT_QUEUE).put((task, error))
     except Exception:  # noqa: BLE001 - none waiting, or not torch's iterator as known: then the worker is killed
         return None
     return task
@@ -560,12 +563,12 @@ def _end(iterator: Any, process: Any) -> None:
     its own shutdown. So the process leaves the registered workers first; once the
     iterator is shutting down (torch unregisters them all at its end), the kill waits for
     that instead, up to ``_SHUTDOWN_WAIT_S``."""
-    if iterator is not None and getattr(iterator, "_shutdown", False):
+    if iterator is not None and getattr(iterator, ITERATOR_SHUTDOWN, False):
         deadline = time.monotonic() + _SHUTDOWN_WAIT_S
-        while getattr(iterator, "_worker_pids_set", False) is True and time.monotonic() < deadline:
+        while getattr(iterator, ITERATOR_WORKER_PIDS_SET, False) is True and time.monotonic() < deadline:
             time.sleep(POLL_S)
     elif iterator is not None and (pids := _worker_pids(iterator)) is not None:
-        pids(tuple(worker.pid for worker in getattr(iterator, "_workers", []) if worker is not process))
+        pids(tuple(worker.pid for worker in getattr(iterator, ITERATOR_WORKERS, []) if worker is not process))
     _kill(process)
 
 
@@ -576,7 +579,7 @@ def _kill(process: Any) -> None:
     try:
         process.kill()
         process.join(5.0)
-    except (OSError, ValueError, AssertionError, AttributeError):
+    except (OSError, ValueError, NOT_A_CHILD_ERROR, AttributeError):
         pass
 
 
@@ -629,7 +632,7 @@ class _Iterating:
 def _wake(iterator: Any) -> None:
     """Wake the thread that iterates ``iterator`` where it waits for a batch (see :class:`_Iterating`)."""
     try:
-        iterator._worker_result_queue.put((_WAKE, None))
+        getattr(iterator, ITERATOR_RESULT_QUEUE).put((_WAKE, None))
     except Exception:  # noqa: BLE001 - gone, or closed: it waits no more
         pass
 
@@ -640,8 +643,7 @@ _extended: dict[type, type] = {}  # per class of torch's iterator, its subclass 
 def _extend(iterator: Any) -> None:
     """Make ``iterator``, torch's multi-worker iterator (any other is left as it is), an
     :class:`_Iterating` one."""
-    module = sys.modules.get("torch.utils.data.dataloader")
-    base = getattr(module, "_MultiProcessingDataLoaderIter", None)
+    base = multi_worker_iterator()
     kind = type(iterator)
     if base is None or not isinstance(iterator, base) or issubclass(kind, _Iterating):
         return
@@ -681,8 +683,10 @@ class _DoneEvent:
 
     def __init__(self, event: Any, iterator: Any) -> None:
         self.event = event
+        self.condition = getattr(event, EVENT_CONDITION)  # its lock: what set() and is_set() hold
+        self.flag = getattr(event, EVENT_FLAG)  # a semaphore, 1 once set
         self.iterator = weakref.ref(iterator)  # the iterator holds this: no cycle
-        self.processes: list[Any] = iterator._workers  # torch's very list (a replacement is put in it)
+        self.processes: list[Any] = getattr(iterator, ITERATOR_WORKERS)  # torch's very list (a replacement goes in)
         self.done = False
         self.lock_lost = False
 
@@ -690,22 +694,22 @@ class _DoneEvent:
         self.done = True
         if self._take_lock():
             try:  # Event.set() under the hold taken here
-                self.event._flag.acquire(False)
-                self.event._flag.release()
-                self.event._cond.notify_all()  # none waits: torch's workers only read the event
+                self.flag.acquire(False)
+                self.flag.release()
+                self.condition.notify_all()  # none waits: torch's workers only read the event
             finally:
-                self.event._cond.release()
+                self.condition.release()
 
     def is_set(self) -> bool:
         if not self._take_lock():
             return self.done
         try:  # Event.is_set() under the hold taken here
-            if self.event._flag.acquire(False):
-                self.event._flag.release()
+            if self.flag.acquire(False):
+                self.flag.release()
                 return True
             return False
         finally:
-            self.event._cond.release()
+            self.condition.release()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.event, name)
@@ -714,7 +718,7 @@ class _DoneEvent:
         """The event's lock, taken by this thread (True), or lost for good (False)."""
         if self.lock_lost:
             return False
-        lock = self.event._cond
+        lock = self.condition
         began = time.monotonic()
         pause = 0.0005
         while not lock.acquire(False):
@@ -765,11 +769,11 @@ def _how_it_ended(code: int) -> str:
 
 def _bound_done_event(iterator: Any) -> None:
     """Make ``iterator``'s done event a :class:`_DoneEvent` (a torch iterator with workers)."""
-    event = getattr(iterator, "_workers_done_event", None)
-    processes = getattr(iterator, "_workers", None)
-    known = hasattr(event, "_cond") and hasattr(event, "_flag") and isinstance(processes, list)
+    event = getattr(iterator, ITERATOR_DONE_EVENT, None)
+    processes = getattr(iterator, ITERATOR_WORKERS, None)
+    known = hasattr(event, EVENT_CONDITION) and hasattr(event, EVENT_FLAG) and isinstance(processes, list)
     if event is not None and not isinstance(event, _DoneEvent) and known:
-        iterator._workers_done_event = _DoneEvent(event, iterator)
+        setattr(iterator, ITERATOR_DONE_EVENT, _DoneEvent(event, iterator))
 
 
 # ------------------------------------------------------------ what to tell the user
