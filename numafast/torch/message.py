@@ -1,5 +1,17 @@
 """The message a DataLoader worker sends for each batch, and what it becomes on arrival.
 
+NOTE: the central hop. A batch becomes a batch while torch unpickles the worker's
+message, inside the DataLoader's own ``get``, not in a step numafast adds to the loop.
+That is what keeps loaders that frameworks rebuild from a NumaLoader's settings (a
+plain DataLoader with numafast's collate function: Lightning, Accelerate, Ray Train)
+landing their batches: nothing of numafast's iterator needs to be there. It forces
+three things, each handled here or beside it: the take-over runs wherever torch
+unpickles (the main thread, between any two bytecodes, where a signal handler may
+raise: see _raised_by_signal_handler; or PyTorch's pin thread, which must never die
+of a batch: see in_pin_thread), it must never raise where torch would lose count of
+its batches (see below), and a sender that died after sending has its slot
+reclaimed by then (SenderDied).
+
 A :class:`SlotBatch` names the slot that holds the batch; a :class:`Fallback` carries
 the batch as torch would send it, and why it did not land. Both travel on the
 DataLoader's own result queue and *become the batch* as they are unpickled in the
