@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from numafast.cli.check.classes import MemoryClass
 from numafast.cli.check.result import ClassUsage, ProcessAudit, RankAudit
-from numafast.cli.check.verdict import format_bytes
+from numafast.pool import format_size
 
 
 def memory_line(memory: dict[MemoryClass, ClassUsage]) -> str:
     """``page-locked node 1 8.0 MiB | anonymous node 0 20.0 MiB, node 1 4.0 KiB``."""
-    parts = [f"{memory_class.display} " + ", ".join(f"node {node} {format_bytes(count)}"
+    parts = [f"{memory_class.display} " + ", ".join(f"node {node} {format_size(count)}"
                                                   for node, count in usage.node_bytes.items() if count)
              for memory_class, usage in memory.items() if usage.total()]  # fmt: skip
     return " | ".join(parts) or "none resident"

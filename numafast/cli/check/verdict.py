@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from numafast._validate import format_ids, parse_ids
+from numafast.pool import format_size
 from numafast.cli.check.classes import MemoryClass, classify, label
 from numafast.cli.check.procfs import Mapping, Process
 from numafast.cli.check.result import ClassUsage, PolicyFinding, ProcessAudit, ThreadGroup
@@ -31,13 +32,6 @@ class Expectation:
     """Says why, for the messages: ``GPU 3 is on node 0``, ``the rank runs on node 1``."""
     run_command: str
     """The ``numafast run`` that would start the rank where it belongs."""
-
-
-def format_bytes(count: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} B"
 
 
 def thread_groups(process: Process, node_of_cpu: Callable[[int], int]) -> list[ThreadGroup]:
@@ -70,14 +64,14 @@ def remote_problems(memory: dict[MemoryClass, ClassUsage], expectation: Expectat
         remote = {node: count for node, count in usage.node_bytes.items() if node not in expectation.local_nodes}
         if total == 0 or sum(remote.values()) / total <= max_remote:
             continue
-        where = ", ".join(f"node {node} {format_bytes(count)}" for node, count in sorted(remote.items()))
+        where = ", ".join(f"node {node} {format_size(count)}" for node, count in sorted(remote.items()))
         if len(remote) == 1:
             where = f"node {next(iter(remote))}"
         remote_labels = {name: sum(count for node, count in held.items() if node in remote)
                          for name, held in sorted(usage.labels.items())}  # fmt: skip
-        what = ", ".join(f"{name} {format_bytes(count)}" for name, count in remote_labels.items()
+        what = ", ".join(f"{name} {format_size(count)}" for name, count in remote_labels.items()
                          if count and name != memory_class.display)  # fmt: skip
-        problems.append(f"{format_bytes(sum(remote.values()))} of {memory_class.display} memory "
+        problems.append(f"{format_size(sum(remote.values()))} of {memory_class.display} memory "
                         f"({sum(remote.values()) / total:.0%}) on {where}{f' ({what})' if what else ''}; "
                         f"{expectation.reason}")  # fmt: skip
     return problems
@@ -159,7 +153,7 @@ def policy_problem(finding: PolicyFinding) -> str:
     """``64.0 MiB of page-locked memory (numafast pool) under interleave:0-3: CAUSE; fix: FIX``."""
     labels = [name for name in finding.labels if name != finding.memory_class.display]
     what = f" ({', '.join(labels)})" if labels else ""
-    return (f"{format_bytes(finding.size)} of {finding.memory_class.display} memory{what} under {finding.policy}: "
+    return (f"{format_size(finding.size)} of {finding.memory_class.display} memory{what} under {finding.policy}: "
             f"{finding.cause}; fix: {finding.fix}")  # fmt: skip
 
 
