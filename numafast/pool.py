@@ -407,6 +407,7 @@ class PinnedPool:
                 hugepages=hugepages,
                 shared_file=resources.fd,
                 pretouch=prefault,
+                unplaced_ok=True,  # a container refusing mbind: unplaced, said once, not an error
             )
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
             self._fences: SlotEvents | None = None
