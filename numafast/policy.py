@@ -218,11 +218,12 @@ NEVER_IN_DOCKER = ("move_pages", "migrate_pages")
 _CAP_SYS_NICE = 23
 
 
-def _status() -> tuple[str, bool | None]:
-    """(this process's seccomp state, whether it has CAP_SYS_NICE; None: unknown)."""
+def seccomp_state(pid: int | str = "self") -> tuple[str, bool | None]:
+    """(a process's seccomp state: off, strict, filter active or unknown; whether it has
+    CAP_SYS_NICE, None: unknown), from /proc/PID/status."""
     state, nice = "unknown", None
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{pid}/status") as status:
             for line in status:
                 name, _, value = line.partition(":")
                 if name == "Seccomp":
@@ -236,7 +237,7 @@ def _status() -> tuple[str, bool | None]:
 
 def seccomp_hint(*calls: str) -> str:
     """Why the NUMA system calls ``calls`` get EPERM here, and what lifts it for this user."""
-    state, nice = _status()
+    state, nice = seccomp_state()
     has = {None: "", True: ", has CAP_SYS_NICE", False: ", no CAP_SYS_NICE"}[nice]
     cause = f"a container's seccomp profile or missing capability blocks it (seccomp: {state}{has})"
     fixes = []

@@ -10,10 +10,14 @@ for explicitly raises an exception naming the refused call, the cause and the fi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from test_no_numa import NO_NUMA
-from test_policy_seccomp import under_seccomp  # noqa: F401  (the fixture)
+from test_policy_seccomp import ENV, under_seccomp  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.host_only("seccomp refusals: the same whatever the nodes")
 
@@ -182,3 +186,32 @@ def test_pinned_pools_run_unplaced_in_docker_with_one_warning(under_seccomp) -> 
     assert (category, filename, line) == ("RuntimeWarning", "<string>", "7")  # the line that made the pool
     assert message.startswith("get_mempolicy, set_mempolicy, mbind refused with EPERM") and "--cap-add SYS_NICE" in message
     assert result.stderr == ""  # nor anything libnuma would print of the refusals
+
+
+CHECK_ITSELF = """
+import os, subprocess, sys
+report = subprocess.run([sys.executable, "-m", "numafast", "check", "--process-only", str(os.getpid())],
+                        capture_output=True, text=True, timeout=120)
+print(report.stdout, end="")
+"""
+
+
+def test_check_says_when_a_rank_runs_where_placement_is_refused(under_seccomp) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    result = under_seccomp(DOCKER, CHECK_ITSELF)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("  note: ")]
+    assert len(notes) == 1, result.stdout
+    assert "memory placement likely refused" in notes[0] and "EPERM (seccomp: filter active, no CAP_SYS_NICE)" in notes[0]
+    assert "--cap-add SYS_NICE" in notes[0] and "securityContext.capabilities.add" in notes[0]
+
+
+def test_check_says_nothing_of_placement_where_it_is_allowed() -> None:
+    from numafast.policy import seccomp_state
+
+    state, nice = seccomp_state()
+    if state == "filter active" and nice is False:
+        pytest.skip("this test process itself runs under a seccomp filter without CAP_SYS_NICE")
+    report = subprocess.run([sys.executable, "-m", "numafast", "check", "--process-only", str(os.getpid())],
+                            capture_output=True, text=True, timeout=120, env=ENV)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert "note:" not in report.stdout and "likely refused" not in report.stdout
