@@ -180,6 +180,16 @@ def capabilities() -> Capabilities:
 
 # ---------------------------------------------------------------- placement numafast does on its own
 
+# NOTE: who asked decides what a refusal does. Where a container's seccomp profile refuses
+# the memory policy calls (EPERM: Docker's default, Kubernetes' RuntimeDefault, without
+# CAP_SYS_NICE) or the kernel has no NUMA (ENOSYS), an explicit request (numa_local and
+# the other blocks, bind, bind_process, numafast.empty/allocate, mbind, migrate) raises
+# PolicyNotPermitted / PolicyUnsupported naming the call, the cause and the fix: the user
+# asked for that placement and must not believe it happened. Placement numafast does on
+# its own (NumaLoader's workers and the scope they fork in, pinned pools) goes on without
+# memory policy, CPU binding kept, said once per process at the user's line
+# (warn_unplaced): training in a default container must work, only less well placed.
+
 _MEMORY_CALLS = ("numa", "set_mempolicy", "mbind")  # get_mempolicy (the numa probe), set_mempolicy, mbind
 _unplaced_warned = False  # said once per process (see warn_unplaced)
 
