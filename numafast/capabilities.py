@@ -195,10 +195,12 @@ _unplaced_warned = False  # said once per process (see warn_unplaced)
 
 
 def memory_placement_refused() -> list[tuple[str, Capability]]:
-    """The memory placement calls the kernel refuses here, as (call, capability): empty
-    where numafast can place memory (every NumaLoader and pool asks, once per process)."""
+    """The memory placement calls the kernel refuses here outright (EPERM, ENOSYS), as
+    (call, capability): empty where numafast can place memory (cached: NumaLoader asks
+    at every iteration)."""
     found = capabilities()
-    refused = [(name, getattr(found, name)) for name in _MEMORY_CALLS if not getattr(found, name).available]
+    refused = [(name, getattr(found, name)) for name in _MEMORY_CALLS
+               if getattr(found, name).errno in (errno.EPERM, errno.ENOSYS)]  # fmt: skip
     return [("get_mempolicy" if name == "numa" else name, capability) for name, capability in refused]
 
 
