@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 
 from numafast import _libnuma
 from numafast._validate import allowed_nodes, check_cpus, cpus_near, id_list, integer
-from numafast._validate import check_nodes as _validate_nodes
+# Where a seccomp profile refuses get_mempolicy, the allowed nodes come from /proc/self/status:
+# the refusal is met, and explained, on entering a block.
+from numafast._validate import check_nodes as _check_nodes
 from numafast._validate import format_ids, parse_ids
 from numafast.capabilities import capabilities, memory_placement_refused
 from numafast.errors import (
@@ -110,12 +112,6 @@ def _cpus_for(cpus: int | Iterable[int] | None, nodes: int | Iterable[int] | Non
 # ---------------------------------------------------------------- the kernel calls, with refusals explained
 
 
-def _check_nodes(nodes: object) -> list[int]:
-    """_validate.check_nodes (which reads the allowed nodes from /proc/self/status where a
-    seccomp profile refuses get_mempolicy: the refusal is met, and explained, on entering)."""
-    return _validate_nodes(nodes)
-
-
 def _check_node(node: object) -> int:
     return _check_nodes([node])[0]
 
@@ -125,7 +121,8 @@ def _set_affinity(tid: int, cpus: list[int]) -> None:
         _libnuma.sched_setaffinity(tid, cpus)
     except LibnumaError as error:
         if error.errno == errno.EPERM:
-            raise PolicyNotPermitted(f"sched_setaffinity(tid {tid}) refused with EPERM; {seccomp_hint('sched_setaffinity')}") from error
+            hint = seccomp_hint("sched_setaffinity")
+            raise PolicyNotPermitted(f"sched_setaffinity(tid {tid}) refused with EPERM; {hint}") from error
         if error.errno == errno.EINVAL:
             raise InvalidCpuSetError(
                 f"cpus {format_ids(cpus)} are all outside this thread's cpuset; "

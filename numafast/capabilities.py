@@ -67,7 +67,8 @@ def _refusal(call: str, error: LibnumaError, needs: str = "") -> Capability:
     if code == errno.EPERM:
         return Capability(False, f"{call} refused with EPERM; {seccomp_hint(call.partition('(')[0])}", code)
     if code in (errno.EINVAL, errno.ENOSYS) and needs:
-        return Capability(False, f"{call} refused ({error.strerror}): {needs}, this kernel is {os.uname().release}", code)
+        kernel = os.uname().release
+        return Capability(False, f"{call} refused ({error.strerror}): {needs}, this kernel is {kernel}", code)
     if code == errno.ENOSYS:
         return Capability(False, f"{call} refused with ENOSYS: this kernel has no NUMA support (CONFIG_NUMA)", code)
     return Capability(False, str(error), code)

@@ -162,7 +162,8 @@ def explain_refusal(error: LibnumaError, mode_word: int, nodes: list[int]) -> Ex
     policy = Policy.from_kernel(mode_word, nodes)
     what = f"{error.call}({policy.mode.value}, nodes {format_ids(nodes)})"
     if error.call == "get_mempolicy":  # read first, to be restored on leaving the block
-        what = f"get_mempolicy (reading the policy to restore, before setting {policy.mode.value} on nodes {format_ids(nodes)})"
+        setting = f"{policy.mode.value} on nodes {format_ids(nodes)}"
+        what = f"get_mempolicy (reading the policy to restore, before setting {setting})"
     if error.errno in (errno.EPERM, errno.ENOSYS):
         return explain_call(error, what)
     if error.errno == errno.EINVAL:
