@@ -148,15 +148,31 @@ def online_nodes() -> tuple[int, ...]:
         return (0,)
 
 
+_mems_refused: int | None = None  # errno of get_mempolicy here (0: it works); see allowed_nodes
+
+
 def allowed_nodes() -> list[int]:
     """Nodes this process may allocate on: its cpuset's mems (Mems_allowed), read afresh;
-    node 0 alone on a kernel without NUMA system calls (ENOSYS), which has no other."""
-    try:
-        return _libnuma.get_mems_allowed()
-    except OSError as error:
-        if error.errno != errno.ENOSYS:
-            raise
+    node 0 alone on a kernel without NUMA system calls (ENOSYS), which has no other.
+
+    Where a seccomp profile refuses get_mempolicy (EPERM: Docker's default without
+    CAP_SYS_NICE), the same list comes from /proc/self/status. Which applies is asked
+    once, of get_mempolicy itself: libnuma would print each refusal to stderr."""
+    global _mems_refused
+    if _mems_refused is None:
+        try:
+            _libnuma.get_mempolicy()
+            _mems_refused = 0
+        except OSError as error:
+            _mems_refused = error.errno if error.errno in (errno.EPERM, errno.ENOSYS) else 0
+    if _mems_refused == errno.ENOSYS:
         return [0]
+    if _mems_refused == errno.EPERM:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Mems_allowed_list:"):
+                    return parse_ids(line.split(":", 1)[1].strip())
+    return _libnuma.get_mems_allowed()
 
 
 def allowed_cpus() -> set[int]:

@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from numafast import _libnuma
-from numafast._validate import check_cpus, cpus_near, id_list, integer
-from numafast._validate import check_nodes as _validate_nodes
+from numafast._validate import allowed_nodes, check_cpus, cpus_near, id_list, integer
+# Where a seccomp profile refuses get_mempolicy, the allowed nodes come from /proc/self/status:
+# the refusal is met, and explained, on entering a block.
+from numafast._validate import check_nodes as _check_nodes
 from numafast._validate import format_ids, parse_ids
-from numafast.capabilities import capabilities
+from numafast.capabilities import capabilities, memory_placement_refused
 from numafast.errors import (
     InvalidCpuSetError,
     InvalidWeightsError,
@@ -40,7 +42,9 @@ from numafast.errors import (
 )
 from numafast.topo.allowed import from_cgroup as allowed_from_cgroup
 from numafast.topo.files import read_fields
-from numafast.policy import FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, mode_flags, raise_refusal, seccomp_hint, set_mempolicy
+from numafast.policy import (
+    FLAG_BITS, MODE_NUMBERS, Mode, ModeFlag, mode_flags, raise_refusal, refusals_explained, seccomp_hint, set_mempolicy,
+)  # fmt: skip
 
 __all__ = [
     "bind",
@@ -108,18 +112,6 @@ def _cpus_for(cpus: int | Iterable[int] | None, nodes: int | Iterable[int] | Non
 # ---------------------------------------------------------------- the kernel calls, with refusals explained
 
 
-def _check_nodes(nodes: object) -> list[int]:
-    """_validate.check_nodes, with a seccomp refusal of its Mems_allowed query explained."""
-    try:
-        return _validate_nodes(nodes)
-    except LibnumaError as error:
-        if error.errno == errno.EPERM:
-            raise PolicyNotPermitted(
-                f"get_mempolicy (asking for the nodes this process may use) refused with EPERM; {seccomp_hint()}"
-            ) from error
-        raise
-
-
 def _check_node(node: object) -> int:
     return _check_nodes([node])[0]
 
@@ -129,7 +121,8 @@ def _set_affinity(tid: int, cpus: list[int]) -> None:
         _libnuma.sched_setaffinity(tid, cpus)
     except LibnumaError as error:
         if error.errno == errno.EPERM:
-            raise PolicyNotPermitted(f"sched_setaffinity(tid {tid}) refused with EPERM; {seccomp_hint()}") from error
+            hint = seccomp_hint("sched_setaffinity")
+            raise PolicyNotPermitted(f"sched_setaffinity(tid {tid}) refused with EPERM; {hint}") from error
         if error.errno == errno.EINVAL:
             raise InvalidCpuSetError(
                 f"cpus {format_ids(cpus)} are all outside this thread's cpuset; "
@@ -295,6 +288,24 @@ def numa_local(node: int, *, strict: bool = False) -> Placement:
     return placement
 
 
+def numa_local_if_permitted(node: int, *, strict: bool = False) -> Placement:
+    """:func:`numa_local` for the placement numafast does on its own (NumaLoader's workers
+    and the scope they fork in): where the kernel refuses memory policies (a container's
+    seccomp profile: EPERM; no NUMA: ENOSYS), its CPU part alone, which containers allow.
+    The caller says so once (:func:`numafast.capabilities.warn_unplaced`); an explicit
+    numa_local raises PolicyNotPermitted instead."""
+    placement = numa_local(node, strict=strict)
+    if not memory_placement_refused():
+        return placement
+    return Placement(placement._cpus, None, [])
+
+
+def bind_if_permitted(node: int, *, strict: bool = False) -> None:
+    """:func:`bind` as :func:`numa_local_if_permitted` places: a NumaLoader worker binds so."""
+    numa_local_if_permitted(node, strict=strict).__enter__()
+    _entries.stack.pop()  # never exited: the change stays
+
+
 def cpubind(*, cpus: int | Iterable[int] | None = None, nodes: int | Iterable[int] | None = None) -> Placement:
     """Run only on ``cpus``, or on the allowed CPUs of ``nodes`` (each one id or a list);
     memory policy untouched."""
@@ -427,7 +438,8 @@ def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> l
         restore_thread_cpus(moved)  # never leave half of the placement applied
         raise
     if migrate:
-        others = [n for n in _libnuma.get_mems_allowed() if n != node]
+        others = [n for n in allowed_nodes() if n != node]
         if others:
-            _libnuma.migrate_pages(0, others, nodes)
+            with refusals_explained(f"bind_process(node {node}, migrate=True) moving this process's pages"):
+                _libnuma.migrate_pages(0, others, nodes)
     return sorted(moved)

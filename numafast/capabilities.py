@@ -12,10 +12,12 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import warnings
 from dataclasses import dataclass, fields
 from functools import cache
 
 from numafast import _libnuma
+from numafast._validate import allowed_nodes, format_ids
 from numafast.errors import LibnumaError
 from numafast.policy import seccomp_hint
 
@@ -26,6 +28,8 @@ class Capability:
 
     available: bool
     reason: str = ""
+    errno: int = 0
+    """The errno of the kernel's refusal (0 when it works, or none was asked)."""
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,15 @@ class Capabilities:
 
 
 def _refusal(call: str, error: LibnumaError, needs: str = "") -> Capability:
-    if error.errno == errno.EPERM:
-        return Capability(False, f"{call} refused with EPERM; {seccomp_hint()}")
-    if error.errno in (errno.EINVAL, errno.ENOSYS) and needs:
-        return Capability(False, f"{call} refused ({error.strerror}): {needs}, this kernel is {os.uname().release}")
-    return Capability(False, str(error))
+    code = error.errno or 0
+    if code == errno.EPERM:
+        return Capability(False, f"{call} refused with EPERM; {seccomp_hint(call.partition('(')[0])}", code)
+    if code in (errno.EINVAL, errno.ENOSYS) and needs:
+        kernel = os.uname().release
+        return Capability(False, f"{call} refused ({error.strerror}): {needs}, this kernel is {kernel}", code)
+    if code == errno.ENOSYS:
+        return Capability(False, f"{call} refused with ENOSYS: this kernel has no NUMA support (CONFIG_NUMA)", code)
+    return Capability(False, str(error), code)
 
 
 def _probe_set_mempolicy(node: int) -> Capability:
@@ -122,7 +130,7 @@ def _probe_mbind_and_move_pages(node: int) -> tuple[Capability, Capability]:
 
 def _probe_numa() -> Capability:
     if _libnuma.available() < 0:
-        return Capability(False, "numa_available() < 0: the kernel has no NUMA system calls (ENOSYS)")
+        return Capability(False, "numa_available() < 0: the kernel has no NUMA system calls (ENOSYS)", errno.ENOSYS)
     try:  # libnuma counts only ENOSYS as unavailable; a seccomp profile answers EPERM
         _libnuma.get_mempolicy()
     except LibnumaError as error:
@@ -139,17 +147,20 @@ def _probes() -> dict[str, Capability]:
         try:
             results["cpu_affinity"] = _probe_cpu_affinity()
             results["numa"] = _probe_numa()
-            if not results["numa"].available:
-                missing = Capability(False, f"no NUMA system calls: {results['numa'].reason}")
+            if results["numa"].errno not in (0, errno.EPERM):  # a refused get_mempolicy says nothing of the others
+                missing = Capability(False, f"no NUMA system calls: {results['numa'].reason}", results["numa"].errno)
                 results.update(
                     set_mempolicy=missing, preferred_many=missing, weighted_interleave=missing,
                     mbind=missing, move_pages=missing,
                 )  # fmt: skip
                 return
-            node = _libnuma.get_mems_allowed()[0]
-            results["set_mempolicy"] = _probe_set_mempolicy(node)
-            results["preferred_many"] = _probe_preferred_many(node)
-            results["weighted_interleave"] = _probe_weighted_interleave(node)
+            node = allowed_nodes()[0]
+            results["set_mempolicy"] = setting = _probe_set_mempolicy(node)
+            if setting.available:
+                results["preferred_many"] = _probe_preferred_many(node)
+                results["weighted_interleave"] = _probe_weighted_interleave(node)
+            else:  # no mode at all, new or old
+                results["preferred_many"] = results["weighted_interleave"] = setting
             results["mbind"], results["move_pages"] = _probe_mbind_and_move_pages(node)
         except BaseException as error:  # handed to the caller below
             failures.append(error)
@@ -166,3 +177,54 @@ def _probes() -> dict[str, Capability]:
 def capabilities() -> Capabilities:
     """Probe once what placement works here (cached for the life of the process)."""
     return Capabilities(**_probes(), kernel=os.uname().release)
+
+
+# ---------------------------------------------------------------- placement numafast does on its own
+
+# NOTE: who asked decides what a refusal does. Where a container's seccomp profile refuses
+# the memory policy calls (EPERM: Docker's default, Kubernetes' RuntimeDefault, without
+# CAP_SYS_NICE) or the kernel has no NUMA (ENOSYS), an explicit request (numa_local and
+# the other blocks, bind, bind_process, numafast.empty/allocate, mbind, migrate) raises
+# PolicyNotPermitted / PolicyUnsupported naming the call, the cause and the fix: the user
+# asked for that placement and must not believe it happened. Placement numafast does on
+# its own (NumaLoader's workers and the scope they fork in, pinned pools) goes on without
+# memory policy, CPU binding kept, said once per process at the user's line
+# (warn_unplaced): training in a default container must work, only less well placed.
+
+_MEMORY_CALLS = ("numa", "set_mempolicy", "mbind")  # get_mempolicy (the numa probe), set_mempolicy, mbind
+_unplaced_warned = False  # said once per process (see warn_unplaced)
+
+
+def memory_placement_refused() -> list[tuple[str, Capability]]:
+    """The memory placement calls the kernel refuses here outright (EPERM, ENOSYS), as
+    (call, capability): empty where numafast can place memory (cached: NumaLoader asks
+    at every iteration)."""
+    found = capabilities()
+    refused = [(name, getattr(found, name)) for name in _MEMORY_CALLS
+               if getattr(found, name).errno in (errno.EPERM, errno.ENOSYS)]  # fmt: skip
+    return [("get_mempolicy" if name == "numa" else name, capability) for name, capability in refused]
+
+
+def unplaced_text(nodes: list[int], refused: list[tuple[str, Capability]]) -> str:
+    """Why memory meant for ``nodes`` goes where the kernel puts it, and what (if anything) to do."""
+    calls = ", ".join(call for call, _ in refused)
+    where = f"not placed on node {format_ids(nodes)} but where the kernel puts it"
+    if all(capability.errno == errno.ENOSYS for _, capability in refused):
+        return (
+            f"{calls}: this kernel has no NUMA support (ENOSYS), so numafast's memory (pinned pools, arrays) is "
+            f"{where}; everything else works. Nothing to do: such a kernel has one memory node. This is said once"
+        )
+    return (
+        f"{calls} refused with EPERM, so numafast's memory (pinned pools, the loader's workers' memory) is {where}; "
+        f"CPU binding still applies and everything else works. Why: {seccomp_hint(*(call for call, _ in refused))}. "
+        "This is said once"
+    )
+
+
+def warn_unplaced(nodes: list[int], refused: list[tuple[str, Capability]], stacklevel: int) -> None:
+    """Say once per process that numafast's own placement (pools, NumaLoader) goes on without
+    memory policy; ``stacklevel`` as warnings.warn's, from the caller: the user's line."""
+    global _unplaced_warned
+    if not _unplaced_warned:
+        _unplaced_warned = True
+        warnings.warn(unplaced_text(nodes, refused), RuntimeWarning, stacklevel=stacklevel + 1)

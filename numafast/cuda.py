@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "why_not_usable",
     "register_ranges",
     "synchronize",
+    "wait_fences",
 ]
 
 # cudaHostRegisterPortable: the memory counts as pinned in every CUDA context of the
@@ -256,11 +258,25 @@ class SlotEvents:
         self.device = device
         self.readers: list[list[Any]] = [[] for _ in range(slots)]
         self.events: list[dict[tuple[torch.device, int], Any]] = [{} for _ in range(slots)]
+        self.streams: list[Any] = []
+        """Every stream ever named by :meth:`add_reader` (for :meth:`at_exit`)."""
 
     def add_reader(self, index: int, stream: Any) -> None:
         """Name ``stream`` as reading slot ``index`` until the slot comes back."""
         if stream not in self.readers[index]:
             self.readers[index].append(stream)
+        if stream not in self.streams:
+            self.streams.append(stream)
+
+    def at_exit(self) -> _Fence:
+        """A fence, recorded now, past every copy that may read a slot: on the device's
+        current and default streams and on every stream ever named a reader (held slots
+        and slots already back alike)."""
+        readers = [torch.cuda.current_stream(self.device), torch.cuda.default_stream(self.device), *self.streams]
+        unique = [stream for position, stream in enumerate(readers) if stream not in readers[:position]]
+        fence = _Fence(lambda: [_recorded(stream) for stream in unique], self.device)
+        fence.record()
+        return fence
 
     def __call__(self, index: int) -> _Fence:
         streams, self.readers[index] = self.readers[index], []
@@ -317,6 +333,27 @@ def hand_over(copies: Sequence[torch.Tensor], ready: Any) -> None:
     consumer.wait_event(ready)
     for tensor in copies:
         tensor.record_stream(consumer)
+
+
+def _recorded(stream: Any) -> Any:
+    event = _Event()
+    event.record(stream)
+    return event
+
+
+def wait_fences(fences: Sequence[_Fence], seconds: float) -> bool:
+    """Poll ``fences`` until all are done or ``seconds`` have passed (False then): an
+    event's own synchronize has no end, and a copy stuck behind a hung kernel would
+    keep the process from exiting."""
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    while not all(fence.query() for fence in fences):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.05)
+    return True
 
 
 def synchronize(device: int) -> None:

@@ -40,7 +40,8 @@ from numafast.errors import (
     NodeMemoryError,
 )
 from numafast.pages import UNTOUCHED_STATUSES, local_node
-from numafast.policy import MODE_NUMBERS, Mode
+from numafast.capabilities import Capability, memory_placement_refused, warn_unplaced
+from numafast.policy import MODE_NUMBERS, Mode, raise_explained, refusals_explained
 
 __all__ = ["allocate", "empty", "mbind", "migrate", "zeros"]
 
@@ -109,6 +110,7 @@ def allocate(
     hugepages: bool = True,
     shared_file: int | None = None,
     pretouch: bool = True,
+    unplaced_ok: bool = False,
 ) -> _libnuma.MappedBuffer:
     """``nbytes`` of fresh memory bound to ``node`` (or interleaved over ``nodes``) and
     already faulted in there; what :func:`empty` and ``numafast.torch.empty`` build on.
@@ -118,6 +120,10 @@ def allocate(
     With ``shared_file`` (the descriptor of an empty memfd, grown to ``nbytes`` here)
     the memory is that file mapped shared, for other processes to map too; the
     policy is then the file's own, so it places pages whoever touches them.
+
+    ``unplaced_ok`` is numafast's own memory (pinned pools): where a container's seccomp
+    profile refuses mbind, it goes on where the kernel puts it, said once, rather than
+    raise as an explicit request does (see :func:`_bind_fresh`).
 
     Huge pages back it where THP allows and ``hugepages`` asks: all of it on one
     node; interleaved, only whole huge pages in a multiple of the node count, from
@@ -149,7 +155,7 @@ def allocate(
         _advise(buffer, huge_end, mapped, _libnuma.MADV_NOHUGEPAGE)
     mode = Mode.BIND if len(targets) == 1 else Mode.INTERLEAVE
     # Bound before any page exists: each one is placed by the policy as it is faulted in.
-    _bind_fresh(buffer, mode, targets)
+    _bind_fresh(buffer, mode, targets, unplaced_ok)
     if not pretouch:
         return buffer
     # Big buffers: threads pinned to the node's CPUs share the zeroing, each on memory
@@ -166,26 +172,20 @@ def allocate(
     return buffer
 
 
-_unplaced_warned = False  # a fresh allocation went on unbound (see _bind_fresh)
-
-
-def _bind_fresh(buffer: _libnuma.MappedBuffer, mode: Mode, targets: list[int]) -> None:
-    """mbind a fresh allocation; where the kernel has no NUMA system calls (ENOSYS: built
+def _bind_fresh(buffer: _libnuma.MappedBuffer, mode: Mode, targets: list[int], unplaced_ok: bool) -> None:
+    """mbind a fresh allocation. Where the kernel has no NUMA system calls (ENOSYS: built
     without CONFIG_NUMA, or a sandbox answering so), it goes on unbound, where the kernel
-    puts it (one node, or none to choose), said once per process."""
-    global _unplaced_warned
+    puts it (one node, or none to choose); so does numafast's own memory (``unplaced_ok``:
+    pools) where a seccomp profile refuses mbind (EPERM), said once per process. An
+    explicit request refused with EPERM raises PolicyNotPermitted, naming cause and fix."""
     try:
         _libnuma.mbind(buffer, MODE_NUMBERS[mode], targets, 0)
     except LibnumaError as error:
-        if error.errno != errno.ENOSYS:
-            raise
-        if not _unplaced_warned:
-            _unplaced_warned = True
-            warnings.warn(
-                f"mbind: this kernel has no NUMA support (ENOSYS), so numafast's memory (pinned pools, arrays) is "
-                f"not placed on node {format_ids(targets)} but where the kernel puts it; everything else works. "
-                "This is said once", RuntimeWarning, stacklevel=_outside_numafast(),
-            )
+        if error.errno == errno.ENOSYS or (error.errno == errno.EPERM and unplaced_ok):
+            refused = memory_placement_refused() or [("mbind", Capability(False, str(error), error.errno))]
+            warn_unplaced(targets, refused, stacklevel=_outside_numafast())
+            return
+        raise_explained(error, f"mbind ({mode.value} {buffer.size} fresh bytes to node {format_ids(targets)})")
 
 
 def _outside_numafast() -> int:
@@ -252,6 +252,12 @@ def mbind(
         raise InvalidNodeError(f"mode 'preferred' takes one node, not {format_ids(targets)}")
     flat = flat_bytes(buf, writable=True)
     require_whole_pages(flat)
+    with refusals_explained(f"numafast.mbind to node {format_ids(targets)}, mode {mode.value}"):
+        _mbind(flat, mode, targets, move)
+
+
+def _mbind(flat: np.ndarray, mode: Mode, targets: list[int], move: bool) -> None:
+    """:func:`mbind`'s work, on its validated arguments."""
     policy = MODE_NUMBERS[mode]
     if mode is Mode.INTERLEAVE and len(targets) > 1:
         _interleave_in_place(flat, targets, move)
@@ -368,6 +374,12 @@ def migrate(buf: object, node: int) -> int:
     target = check_node(node)
     flat = flat_bytes(buf, writable=True)
     require_whole_pages(flat)
+    with refusals_explained(f"numafast.migrate to node {target}"):
+        return _migrate(flat, target)
+
+
+def _migrate(flat: np.ndarray, target: int) -> int:
+    """:func:`migrate`'s work, on its validated arguments."""
     before = np.frombuffer(_libnuma.move_pages(flat, None, 0, True), dtype=np.int32)
     after = before
     for delay in (0.0, *RETRY_DELAYS_S):

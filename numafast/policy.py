@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NoReturn
@@ -160,10 +161,11 @@ def explain_refusal(error: LibnumaError, mode_word: int, nodes: list[int]) -> Ex
     (``error`` itself when there is nothing to add)."""
     policy = Policy.from_kernel(mode_word, nodes)
     what = f"{error.call}({policy.mode.value}, nodes {format_ids(nodes)})"
-    if error.errno == errno.EPERM:
-        return PolicyNotPermitted(f"{what} refused with EPERM; {seccomp_hint()}")
-    if error.errno == errno.ENOSYS:
-        return PolicyUnsupported(f"{what} failed with ENOSYS: this kernel has no NUMA support (CONFIG_NUMA)")
+    if error.call == "get_mempolicy":  # read first, to be restored on leaving the block
+        setting = f"{policy.mode.value} on nodes {format_ids(nodes)}"
+        what = f"get_mempolicy (reading the policy to restore, before setting {setting})"
+    if error.errno in (errno.EPERM, errno.ENOSYS):
+        return explain_call(error, what)
     if error.errno == errno.EINVAL:
         if nodes:
             # Raises InvalidNodeError or NodeNotAllowedError when a node is the cause.
@@ -177,18 +179,87 @@ def explain_refusal(error: LibnumaError, mode_word: int, nodes: list[int]) -> Ex
     return error
 
 
-def seccomp_hint() -> str:
-    """Why a NUMA system call gets EPERM here and what lifts it."""
-    state = "unknown"
+def explain_call(error: LibnumaError, what: str) -> Exception:
+    """The exception that says why the kernel refused a NUMA system call (``what``: the call
+    and its arguments, in words): EPERM names the cause and the fix, ENOSYS a kernel
+    without NUMA; ``error`` itself otherwise."""
+    if error.errno == errno.EPERM:
+        call = error.call.removeprefix("numa_")
+        return PolicyNotPermitted(f"{what} refused with EPERM; {seccomp_hint(call)}")
+    if error.errno == errno.ENOSYS:
+        return PolicyUnsupported(f"{what} failed with ENOSYS: this kernel has no NUMA support (CONFIG_NUMA)")
+    return error
+
+
+def raise_explained(error: LibnumaError, what: str) -> NoReturn:
+    """Raise :func:`explain_call`'s exception for ``error``, from it."""
+    explained = explain_call(error, what)
+    if explained is error:
+        raise error
+    raise explained from error
+
+
+@contextmanager
+def refusals_explained(doing: str) -> Iterator[None]:
+    """Within: a NUMA system call refused with EPERM or ENOSYS raises :func:`explain_call`'s
+    exception, naming the call and ``doing`` (the public call, in words)."""
     try:
-        with open("/proc/self/status") as status:
+        yield
+    except LibnumaError as error:
+        if error.errno not in (errno.EPERM, errno.ENOSYS):
+            raise
+        raise_explained(error, f"{error.call.removeprefix('numa_')} ({doing})")
+
+
+# What Docker's default seccomp profile (moby/profiles, seccomp/default.json; containerd's
+# and so Kubernetes' RuntimeDefault alike) does with the NUMA system calls: these four it
+# allows only with CAP_SYS_NICE; move_pages and migrate_pages not at all. Both answer EPERM.
+NEED_SYS_NICE = ("get_mempolicy", "set_mempolicy", "mbind", "set_mempolicy_home_node")
+NEVER_IN_DOCKER = ("move_pages", "migrate_pages")
+_CAP_SYS_NICE = 23
+
+
+def seccomp_state(pid: int | str = "self") -> tuple[str, bool | None]:
+    """(a process's seccomp state: off, strict, filter active or unknown; whether it has
+    CAP_SYS_NICE, None: unknown), from /proc/PID/status."""
+    state, nice = "unknown", None
+    try:
+        with open(f"/proc/{pid}/status") as status:
             for line in status:
-                if line.startswith("Seccomp:"):
-                    state = {"0": "off", "1": "strict", "2": "filter active"}.get(line.split()[1], "?")
-    except OSError:
+                name, _, value = line.partition(":")
+                if name == "Seccomp":
+                    state = {"0": "off", "1": "strict", "2": "filter active"}.get(value.strip(), "?")
+                elif name == "CapEff":
+                    nice = bool(int(value, 16) >> _CAP_SYS_NICE & 1)
+    except (OSError, ValueError):
         pass
-    return (
-        f"a container's seccomp profile or missing capability blocks it (seccomp: {state}); "
-        "Docker's default profile allows get_mempolicy, set_mempolicy and mbind only to "
-        "containers with CAP_SYS_NICE: run with --cap-add SYS_NICE, or a seccomp profile that allows them"
-    )
+    return state, nice
+
+
+def seccomp_hint(*calls: str) -> str:
+    """Why the NUMA system calls ``calls`` get EPERM here, and what lifts it for this user."""
+    state, nice = seccomp_state()
+    has = {None: "", True: ", has CAP_SYS_NICE", False: ", no CAP_SYS_NICE"}[nice]
+    cause = f"a container's seccomp profile or missing capability blocks it (seccomp: {state}{has})"
+    fixes = []
+    if (not calls or set(calls) & set(NEED_SYS_NICE)) and nice:
+        fixes.append(
+            "this process has CAP_SYS_NICE, with which Docker's default profile allows get_mempolicy, set_mempolicy "
+            "and mbind (docker run --cap-add SYS_NICE), so another profile refuses them: run with a seccomp profile "
+            "that allows them"
+        )
+    elif not calls or set(calls) & set(NEED_SYS_NICE):
+        fixes.append(
+            "Docker's default profile allows get_mempolicy, set_mempolicy and mbind only to containers with "
+            "CAP_SYS_NICE: run with --cap-add SYS_NICE (Kubernetes: add SYS_NICE to the container's "
+            "securityContext.capabilities.add), or a seccomp profile that allows them"
+        )
+    if set(calls) & set(NEVER_IN_DOCKER):
+        fixes.append(
+            "Docker's default profile refuses move_pages and migrate_pages even with CAP_SYS_NICE: run with a "
+            "seccomp profile that allows them (docker run --security-opt seccomp=PROFILE.json; Kubernetes: a "
+            "Localhost seccompProfile in securityContext)"
+        )
+    if not fixes:
+        fixes.append("run with a seccomp profile that allows it")
+    return f"{cause}; " + "; ".join(fixes)

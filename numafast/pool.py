@@ -310,24 +310,36 @@ def _release_deferred() -> None:
         resources.release()
 
 
+EXIT_WAIT_S = 30.0
+"""How long, at interpreter exit, the copies that may still read held slots get to finish."""
+
+
 def _close_at_exit() -> None:
     """At interpreter exit: close every pool. One whose slots are still referenced is
-    unregistered and unlocked now (while CUDA is still up), once its device has finished
-    the work queued on it (a ``non_blocking`` copy may still read a slot the consumer
+    unregistered and unlocked now (while CUDA is still up), once the copies that may read
+    its slots have finished (a ``non_blocking`` copy may still read a slot the consumer
     holds), and stays mapped until the process ends, since an object freed later in
-    shutdown may still point into it."""
+    shutdown may still point into it. Past :data:`EXIT_WAIT_S` (a copy behind a hung
+    kernel), such pools stay registered and locked too, said once: unregistering memory
+    a copy still reads is undefined, and the process's end releases both anyway."""
     _release_deferred()
     held = []
     for pool in list(_live_pools):
         pool.close()
         if not pool._slots.drained:
             held.append(pool)
-    devices = {pool.device for pool in held if pool.device is not None}
-    if devices:
+    registered = [pool for pool in held if pool._fences is not None]
+    if registered:
         from numafast import cuda
 
-        for device in sorted(devices):
-            cuda.synchronize(device)
+        if not cuda.wait_fences([pool._fences.at_exit() for pool in registered if pool._fences], EXIT_WAIT_S):
+            warnings.warn(
+                f"numafast: at exit, copies from {len(registered)} pinned pool(s) still held had not finished "
+                f"after {EXIT_WAIT_S:g} s (a kernel that does not end?): their memory is left registered, locked "
+                "and mapped until the process ends, rather than unregistered under a running copy",
+                RuntimeWarning, stacklevel=1,
+            )  # fmt: skip
+            held = [pool for pool in held if pool._fences is None]
     for pool in held:
         pool._resources.unpin()
 
@@ -407,6 +419,7 @@ class PinnedPool:
                 hugepages=hugepages,
                 shared_file=resources.fd,
                 pretouch=prefault,
+                unplaced_ok=True,  # a container refusing mbind: unplaced, said once, not an error
             )
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
             self._fences: SlotEvents | None = None

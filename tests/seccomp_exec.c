@@ -4,9 +4,17 @@
  * EPERM, as a container's seccomp profile does (Docker's default one without
  * CAP_SYS_NICE); a name followed by ":ENOSYS" is answered with ENOSYS instead, as
  * a kernel built without NUMA answers. Names: set_mempolicy, get_mempolicy, mbind,
- * migrate_pages, move_pages. Built by the tests with the system cc; x86-64 only.
+ * migrate_pages, move_pages, set_mempolicy_home_node. Built by the tests with the
+ * system cc; x86-64 only.
+ *
+ * Docker's default profile (moby/profiles seccomp/default.json) allows get_mempolicy,
+ * mbind, set_mempolicy and set_mempolicy_home_node only with CAP_SYS_NICE, and never
+ * move_pages or migrate_pages: all of them answer EPERM in a plain `docker run`.
+ * As there, CMD runs without CAP_SYS_NICE (dropped from the bounding set, so that a
+ * root CMD does not get it back at exec; nothing to drop for other users).
  */
 #include <errno.h>
+#include <linux/capability.h>
 #include <linux/audit.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
@@ -17,12 +25,17 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#ifndef SYS_set_mempolicy_home_node
+#define SYS_set_mempolicy_home_node 450 /* x86-64, Linux 5.17+ */
+#endif
+
 static long number_of(const char *name) {
     if (!strcmp(name, "set_mempolicy")) return SYS_set_mempolicy;
     if (!strcmp(name, "get_mempolicy")) return SYS_get_mempolicy;
     if (!strcmp(name, "mbind")) return SYS_mbind;
     if (!strcmp(name, "migrate_pages")) return SYS_migrate_pages;
     if (!strcmp(name, "move_pages")) return SYS_move_pages;
+    if (!strcmp(name, "set_mempolicy_home_node")) return SYS_set_mempolicy_home_node;
     return -1;
 }
 
@@ -60,6 +73,10 @@ int main(int argc, char **argv) {
     }
     filter[n++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
     struct sock_fprog program = {.len = n, .filter = filter};
+    if (prctl(PR_CAPBSET_DROP, CAP_SYS_NICE, 0, 0, 0) && errno != EPERM) {
+        perror("seccomp_exec: PR_CAPBSET_DROP");
+        return 2;
+    }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program)) {
         perror("seccomp_exec: prctl");
         return 2;

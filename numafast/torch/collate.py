@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import default_collate, get_worker_info
 
 from numafast import _pid
-from numafast.binding import bind
+from numafast.binding import bind_if_permitted
 from numafast.pool_share import BoardHandle, BoardReader, PoolView
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch
 from numafast.torch.packing import SlotMeasure, SlotPacker
@@ -90,7 +90,7 @@ class SlotCollate:
                 # (Lightning seeds workers only where it is None) and a loader a framework
                 # re-creates gets the placement with the collate function. Workers forked
                 # by NumaLoader's iter() start bound already.
-                bind(self.node, strict=self.strict)
+                bind_if_permitted(self.node, strict=self.strict)
                 self._bound_pid = _pid.pid
             pid, _worker, number = self._batch
             self._batch = (_pid.pid, info.id, number + 1 if pid == _pid.pid else 1)

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from numafast._validate import check_node, positive_int
-from numafast.binding import bind
+from numafast.binding import bind_if_permitted
 from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, resolve_device
 from numafast.torch.message import in_pin_thread
@@ -52,7 +52,7 @@ class PinMemoryHook:
         """Bind PyTorch's pin thread to the node at its first batch: it only lives to pin."""
         if getattr(_bound, "node", None) != self.node and in_pin_thread():
             assert self.node is not None
-            bind(self.node)
+            bind_if_permitted(self.node)
             _bound.node = self.node
 
     def remove(self) -> None:

@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from numafast import _pid, cuda
 from numafast._validate import check_node, positive_int
-from numafast.binding import bind, numa_local
+from numafast.binding import bind, numa_local_if_permitted
+from numafast.capabilities import memory_placement_refused, warn_unplaced
 from numafast.errors import LoaderHint, MemlockError
 from numafast.pool import MEMLOCK_FIX, LockMode, memlock_room, parse_mode
 from numafast.private import LIGHTNING_SAVED_ARGUMENTS, LOADER_GET_ITERATOR, LOADER_ITERATOR, RAY_INNER_LOADER
@@ -342,6 +343,8 @@ class NumaLoader(DataLoader[T_co]):
         if not _pid.owns(self.pools.owner_pid):
             self._own_pools()
         self._before_first_iteration()
+        if refused := memory_placement_refused():  # a container's seccomp profile, a kernel without NUMA
+            warn_unplaced([self.node], refused, stacklevel=_user_level())
         self.pools.shrink()  # pools grown for the batches a consumer kept, free again since
         if self._through is not None:
             batches: Iterator[Any] = _through_batches(self, iter(self._through))
@@ -352,7 +355,7 @@ class NumaLoader(DataLoader[T_co]):
             # its memory policy (the calling thread gets its own back on leaving). One
             # that never starts (stuck in the fork) is forked again there. The watch keeps
             # that scope while a worker is pending: the node and strictness, not the loader.
-            fork_scope = functools.partial(numa_local, self.node, strict=self.strict)
+            fork_scope = functools.partial(numa_local_if_permitted, self.node, strict=self.strict)
             with fork_scope():
                 batches = watch_starts(super().__iter__, fork_scope)
             process_pools.iterators.add(batches)
@@ -444,7 +447,7 @@ def _through_batches(owner: NumaLoader[Any], iterator: Iterator[Any]) -> Iterato
         "accelerator.prepare(NumaLoader(loader))"
     )
     start = pools.received()
-    with numa_local(owner.node, strict=owner.strict):
+    with numa_local_if_permitted(owner.node, strict=owner.strict):
         try:
             first = next(iterator)
         except StopIteration:

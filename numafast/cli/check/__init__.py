@@ -37,6 +37,7 @@ from numafast.cli.check.text import rank_lines
 from numafast.cli.check.verdict import Expectation, audit_process, rank_memory, remote_problems
 from numafast.cli.show import add_topology_arguments
 from numafast.errors import InvalidGpuError
+from numafast.policy import seccomp_state
 
 
 def share(text: str) -> float:
@@ -124,6 +125,21 @@ def rank_problems(audits: list[ProcessAudit], memory: dict[MemoryClass, ClassUsa
     return problems
 
 
+def placement_notes(pid: int) -> list[str]:
+    """Why ``pid``'s memory may sit where the kernel put it: a seccomp filter without
+    CAP_SYS_NICE, as in a container under Docker's (or Kubernetes' RuntimeDefault)
+    default profile, where set_mempolicy and mbind answer EPERM and numafast runs unplaced."""
+    state, nice = seccomp_state(pid)
+    if state != "filter active" or nice is not False:
+        return []
+    return [
+        f"memory placement likely refused in pid {pid}: EPERM (seccomp: filter active, no CAP_SYS_NICE); "
+        "Docker's default profile allows set_mempolicy and mbind only with CAP_SYS_NICE: run the container with "
+        "--cap-add SYS_NICE (Kubernetes: add SYS_NICE to securityContext.capabilities.add), or a seccomp "
+        "profile that allows them"
+    ]
+
+
 def audit_rank(pid: int, args: argparse.Namespace, gpu_sites: GpuSites | None) -> RankAudit:
     """The rank whose main process is ``pid``: it, its descendants, and the verdict."""
     if not Path(f"/proc/{pid}").exists():
@@ -148,7 +164,7 @@ def audit_rank(pid: int, args: argparse.Namespace, gpu_sites: GpuSites | None) -
     memory = rank_memory(processes)
     problems = rank_problems(audits, memory, expectation, args.max_remote)
     return RankAudit(pid, "wrong" if problems else "ok", expectation.node, list(expectation.local_nodes),
-                     expectation.reason, numbering, memory, problems, audits)  # fmt: skip
+                     expectation.reason, numbering, memory, problems, audits, placement_notes(pid))  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

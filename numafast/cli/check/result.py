@@ -142,6 +142,8 @@ class RankAudit:
     memory: dict[MemoryClass, ClassUsage] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     processes: list[ProcessAudit] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What may explain a verdict without being one: memory placement a container refuses."""
 
 
 @dataclass
@@ -232,14 +234,16 @@ def _process(document: dict[str, Any]) -> ProcessAudit:
 def _rank_document(rank: RankAudit) -> dict[str, Any]:
     return {"pid": rank.pid, "status": rank.status, "node": rank.node, "local_nodes": rank.local_nodes,
             "expected": rank.expected, "numbering": rank.numbering, "memory": _memory_document(rank.memory),
-            "problems": rank.problems, "processes": [_process_document(p) for p in rank.processes]}  # fmt: skip
+            "problems": rank.problems, "processes": [_process_document(p) for p in rank.processes],
+            "notes": rank.notes}  # fmt: skip
 
 
 def _rank(document: dict[str, Any]) -> RankAudit:
     _status(document["status"])
     return RankAudit(document["pid"], document["status"], document["node"], document["local_nodes"],
                      document["expected"], document["numbering"], _memory(document["memory"]),
-                     document["problems"], [_process(p) for p in document["processes"]])  # fmt: skip
+                     document["problems"], [_process(p) for p in document["processes"]],
+                     list(document.get("notes", [])))  # fmt: skip
 
 
 def _status(status: object) -> None:

@@ -52,4 +52,4 @@ def rank_lines(rank: RankAudit, gpu: int | None) -> list[str]:
         lines.append(f"rank {rank.pid}: {rank.status} ({len(rank.processes)} processes: {counts})")
         lines.append(f"  memory: {memory_line(rank.memory)}")
         lines += [f"  {problem}" for problem in rank.problems]
-    return lines
+    return lines + [f"  note: {note}" for note in rank.notes]
