@@ -293,9 +293,10 @@ def numa_local_if_permitted(node: int, *, strict: bool = False) -> Placement:
     and the scope they fork in): where the kernel refuses memory policies (a container's
     seccomp profile: EPERM; no NUMA: ENOSYS), its CPU part alone, which containers allow.
     The caller says so once (:func:`numafast.capabilities.warn_unplaced`); an explicit
-    numa_local raises PolicyNotPermitted instead."""
+    numa_local raises PolicyNotPermitted instead, and so does ``strict=True``, which asks
+    for the node or nothing."""
     placement = numa_local(node, strict=strict)
-    if not memory_placement_refused():
+    if strict is True or not memory_placement_refused():
         return placement
     return Placement(placement._cpus, None, [])
 

@@ -17,6 +17,7 @@ from numafast import _libnuma
 from numafast._buffers import Span, flat_bytes
 from numafast._validate import allowed_cpus, check_node
 from numafast.errors import InvalidBufferError, LibnumaError
+from numafast.policy import refusals_explained
 
 __all__ = ["PageNodes", "PlacementReport", "local_node", "page_nodes", "placement", "count_statuses"]
 
@@ -71,7 +72,8 @@ def page_nodes(buf: object) -> PageNodes:
     memoryview, mmap. Pages never written are counted apart, in ``.untouched``.
     """
     flat = flat_bytes(buf, writable=False)
-    return count_statuses(np.frombuffer(_libnuma.move_pages(flat), dtype=np.int32))
+    with refusals_explained("numafast.page_nodes"):
+        return count_statuses(np.frombuffer(_libnuma.move_pages(flat), dtype=np.int32))
 
 
 def local_node() -> int:
@@ -143,7 +145,8 @@ def placement(obj: object, node: int | None = None) -> PlacementReport:
         except InvalidBufferError as error:
             skipped[path] = str(error)
             continue
-        counts = count_statuses(np.frombuffer(_libnuma.move_pages(flat), dtype=np.int32))
+        with refusals_explained("numafast.placement"):
+            counts = count_statuses(np.frombuffer(_libnuma.move_pages(flat), dtype=np.int32))
         leaves[path] = counts
         span = Span.of(flat)
         if span not in seen:

@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
+from test_launch_live import snapshot_with_gpus
 from test_no_numa import NO_NUMA
+from sysfs_truth import online_nodes
 from test_policy_seccomp import ENV, under_seccomp  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.host_only("seccomp refusals: the same whatever the nodes")
@@ -133,6 +135,8 @@ refused("membind", lambda: enter(numafast.membind(0)))
 refused("empty", lambda: numafast.empty(1 << 16, node=0))
 refused("mbind", lambda: numafast.mbind(array, 0))
 refused("migrate", lambda: numafast.migrate(array, 0))
+refused("page_nodes", lambda: numafast.page_nodes(array))
+refused("placement", lambda: numafast.placement(array, 0))
 with numafast.cpubind(nodes=0):  # CPU affinity is allowed in containers
     print("cpubind | on node 0:", sorted(os.sched_getaffinity(0)) == sorted(set(_libnuma.node_to_cpus(0)) & set(cpus)))
 print("cpubind | cpus restored" if os.sched_getaffinity(0) == before else "cpubind | cpus CHANGED")
@@ -147,7 +151,8 @@ def test_explicit_placement_in_docker_raises_naming_call_cause_and_fix(under_sec
         name, text = line.split(" | ", 1)
         said.setdefault(name, []).append(text)
     calls = {"numa_local": "get_mempolicy", "preferred": "get_mempolicy", "membind": "get_mempolicy",
-             "empty": "mbind", "mbind": "mbind", "migrate": "move_pages"}  # fmt: skip
+             "empty": "mbind", "mbind": "mbind", "migrate": "move_pages", "page_nodes": "move_pages",
+             "placement": "move_pages"}  # fmt: skip
     for name, call in calls.items():
         error, restored = said[name]
         assert error.startswith(f"{call} (") and "refused with EPERM" in error, (name, error)
@@ -158,6 +163,46 @@ def test_explicit_placement_in_docker_raises_naming_call_cause_and_fix(under_sec
         else:
             assert "--cap-add SYS_NICE" in error, (name, error)
     assert said["cpubind"] == ["on node 0: True", "cpus restored"]
+
+
+BIND_RANK = """
+import os
+import numafast
+topology = numafast.Topology.from_sysfs({root!r})
+try:
+    numafast.bind_rank(0, topology=topology)
+except numafast.PolicyNotPermitted as error:
+    print(error)
+print(numafast.bind_rank(0, topology=topology, memory="none").memory_policy.value)
+"""
+
+
+def test_bind_rank_in_docker_explains_the_memory_policy_and_binds_cpus_alone(under_seccomp, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    root = snapshot_with_gpus(tmp_path, [online_nodes()[0]])
+    result = under_seccomp(DOCKER, BIND_RANK.format(root=str(root)))
+    assert result.returncode == 0, result.stderr
+    error, memory = result.stdout.splitlines()
+    assert error.startswith("get_mempolicy (bind_rank, memory='preferred'; memory='none' binds CPUs only)"), error
+    assert "refused with EPERM" in error and "--cap-add SYS_NICE" in error
+    assert memory == "none"  # CPUs alone need no refused call
+
+
+STRICT = """
+import torch
+import numafast
+from numafast.torch import NumaLoader
+loader = NumaLoader(list(range(8)), batch_size=2, num_workers=2, strict=True, lock="off")
+try:
+    next(iter(loader))
+except numafast.PolicyNotPermitted as error:
+    print(error)
+"""
+
+
+def test_strict_numaloader_in_docker_raises_instead_of_running_unplaced(under_seccomp) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    result = under_seccomp(DOCKER, STRICT)
+    assert result.returncode == 0, result.stderr
+    assert "refused with EPERM" in result.stdout and "--cap-add SYS_NICE" in result.stdout, result.stdout
 
 
 POOL = """

@@ -17,7 +17,7 @@ from numafast.affinity.modes import AffinityMode, Smt, resolve_topology
 from numafast.affinity.planning import MemoryPolicy, RankPlan, plan
 from numafast.binding import cpus_allowed, move_every_thread
 from numafast.errors import AffinityWarning, InvalidGpuError, LocalRankError
-from numafast.policy import Mode, Policy, get_policy, set_mempolicy, set_policy
+from numafast.policy import Mode, Policy, get_policy, refusals_explained, set_mempolicy, set_policy
 from numafast.topo import Topology
 
 __all__ = ["LOCAL_RANK_VARIABLES", "bind_rank", "local_rank_from_environment", "plan_rank"]
@@ -106,8 +106,11 @@ def bind_rank(
     )  # fmt: skip
     cpus = check_cpus(rank_plan.cpus, cpus_allowed())
     _warn_about_openmp_pinning(rank_plan)
-    policy_before = get_policy()
-    if rank_plan.memory_policy is not MemoryPolicy.NONE:
+    if rank_plan.memory_policy is MemoryPolicy.NONE:  # CPUs only: no memory-policy call at all
+        move_every_thread(cpus)
+        return rank_plan
+    with refusals_explained(f"bind_rank, memory={rank_plan.memory_policy.value!r}; memory='none' binds CPUs only"):
+        policy_before = get_policy()
         set_policy(Policy(_MODES[rank_plan.memory_policy], rank_plan.memory_nodes))
     try:
         move_every_thread(cpus)

@@ -155,7 +155,9 @@ class NumaLoader(DataLoader[T_co]):
     per pinned pool defaults to ``prefetch_factor`` x ``num_workers`` (+ ``prefetch``
     with a device) + 2, the batch being filled and the one the consumer holds; a
     consumer that keeps more gets another pool, released once it lets them go.
-    ``strict`` binds the workers' memory to the node instead of preferring it;
+    ``strict`` binds the workers' memory to the node instead of preferring it (and
+    raises where the kernel refuses memory policies, as a container without
+    CAP_SYS_NICE does; otherwise the loader runs unplaced there and says so once);
     ``lock`` is the pools' :class:`~numafast.LockMode`; a gone loader's pools are
     taken over by the next on its node. ``max_pinned_bytes`` bounds this process's
     loader pools together (default: a quarter of the node's memory); past it, batches
