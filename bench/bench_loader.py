@@ -146,6 +146,13 @@ def stand_in(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros((batch, *shape), dtype=dtype), torch.zeros(batch, dtype=torch.int64)
 
 
+def after_warmup(values: list[Any]) -> Any:
+    """The median of ``values`` but the first, the warm-up epoch's (a new slot's first
+    use costs its pages' faults, once), as for samples/s."""
+    rounds = sorted(values[1:])
+    return rounds[len(rounds) // 2]
+
+
 def measure(benchmark, table, kind: str, case: str, epoch: Callable[[], Iterator[Any]]) -> None:  # type: ignore[no-untyped-def]
     """samples/s (through pytest-benchmark), the main process's CPU per GiB and per batch
     of ``epoch``, and its minor page faults per batch."""
@@ -167,10 +174,10 @@ def measure(benchmark, table, kind: str, case: str, epoch: Callable[[], Iterator
            warmup=1)  # fmt: skip
     if benchmark.stats is None:
         return
-    median_cpu = sorted(cpu)[len(cpu) // 2]
+    median_cpu = after_warmup(cpu)
     table.setdefault(f"{group}: main-process CPU", {})[case] = (median_cpu / (batch_bytes * batches / GIB) * 1000, "ms/GiB")
     table.setdefault(f"{group}: main-process CPU per batch", {})[case] = (median_cpu / batches * 1e6, "us/op")
-    median_faults = sorted(faults)[len(faults) // 2]
+    median_faults = after_warmup(faults)
     table.setdefault(f"{group}: main-process minor page faults per batch", {})[case] = (median_faults / batches, "faults/op")
     slowest = batch * batches / max(benchmark.stats.stats.data)
     if case.startswith("ceiling"):
