@@ -25,7 +25,8 @@ measured in the same run:
   returns the already-pinned tensors as they are).
 
 Each prints samples/s (median of the rounds after one warm-up epoch), the main
-process's CPU per GiB and per batch, with ratios to the baseline; NumaLoader's
+process's CPU per GiB and per batch and its minor page faults per batch (as the
+kernel counts them: getrusage), with ratios to the baseline; NumaLoader's
 slowest round is also reported against the ceiling's median (the goal: every round
 after the first epoch within 10% of the ceiling). Then, per kind, rounds of the
 ceiling and of NumaLoader alternated (8x longer, each pair in the other order from
@@ -44,6 +45,7 @@ alternated, each NumaLoader round against the stock round of its pair (goal >= 0
 from __future__ import annotations
 
 import queue
+import resource
 import threading
 import time
 import warnings
@@ -144,28 +146,39 @@ def stand_in(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros((batch, *shape), dtype=dtype), torch.zeros(batch, dtype=torch.int64)
 
 
+def after_warmup(values: list[Any]) -> Any:
+    """The median of ``values`` but the first, the warm-up epoch's (a new slot's first
+    use costs its pages' faults, once), as for samples/s."""
+    rounds = sorted(values[1:])
+    return rounds[len(rounds) // 2]
+
+
 def measure(benchmark, table, kind: str, case: str, epoch: Callable[[], Iterator[Any]]) -> None:  # type: ignore[no-untyped-def]
     """samples/s (through pytest-benchmark), the main process's CPU per GiB and per batch
-    of ``epoch``."""
+    of ``epoch``, and its minor page faults per batch."""
     batch, shape, dtype, batches = KINDS[kind]
     batch_bytes = batch * torch.Size(shape).numel() * dtype.itemsize
     cpu: list[float] = []
+    faults: list[int] = []
 
     read = stand_in(kind) if case.startswith("ceiling") else None
 
     def run() -> None:
-        start = time.process_time()
+        start, faulted = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         assert consume(epoch(), read) == batch * batches
         cpu.append(time.process_time() - start)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
 
     group = f"{kind} batches of {batch_bytes / 2**20:.2f} MiB"
     record(benchmark, table, group, case, run, unit="samples/s", scale=lambda seconds: batch * batches / seconds,
            warmup=1)  # fmt: skip
     if benchmark.stats is None:
         return
-    median_cpu = sorted(cpu)[len(cpu) // 2]
+    median_cpu = after_warmup(cpu)
     table.setdefault(f"{group}: main-process CPU", {})[case] = (median_cpu / (batch_bytes * batches / GIB) * 1000, "ms/GiB")
     table.setdefault(f"{group}: main-process CPU per batch", {})[case] = (median_cpu / batches * 1e6, "us/op")
+    median_faults = after_warmup(faults)
+    table.setdefault(f"{group}: main-process minor page faults per batch", {})[case] = (median_faults / batches, "faults/op")
     slowest = batch * batches / max(benchmark.stats.stats.data)
     if case.startswith("ceiling"):
         _slowest[kind] = benchmark.stats.stats.median

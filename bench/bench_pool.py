@@ -34,7 +34,7 @@ NODE = numafast.pages.local_node()
 ROUNDS = 7
 OPS = 20_000  # acquire + release pairs per round
 libc = ctypes.CDLL(None, use_errno=True)
-TIME_UNITS = ("us/op", "ms/GiB")  # lower is better; every other unit is a rate
+TIME_UNITS = ("us/op", "ms/GiB", "faults/op")  # lower is better; every other unit is a rate
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def table(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, tuple[
         lines.append(f"  {group}")
         base_name, (base, unit) = next(iter(cases.items()))
         for name, (value, unit) in cases.items():
-            faster = base / value if unit in TIME_UNITS else value / base
+            faster = (base / value if value else float("inf")) if unit in TIME_UNITS else value / base
             tag = "baseline" if name == base_name else f"{faster:5.2f}x the baseline (higher is better)"
             lines.append(f"    {name:<58} {value:10.3f} {unit:<10} {tag}")
     with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():

@@ -467,9 +467,10 @@ class PinnedPool:
         self._fault_in(slot.index, slot.nbytes)
         return slot
 
-    def _fault_in(self, index: int, nbytes: int) -> None:
+    def _fault_in(self, index: int, nbytes: int, *, filled: bool = False) -> None:
         """Fault in the first ``nbytes`` of slot ``index`` now, in one call, as far as this
-        process has not yet (a pool made with ``prefault=False``)."""
+        process has not yet (a pool made with ``prefault=False``); ``filled``: a worker
+        wrote them (see :func:`~numafast.pool_share.fault_in`)."""
         if self._faulted is None:
             return  # prefault=True: every page was faulted in when the pool was made
         done = self._faulted[index]
@@ -478,7 +479,7 @@ class PinnedPool:
             self._faulted[index] = end
             start = self._slots.table.offset(index)
             with memoryview(self._slots.table.region) as whole, whole[start + done : start + end] as part:
-                fault_in(part)
+                fault_in(part, filled=filled)
 
     def adopt(self, index: int, generation: int, nbytes: int) -> Slot:
         """Slot ``index``, leased by a worker in ``generation`` (see :meth:`share`) and filled
@@ -489,7 +490,7 @@ class PinnedPool:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
             raise LookupError(f"node-{self.node} pool: {error}; its batch cannot be read any more") from None
-        self._fault_in(index, nbytes)  # the worker faulted them in: they enter this process's tables
+        self._fault_in(index, nbytes, filled=True)  # the worker faulted them in: they enter this process's tables
         return slot
 
     def reclaim_orphans(self) -> int:
