@@ -31,7 +31,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from numafast import _libnuma, _pid
+from numafast import _libnuma, _process
 from numafast.topo.files import read_lines, read_text
 
 __all__ = ["LEDGER_DIR", "NodeLedger", "Reservation", "budget_bytes", "cgroup_memory_limit", "ledger", "reserve"]
@@ -158,7 +158,7 @@ class NodeLedger:
 
     def mine(self) -> int:
         """Bytes reserved by this process."""
-        entry = self._entry if self._entry_pid == _pid.pid else None
+        entry = self._entry if self._entry_pid == _process.pid else None
         return 0 if entry is None else _libnuma.shared_load(self.memory, 2 * entry + 1)
 
     # ------------------------------------------------------------ changing
@@ -182,19 +182,19 @@ class NodeLedger:
 
     def release(self, nbytes: int) -> None:
         """Take ``nbytes`` that this process reserved off its entry."""
-        if self._entry is not None and self._entry_pid == _pid.pid:
+        if self._entry is not None and self._entry_pid == _process.pid:
             _libnuma.shared_add(self.memory, 2 * self._entry + 1, -nbytes)
 
     def _mine(self) -> int:
-        return _identity(_pid.pid, _pid.started()) if self._entry_pid == _pid.pid else -1
+        return _identity(_process.pid, _process.started()) if self._entry_pid == _process.pid else -1
 
     def _claim(self) -> int | None:
         """This process's entry: a free one or a dead process's, taken with one
         compare-and-swap; None when every entry is a live process's."""
         with self._claiming:
-            if self._entry is not None and self._entry_pid == _pid.pid:
+            if self._entry is not None and self._entry_pid == _process.pid:
                 return self._entry
-            me = _identity(_pid.pid, _pid.started())
+            me = _identity(_process.pid, _process.started())
             for index in range(ENTRIES):
                 who = _libnuma.shared_load(self.memory, 2 * index)
                 if (not who or who != me and not _alive(who)) and _libnuma.shared_cas(self.memory, 2 * index, who, me):
@@ -202,7 +202,7 @@ class NodeLedger:
                     # meanwhile, which only refuses more than it must.
                     stale = _libnuma.shared_load(self.memory, 2 * index + 1)
                     _libnuma.shared_add(self.memory, 2 * index + 1, -stale)
-                    self._entry, self._entry_pid = index, _pid.pid
+                    self._entry, self._entry_pid = index, _process.pid
                     return index
         return None
 
@@ -210,7 +210,7 @@ class NodeLedger:
 def _alive(who: int) -> bool:
     """Whether the process an entry names still runs; True where /proc cannot tell."""
     try:
-        started = _pid.start_time(who >> 32)
+        started = _process.start_time(who >> 32)
     except OSError:
         return True
     return started is not None and started & _LOW_32 == who & _LOW_32
@@ -282,7 +282,7 @@ class Reservation:
 
     def release(self) -> None:
         global _process_reserved
-        if self.released or not _pid.owns(self.owner_pid):
+        if self.released or not _process.owns(self.owner_pid):
             return
         self.released = True
         self.book.release(self.nbytes)
@@ -326,4 +326,4 @@ def reserve(node: int, nbytes: int, limit: int, cap: int | None = None) -> Reser
         if not book.reserve(nbytes, limit):
             return None
         _process_reserved += nbytes
-    return Reservation(book, nbytes, _pid.pid)
+    return Reservation(book, nbytes, _process.pid)

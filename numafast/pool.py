@@ -35,7 +35,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from numafast import _libnuma, _pid
+from numafast import _libnuma, _process
 from numafast._buffers import PAGE_SIZE
 from numafast._validate import allowed_cpus, check_node, cpus_near, positive_int
 from numafast.errors import (
@@ -156,7 +156,7 @@ class _Resources:
     pool, hold no reference to it."""
 
     def __init__(self, node: int) -> None:
-        self.owner_pid = _pid.pid
+        self.owner_pid = _process.pid
         self.node = node
         self.fd = -1
         self.region: _libnuma.MappedBuffer | None = None
@@ -219,7 +219,7 @@ class _Resources:
     def unpin(self) -> None:
         """Unregister and unlock (the memory stays mapped and valid); nothing in a
         forked child, which inherited neither the lock nor the registration."""
-        if not _pid.owns(self.owner_pid):
+        if not _process.owns(self.owner_pid):
             return
         with self.lock:
             registration, self.registration = self.registration, None
@@ -279,7 +279,7 @@ def _after_fork_in_child() -> None:
             file.view_privately()
         except OSError as error:
             message = (
-                f"numafast: process {_pid.pid}, forked from {os.getppid()}, cannot make its view of the "
+                f"numafast: process {_process.pid}, forked from {os.getppid()}, cannot make its view of the "
                 f"node-{file.node} pool private ({error}); it would write into the slots its parent hands "
                 f"out, so it exits now with status {FORK_REMAP_FAILED_STATUS}\n"
             )
@@ -482,12 +482,12 @@ class PinnedPool:
     def reclaim_orphans(self) -> int:
         """End every lease whose worker process is gone (killed, or exited with a batch
         never sent): those slots are free again. Returns how many."""
-        if not _pid.owns(self._resources.owner_pid):
+        if not _process.owns(self._resources.owner_pid):
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
             try:
-                now = _pid.start_time(pid)
+                now = _process.start_time(pid)
             except OSError:
                 continue  # /proc cannot tell now (EMFILE, ENFILE): alive, until it can
             # A lease keeps its worker's start time (modulo 2**40), so a later process given
@@ -503,7 +503,7 @@ class PinnedPool:
         """End process ``pid``'s lease of slot ``index`` in ``generation`` whose batch this
         process will not take over (it failed on arrival): the slot is free again. False
         when that lease had ended already (adopted, reclaimed)."""
-        if not _pid.owns(self._resources.owner_pid):
+        if not _process.owns(self._resources.owner_pid):
             return False
         return bool(self._slots.reclaim(index, generation, pid))
 
@@ -558,9 +558,9 @@ class PinnedPool:
     def _check(self, *, closed_ok: bool = False) -> None:
         """PoolForkedError in a forked child (its copy of the pool is a private view);
         PoolClosedError once the pool is closed, unless ``closed_ok``."""
-        if not _pid.owns(self._resources.owner_pid):
+        if not _process.owns(self._resources.owner_pid):
             raise PoolForkedError(
-                f"this pool was made by process {self._resources.owner_pid}; the forked child {_pid.pid} only "
+                f"this pool was made by process {self._resources.owner_pid}; the forked child {_process.pid} only "
                 "reads the slots it inherited (a private view: locking and CUDA registration are not "
                 "inherited): make a new pool in the child"
             ) from None

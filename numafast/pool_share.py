@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any
 
-from numafast import _libnuma, _pid
+from numafast import _libnuma, _process
 
 __all__ = ["BoardHandle", "PoolBoard", "PoolHandle", "PoolView", "open_shared_file"]
 
@@ -85,7 +85,7 @@ def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
         os.close(opened)
     raise OSError(
         f"cannot open {what} of process {owner_pid} (its descriptor {fd}, inode {inode}) from process "
-        f"{_pid.pid}: the owner is gone, or this process may not read its /proc/PID/fd"
+        f"{_process.pid}: the owner is gone, or this process may not read its /proc/PID/fd"
     )
 
 
@@ -98,7 +98,7 @@ class PoolBoard:
     publishing one that fits, so even a loader's first batches are made in place."""
 
     def __init__(self) -> None:
-        self.owner_pid = _pid.pid
+        self.owner_pid = _process.pid
         self.fd = os.memfd_create("numafast-pool-board", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, BOARD_BYTES)
         self.memory = mmap.mmap(self.fd, BOARD_BYTES)
@@ -117,7 +117,7 @@ class PoolBoard:
         """Make the first BOARD_ENTRIES of ``pools`` what workers see, a new version (the
         answer a worker waits for), ``refused`` where it answers a request for room with
         none; only the board's maker may (a forked child's copy maps the same file)."""
-        if not _pid.owns(self.owner_pid):
+        if not _process.owns(self.owner_pid):
             raise RuntimeError(f"this pool board belongs to process {self.owner_pid}: a forked child "
                                "cannot publish on it")  # fmt: skip
         pools = list(pools)[:BOARD_ENTRIES]
@@ -142,7 +142,7 @@ class PoolBoard:
     def close(self) -> None:
         """Unmap and close the file and the pipe (also when collected), ending
         :meth:`serve_requests`; in a forked child, only its own copies."""
-        if self._serving and _pid.owns(self.owner_pid):
+        if self._serving and _process.owns(self.owner_pid):
             self._serving = False
             os.write(self.request_fd, _CLOSED)  # the serving thread's cue to return
         self._closer()
@@ -283,7 +283,7 @@ class PoolView:
     def lease(self) -> tuple[int, int] | None:
         """A free slot leased to this process, ``(index, generation)``; None when every one
         is taken (never waits: see :meth:`BoardReader.ask`)."""
-        return self.table.claim(_pid.started())
+        return self.table.claim(_process.started())
 
     def slot(self, index: int) -> memoryview:
         """The writable memory of slot ``index`` (the same memoryview at every lease)."""

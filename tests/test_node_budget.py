@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from numafast import _libnuma, _pid, node_budget
+from numafast import _libnuma, _process, node_budget
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -134,8 +134,8 @@ def test_a_dead_process_entry_stops_counting_and_is_reused(ledger_dir: Path) -> 
     assert not book.reserve(400, 1000)  # the live child's 700 count
     child.kill()
     child.wait(timeout=60)
-    assert [(pid, nbytes) for _, pid, nbytes in book.entries()] == [(_pid.pid, 0)]  # the child's is free again
-    assert book.reserve(1000, 1000) and [(pid, nbytes) for _, pid, nbytes in book.entries()] == [(_pid.pid, 1000)]
+    assert [(pid, nbytes) for _, pid, nbytes in book.entries()] == [(_process.pid, 0)]  # the child's is free again
+    assert book.reserve(1000, 1000) and [(pid, nbytes) for _, pid, nbytes in book.entries()] == [(_process.pid, 1000)]
     book.release(1000)
 
 

@@ -73,12 +73,12 @@ def test_a_forked_worker_fills_a_slot_that_the_owner_adopts_without_a_copy() -> 
 
 
 def test_the_process_id_the_batch_path_checks_is_a_forked_childs_own() -> None:
-    """numafast._pid spares a getpid() system call per check: it must follow fork, or a
+    """numafast._process spares a getpid() system call per check: it must follow fork, or a
     forked child would take its parent's pools for its own."""
-    from numafast import _pid
+    from numafast import _process
 
-    assert _pid.pid == os.getpid()
-    assert in_child(lambda: 0 if _pid.pid == os.getpid() != os.getppid() else 1) == 0
+    assert _process.pid == os.getpid()
+    assert in_child(lambda: 0 if _process.pid == os.getpid() != os.getppid() else 1) == 0
 
 
 def test_no_process_leases_a_slot_of_a_closed_pool_and_a_lease_from_before_keeps_it() -> None:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from numafast import _pid, cuda
+from numafast import _process, cuda
 from numafast._validate import check_node, positive_int
 from numafast.binding import bind, numa_local
 from numafast.errors import LoaderHint, MemlockError
@@ -339,7 +339,7 @@ class NumaLoader(DataLoader[T_co]):
             settings_loader(self._through).collate_fn = self.collate_fn
 
     def __iter__(self) -> Any:
-        if not _pid.owns(self.pools.owner_pid):
+        if not _process.owns(self.pools.owner_pid):
             self._own_pools()
         self._before_first_iteration()
         self.pools.shrink()  # pools grown for the batches a consumer kept, free again since
@@ -361,7 +361,7 @@ class NumaLoader(DataLoader[T_co]):
     def stats(self) -> LoaderStats:
         """How the batches arrived, and the counters of the pinned pools in use (in a forked
         child not iterated yet: nothing arrived)."""
-        if not _pid.owns(self.pools.owner_pid):
+        if not _process.owns(self.pools.owner_pid):
             self._own_pools()
         return self.pools.stats()
 
@@ -472,7 +472,7 @@ def loader_stats(loader: object) -> LoaderStats | None:
         attributes = vars(current) if hasattr(current, "__dict__") else {}
         collate = attributes.get("collate_fn")
         if isinstance(collate, SlotCollate) and collate.pools is not None:
-            pools = collate.pools if _pid.owns(collate.pools.owner_pid) else process_pools.replacing.get(collate.pools)
+            pools = collate.pools if _process.owns(collate.pools.owner_pid) else process_pools.replacing.get(collate.pools)
             return None if pools is None else cast("NodePools", pools).stats()
         pending.extend(attributes[name] for name in _INNER_LOADER_ATTRIBUTES if attributes.get(name) is not None)
     return None

@@ -41,7 +41,7 @@ from pathlib import Path
 from traceback import walk_tb
 from typing import Any, Protocol
 
-from numafast import _pid
+from numafast import _process
 from numafast.private import PIN_THREAD_NAME, exception_wrapper
 
 __all__ = ["Fallback", "FallbackReason", "Receiver", "SenderDied", "SlotBatch", "in_pin_thread", "receivers"]
@@ -153,7 +153,7 @@ def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
     """A message unpickled: its batch in its receiver's process (a forked child inherits
     the registry, not the pools), else the message itself, to travel on."""
     message = kind(*fields)
-    receiver = receivers.get(message.owner_id) if message.owner_pid == _pid.pid else None
+    receiver = receivers.get(message.owner_id) if message.owner_pid == _process.pid else None
     if receiver is None:
         return message
     try:

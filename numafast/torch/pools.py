@@ -32,7 +32,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 import numafast
-from numafast import _pid, node_budget
+from numafast import _process, node_budget
 from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import (
     MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode,
@@ -156,7 +156,7 @@ class NodePools:
         self.device: int | None = None
         self.board = PoolBoard()
         self.owner_id = next(_owner_ids)
-        self.owner_pid = _pid.pid
+        self.owner_pid = _process.pid
         self.users = 0  # the loaders landing their batches here
         self.closed = False
         self._by_inode: dict[int, PinnedPool] = {}
@@ -702,7 +702,7 @@ class NodePools:
 def _sender_gone(pid: int) -> bool:
     """Whether worker ``pid`` is gone; False where /proc cannot tell (EMFILE, ENFILE)."""
     try:
-        return _pid.start_time(pid) is None
+        return _process.start_time(pid) is None
     except OSError:
         return False
 

@@ -12,7 +12,7 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-from numafast import _pid
+from numafast import _process
 from numafast.pool import LockMode, PinnedPool, RegisterMode
 from numafast.private import ITERATOR_SHUTDOWN
 
@@ -78,7 +78,7 @@ os.register_at_fork(after_in_child=forget_inherited)
 
 def _ours() -> list[LoaderPools]:
     """The NodePools this process owns (a forked child inherits its parent's registry)."""
-    return [pools for pools in list(every) if pools.owner_pid == _pid.pid]
+    return [pools for pools in list(every) if pools.owner_pid == _process.pid]
 
 
 def pinned_bytes() -> int:
@@ -105,7 +105,7 @@ def use(pools: LoaderPools) -> None:
 def let_go(pools: LoaderPools) -> None:
     """One loader fewer uses ``pools``: with none left, they replace (and close) the idle
     ones on their node, for the next loader there."""
-    if _pid.pid != pools.owner_pid:
+    if _process.pid != pools.owner_pid:
         return  # a forked child's copy: the pools are the parent's
     with _idle_mutex:
         pools.users -= 1
