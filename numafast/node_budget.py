@@ -30,6 +30,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import cast
 
 from numafast import _libnuma, _process
 from numafast.topo.files import read_lines, read_text
@@ -242,8 +243,8 @@ def _ledger_path(node: int) -> Path:
     return LEDGER_DIR / f"numafast-pinned-v1-uid{os.getuid()}-pidns{namespace}-node{node}"
 
 
-_ledgers: dict[tuple[int, Path], NodeLedger] = {}
-_ledgers_mutex = threading.Lock()
+# Each node's ledger, opened once: kept in numafast/_process.py, like what this process reserved.
+_ledgers = cast("dict[tuple[int, Path], NodeLedger]", _process.ledgers)
 _unshared_warned = False
 
 
@@ -252,7 +253,7 @@ def ledger(node: int) -> NodeLedger:
     opened, one of this process's own, said once: the budget then bounds this process alone."""
     global _unshared_warned
     path = _ledger_path(node)
-    with _ledgers_mutex:
+    with _process.ledgers_mutex:
         known = _ledgers.get((node, path))
         if known is None:
             try:
@@ -281,49 +282,28 @@ class Reservation:
     released: bool = False
 
     def release(self) -> None:
-        global _process_reserved
         if self.released or not _process.owns(self.owner_pid):
             return
         self.released = True
         self.book.release(self.nbytes)
-        with _process_mutex:
-            _process_reserved -= self.nbytes
-
-
-# What this process reserved on every node: what an explicit max_pinned_bytes bounds.
-_process_reserved = 0
-_process_mutex = threading.Lock()
-
-
-def _forked() -> None:
-    """In a forked child: nothing reserved (the parent's pools are not the child's to
-    release), and locks that another thread of the parent may have held at the fork anew."""
-    global _process_reserved, _process_mutex, _ledgers_mutex
-    _process_reserved = 0
-    _process_mutex = threading.Lock()
-    _ledgers_mutex = threading.Lock()
-    for book in _ledgers.values():
-        book._claiming = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forked)
+        with _process.reserved_mutex:
+            _process.reserved -= self.nbytes
 
 
 def process_reserved() -> int:
     """Bytes this process reserved, on every node, for pools not released yet."""
-    return _process_reserved
+    return _process.reserved
 
 
 def reserve(node: int, nbytes: int, limit: int, cap: int | None = None) -> Reservation | None:
     """``nbytes`` for a pool on ``node``, within the node's budget ``limit`` for every
     process and, where given, within ``cap`` for this process's pools on every node;
     None when either would be overshot."""
-    global _process_reserved
     book = ledger(node)
-    with _process_mutex:  # two loaders of this process: one checks and adds at a time
-        if cap is not None and _process_reserved + nbytes > cap:
+    with _process.reserved_mutex:  # two loaders of this process: one checks and adds at a time
+        if cap is not None and _process.reserved + nbytes > cap:
             return None
         if not book.reserve(nbytes, limit):
             return None
-        _process_reserved += nbytes
+        _process.reserved += nbytes
     return Reservation(book, nbytes, _process.pid)

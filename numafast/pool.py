@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 from numafast import _libnuma, _process
 from numafast._buffers import PAGE_SIZE
@@ -254,42 +254,16 @@ class _Resources:
             reservation.release()
 
 
-_live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
-_released_later: list[_Resources] = []
-"""Registered pools drained while their thread captured a CUDA graph (see _release_deferred)."""
-_pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
-"""Every pool's memory not released yet (see _Resources): also a pool being made, and
-one whose PinnedPool is gone while its slots are still viewed."""
+# This process's pools, kept in numafast/_process.py (what a forked child does with them too).
+_live_pools = cast("weakref.WeakSet[PinnedPool]", _process.live_pools)
+_released_later = cast("list[_Resources]", _process.released_later)
+_pool_files = cast("weakref.WeakSet[_Resources]", _process.pool_files)
 _exit_hook_installed = False
 _unlocked_warned = False  # a MemlockWarning was given (see warn_unlocked)
 _unregistered_warned = False  # a pool went on unregistered (see _register)
 _held_warnings = threading.local()  # .messages: the MemlockWarnings held back in this thread (memlock_warning_held)
 
-# The exit status of a forked child that cannot make its view of a pool private.
-FORK_REMAP_FAILED_STATUS = 70
-
-
-def _after_fork_in_child() -> None:
-    """A forked child makes its views of its parent's pools private (workers that fill
-    slots map the file again, shared). One that cannot exits here, saying why on
-    stderr: an exception raised in an at-fork hook is only printed, and the child
-    would go on writing into its parent's slots unseen."""
-    for file in list(_pool_files):
-        try:
-            file.view_privately()
-        except OSError as error:
-            message = (
-                f"numafast: process {_process.pid}, forked from {os.getppid()}, cannot make its view of the "
-                f"node-{file.node} pool private ({error}); it would write into the slots its parent hands "
-                f"out, so it exits now with status {FORK_REMAP_FAILED_STATUS}\n"
-            )
-            try:
-                os.write(2, message.encode())
-            finally:
-                os._exit(FORK_REMAP_FAILED_STATUS)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+FORK_REMAP_FAILED_STATUS = _process.FORK_REMAP_FAILED_STATUS
 
 
 def _release_deferred() -> None:

@@ -77,7 +77,7 @@ ITERATOR_WORKER_PIDS_SET = "_worker_pids_set"
 ITERATOR_SHUTDOWN = "_shutdown"
 """True once the iterator shut its workers down: the watch stops (torch/workers.py), and
 an iterator a forked child inherits is marked so, so that its ``__del__`` does nothing
-(torch/process_pools.py ``forget_inherited``)."""
+(numafast/_process.py ``_forked``)."""
 
 ITERATOR_RECEIVED = "_rcvd_idx"
 """The task number of the next batch the iterator yields: a stuck worker's error was met

@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.utils.data import default_collate, get_worker_info
 
@@ -203,19 +203,17 @@ class SlotCollate:
         return Fallback(self.owner_pid, self.owner_id, batch, reason, detail, self._batch[1], self._batch[2])
 
 
-# In a worker: the board of each loader it serves, mapped once.
-_readers: dict[BoardHandle, BoardReader] = {}
+# In a worker: the board of each loader it serves, mapped once (kept in numafast/_process.py).
+_readers = cast("dict[BoardHandle, BoardReader]", _process.board_readers)
 # How often an idle worker looks for pools the owner let go (a look is a read of the board).
 IDLE_LOOK_S = 1.0
 _making_batch = threading.Lock()  # held by a worker's collate: the idle look waits its turn
-_idle_watch_pid = 0  # the worker process whose idle look runs
 
 
 def _watch_while_idle() -> None:
     """Once per worker process: start the thread of :func:`_let_go_while_idle`."""
-    global _idle_watch_pid
-    if _idle_watch_pid != _process.pid:
-        _idle_watch_pid = _process.pid
+    if _process.idle_watch_pid != _process.pid:
+        _process.idle_watch_pid = _process.pid
         threading.Thread(target=_let_go_while_idle, name="numafast idle pools", daemon=True).start()
 
 
@@ -249,20 +247,16 @@ def _free_slot(views: list[PoolView], needed: int) -> tuple[PoolView, int, int] 
     return None
 
 
-_iterating = (0, 0)  # (this process's pid, the pid of the process its DataLoader runs in)
-
-
 def _iterating_process() -> int:
     """In a DataLoader worker: the process that iterates its DataLoader, whose pools alone
     its batches may land in (the one that made its ``Process``, whether it forked or
     spawned it, or had a forkserver fork it). A worker of a process forked from the
     pools' owner (a ``ddp_fork`` rank iterating an inherited DataLoader) must not lease
     the owner's slots: its batches would arrive where nothing turns them into batches."""
-    global _iterating
-    if _iterating[0] != _process.pid:
+    if _process.iterating[0] != _process.pid:
         parent = multiprocessing.parent_process()
-        _iterating = (_process.pid, parent.pid if parent is not None and parent.pid is not None else 0)
-    return _iterating[1]
+        _process.iterating = (_process.pid, parent.pid if parent is not None and parent.pid is not None else 0)
+    return _process.iterating[1]
 
 
 _warned_elsewhere: set[int] = set()

@@ -322,7 +322,7 @@ class NumaLoader(DataLoader[T_co]):
         device it settles anew, before any worker of its forks. The parent's are left
         alone: its workers' slots, its mutexes (maybe held by a thread at the fork), its
         idle pools; so is a persistent iterator inherited from it, whose workers are the
-        parent's (see :func:`numafast.torch.process_pools.forget_inherited`)."""
+        parent's (see :func:`numafast._process._forked`)."""
         setattr(self, LOADER_ITERATOR, None)
         self.device, self._node_guessed = self._asked
         if self._node_guessed:

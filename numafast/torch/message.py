@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from traceback import walk_tb
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from numafast import _process
 from numafast.private import PIN_THREAD_NAME, exception_wrapper
@@ -83,8 +83,8 @@ class Receiver(Protocol):
     def copy_in(self, fallback: Fallback) -> Any: ...
 
 
-# The receivers of this process by id: what a message names to become its batch.
-receivers: weakref.WeakValueDictionary[int, Receiver] = weakref.WeakValueDictionary()
+# The receivers of this process by id: what a message names to become its batch (kept in numafast/_process.py).
+receivers = cast("weakref.WeakValueDictionary[int, Receiver]", _process.receivers)
 
 
 class _Message:
