@@ -84,12 +84,12 @@ idle_watch_pid = 0
 iterating: tuple[int, int] = (0, 0)
 """(this process's pid, the pid of the process its DataLoader runs in), read once per process."""
 
-# ------------------------------------------------------------ the fork watch (numafast/torch/workers.py)
+# ------------------------------------------------------------ the fork watch (numafast/torch/fork_watch.py)
 
 forking = threading.local()
 """Per thread: ``.watch``, the start watch arming this thread's forks; ``.pending``, the
 read end of the start token of the fork under way; ``.collecting``, whether the
-collector was on before it; ``.begin``, see workers.py ``_found_watch``."""
+collector was on before it; ``.begin``, see torch/fork_watch.py ``_found_watch``."""
 open_tokens: set[int] = set()
 """Every start token's read end this process holds (a child closes its copies)."""
 STARTED = b"s"

@@ -37,7 +37,7 @@ from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve
 from numafast.torch import process_pools
 from numafast.torch.pools import LoaderStats, NodePools, _user_level, node_pools
 from numafast.torch.sizing import check_max_pinned_bytes
-from numafast.torch.workers import watch_starts
+from numafast.torch.fork_watch import watch_starts
 
 # What the loader's dataset yields: NumaLoader[T] reads like DataLoader[T].
 T_co = TypeVar("T_co", covariant=True)
