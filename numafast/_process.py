@@ -58,7 +58,7 @@ reserved = 0
 """What this process reserved on every node: what an explicit max_pinned_bytes bounds."""
 reserved_mutex = threading.Lock()
 
-# ------------------------------------------------------------ loaders' pools (numafast/torch/process_pools.py)
+# ------------------------------------------------------------ loaders' pools (numafast/torch/owner_process_pools.py)
 
 loader_pools: weakref.WeakSet[Any] = weakref.WeakSet()
 """Every NodePools of this process (each adds itself): what max_pinned_bytes bounds together."""
@@ -75,7 +75,7 @@ loader_iterators: weakref.WeakSet[Any] = weakref.WeakSet()
 receivers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 """The receivers of this process by id: what a message names to become its batch (torch/message.py)."""
 
-# ------------------------------------------------------------ a DataLoader worker (numafast/torch/collate.py)
+# ------------------------------------------------------------ a DataLoader worker (numafast/torch/worker_collate.py)
 
 board_readers: dict[Any, Any] = {}
 """In a worker: the board of each loader it serves, mapped once."""

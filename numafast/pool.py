@@ -7,7 +7,7 @@ to the node with mbind before any page exists, faulted in by threads on the node
 CPUs, page-locked, and registered with CUDA in chunks. Placement must come first:
 memory registered with CUDA is pinned for DMA and can no longer migrate.
 
-DataLoader workers map the file too (:mod:`numafast.pool_share`) and collate straight
+DataLoader workers map the file too (:mod:`numafast.pool_worker`) and collate straight
 into a slot. Neither the lock nor the registration is inherited by a child; a forked
 child gets a private, copy-on-write view of its parent's pools, so it never writes
 into a slot the parent may hand out again.
@@ -51,7 +51,7 @@ from numafast.errors import (
     SlotTooSmallError,
 )
 from numafast.memory import allocate
-from numafast.pool_share import PoolHandle, fault_in
+from numafast.pool_worker import PoolHandle, fault_in
 from numafast.topo.files import read_fields
 
 if TYPE_CHECKING:
@@ -500,7 +500,7 @@ class PinnedPool:
 
     def share(self) -> PoolHandle:
         """What another process needs to map this pool and lease its slots (small and
-        picklable): see :class:`numafast.pool_share.PoolView`."""
+        picklable): see :class:`numafast.pool_worker.PoolView`."""
         self._check()
         return PoolHandle(
             owner_pid=self._resources.owner_pid,

@@ -26,7 +26,7 @@ from typing import Any
 
 getframe: Callable[[int], FrameType] = sys._getframe
 """The caller's frame (the very builtin: the same depth as ``sys._getframe``): the
-warnings' ``stacklevel`` past numafast and torch (torch/pools.py ``_user_level``), and
+warnings' ``stacklevel`` past numafast and torch (torch/owner_pools.py ``_user_level``), and
 the start watch's walk to the Process being started and to torch's iterator forking
 (torch/fork_watch.py ``_process_forking``, ``_found_watch``)."""
 

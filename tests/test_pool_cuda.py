@@ -258,7 +258,7 @@ def test_batches_keep_arriving_while_a_registered_pool_is_made() -> None:
     """A resize to 512 MiB slots faults in and registers a GiB on the serving thread's side,
     outside the mutex every batch takes: copies into the current pool go on meanwhile,
     each taking far less than the making does."""
-    pools = numafast.torch.pools.NodePools(NODE, 2)
+    pools = numafast.torch.owner_pools.NodePools(NODE, 2)
     pools.device = 0
     pools.make_room(MIB, more=False)
     started = time.perf_counter()

@@ -26,7 +26,7 @@ import pytest
 
 import numafast
 from numafast import _libnuma, _process, pool as pool_module
-from numafast.pool_share import PoolView
+from numafast.pool_worker import PoolView
 from sysfs_truth import online_nodes
 
 TESTS = Path(__file__).resolve().parent

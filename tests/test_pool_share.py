@@ -21,7 +21,7 @@ import pytest
 
 import numafast
 from numafast import _libnuma
-from numafast.pool_share import BoardReader, PoolBoard, PoolView
+from numafast.pool_worker import BoardReader, PoolBoard, PoolView
 from sysfs_truth import node_cpus, online_nodes, pagemap_nodes
 
 TESTS = Path(__file__).resolve().parent
@@ -125,7 +125,7 @@ def test_a_spawned_process_maps_the_pool_through_proc() -> None:
         handle = pool.share()
         code = (
             "import sys, numpy as np\n"
-            "from numafast.pool_share import PoolHandle, PoolView\n"
+            "from numafast.pool_worker import PoolHandle, PoolView\n"
             "view = PoolView(PoolHandle(*map(int, sys.argv[1:])))\n"
             "index, generation = view.lease()\n"
             "np.frombuffer(view.slot(index), dtype=np.uint8)[:10] = 7\n"

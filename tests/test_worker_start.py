@@ -139,7 +139,7 @@ def no_garbage_loaders() -> None:
     """Loaders of the tests before (held in cycles, by a traceback) collected here, in
     this thread: collected in a thread the next loader starts, a loader's finalizer
     waits for the lock that loader holds while it starts that thread (NodePools.attach
-    in numafast/torch/pools.py, let_go in numafast/torch/process_pools.py)."""
+    in numafast/torch/owner_pools.py, let_go in numafast/torch/owner_process_pools.py)."""
     gc.collect()
 
 

@@ -18,8 +18,8 @@ from numafast.torch.batch import pin, record_stream
 from numafast.torch.hook import PinMemoryHook, pin_memory_hook
 from numafast.torch.loader import NumaLoader, WorkerPlacement, loader_stats
 from numafast.torch.message import FallbackReason
-from numafast.torch.pools import LoaderStats
-from numafast.torch.process_pools import close_idle_pools
+from numafast.torch.owner_pools import LoaderStats
+from numafast.torch.owner_process_pools import close_idle_pools
 from numafast.torch.tensors import empty, zeros
 
 __all__ = [

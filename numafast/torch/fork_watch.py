@@ -57,7 +57,7 @@ from numafast.private import (
     POPEN_PROCESS_LOCAL, PROCESS_RUN_ATTRIBUTES, REMOVE_WORKER_PIDS, SET_WORKER_PIDS, exception_wrapper, getframe,
     multi_worker_iterator, signal_handling,
 )  # fmt: skip
-from numafast.torch.collate import SlotCollate
+from numafast.torch.worker_collate import SlotCollate
 
 __all__ = ["MAX_RESTARTS", "START_DEADLINE_S", "WorkerStartError", "replaced_workers", "watch_starts"]
 

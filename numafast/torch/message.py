@@ -76,7 +76,7 @@ class SenderDied(RuntimeError):
 
 
 class Receiver(Protocol):
-    """The owner's side (:class:`numafast.torch.pools.NodePools`)."""
+    """The owner's side (:class:`numafast.torch.owner_pools.NodePools`)."""
 
     def receive(self, message: SlotBatch) -> Any: ...
 

@@ -26,13 +26,13 @@ from torch.utils.data import default_collate, get_worker_info
 
 from numafast import _process
 from numafast.binding import bind
-from numafast.pool_share import BoardHandle, BoardReader, PoolView
+from numafast.pool_worker import BoardHandle, BoardReader, PoolView
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch
 from numafast.torch.packing import SlotMeasure, SlotPacker
 from numafast.torch.slot import SlotFull
 
 if TYPE_CHECKING:
-    from numafast.torch.pools import NodePools
+    from numafast.torch.owner_pools import NodePools
 
 __all__ = ["SlotCollate"]
 

@@ -1,4 +1,4 @@
-"""This process's loader pools as a whole: every :class:`~numafast.torch.pools.NodePools`
+"""This process's loader pools as a whole: every :class:`~numafast.torch.owner_pools.NodePools`
 (bounded by ``max_pinned_bytes`` and shrunk together), and the idle ones kept for the
 next loader on their node, which then starts on warm, placed, locked pools: frameworks
 re-create loaders (Lightning's reload every epoch, Accelerate's or Ray's ``prepare``),
@@ -17,7 +17,7 @@ __all__ = ["close_idle_pools", "pinned_bytes"]
 
 
 class LoaderPools(Protocol):
-    """What this module uses of a :class:`numafast.torch.pools.NodePools`, which imports
+    """What this module uses of a :class:`numafast.torch.owner_pools.NodePools`, which imports
     this module."""
 
     node: int
