@@ -21,7 +21,8 @@ import pytest
 
 import numafast
 from numafast import _libnuma
-from numafast.pool_worker import BoardReader, PoolBoard, PoolView
+from numafast.pool_owner import PoolBoard
+from numafast.pool_worker import BoardReader, PoolView
 from sysfs_truth import node_cpus, online_nodes, pagemap_nodes
 
 TESTS = Path(__file__).resolve().parent

@@ -38,7 +38,8 @@ from numafast.pool import (
     MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode,
     pool_bytes, warn_unlocked,
 )
-from numafast.pool_worker import BOARD_ENTRIES, PoolBoard
+from numafast.pool_owner import PoolBoard
+from numafast.pool_worker import BOARD_ENTRIES
 from numafast.private import getframe
 from numafast.torch import owner_process_pools
 from numafast.torch.batch import place
