@@ -107,7 +107,7 @@ the start watch in the thread that iterates."""
 
 WORKER_EXITED_MESSAGE = "DataLoader worker (pid(s) {pids_str}) exited unexpectedly"
 """torch's error where a worker is found dead as a batch is awaited: what a
-:class:`~numafast.torch.message.SenderDied` raised out of the queue's ``get`` becomes
+:class:`~numafast.errors.SenderDied` raised out of the queue's ``get`` becomes
 (torch/message.py)."""
 
 WORKER_KILLED_MESSAGE = "DataLoader worker (pid {pid}) is killed by signal: "

@@ -51,6 +51,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from numafast import _process
+from numafast.errors import WorkerStartError
 from numafast.private import (
     EVENT_CONDITION, EVENT_FLAG, ITERATOR_COLLATE, ITERATOR_DONE_EVENT, ITERATOR_RECEIVED, ITERATOR_RESULT_QUEUE,
     ITERATOR_SHUTDOWN, ITERATOR_TASK_INFO, ITERATOR_WORKER_PIDS_SET, ITERATOR_WORKERS, NOT_A_CHILD_ERROR,
@@ -72,10 +73,6 @@ _SHUTDOWN_WAIT_S = 30.0  # torch's shutdown joins each worker for up to 5 s befo
 
 Iterated = TypeVar("Iterated")
 Held = TypeVar("Held")
-
-
-class WorkerStartError(RuntimeError):
-    """A DataLoader worker never started (stuck in ``os.fork()``) and could not be replaced."""
 
 
 _Run = dict[str, Any]

@@ -42,6 +42,7 @@ from traceback import walk_tb
 from typing import Any, Protocol, cast
 
 from numafast import _process
+from numafast.errors import SenderDied
 from numafast.private import PIN_THREAD_NAME, exception_wrapper
 
 __all__ = ["Fallback", "FallbackReason", "Receiver", "SenderDied", "SlotBatch", "in_pin_thread", "receivers"]
@@ -68,11 +69,6 @@ class FallbackReason(str, Enum):
     BYPASSED = "collate bypassed"
     """The batch came from a loader whose workers do not run numafast's collate (its
     settings live where numafast cannot reach them)."""
-
-
-class SenderDied(RuntimeError):
-    """A batch whose DataLoader worker died after sending it: the owner ended the dead
-    worker's leases, this batch's slot among them, so it cannot be read."""
 
 
 class Receiver(Protocol):
