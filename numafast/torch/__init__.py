@@ -9,6 +9,8 @@ pin step and host buffers sit on the GPU's NUMA node.
   that Lightning, Accelerate or Ray Train make from it keep all of that;
 - :func:`loader_stats`: how the batches of any such loader arrived;
 - :func:`pin_memory_hook`: one line for loaders that keep ``pin_memory=True``.
+- :class:`WorkerPlacement`: a ``worker_init_fn`` that binds a plain DataLoader's
+  workers to a node (NumaLoader's workers bind themselves), then runs yours.
 
 Importing numafast never imports torch; importing this package does. Only
 :mod:`numafast.cuda` touches ``torch.cuda``, and only where CUDA is usable.
