@@ -7,11 +7,10 @@ NOTE: what a forked child inherits has its one answer in :func:`_forked`, item b
 item; other modules reach this state as ``_process.NAME`` (never rebinding it: names
 rebound here are read through the module, containers are only changed in place). This
 module imports nothing of numafast's but the names of ``private.py`` (which imports
-nothing), so that every layer can use it. Warnings said
-once per process keep their flags where they are said, and a child inherits them: it
-does not repeat what its parent said. Per-iterator state of the fork watch (kept with
-each iterator, weakly) stays there too: a child's inherited iterators are shut down
-here (``loader_iterators``).
+nothing), so that every layer can use it. Kept elsewhere: per-iterator state of the
+fork watch (with each iterator, weakly: a child's inherited iterators are shut down
+here, ``loader_iterators``), caches that describe no process (placements, struct
+formats, layouts), per-thread bindings, and memory.py's one warning flag.
 
 The pid is cached for the checks made per batch (is this the pools' owner? a worker
 forked since?) without a system call each: glibc no longer caches ``getpid()``. A
@@ -36,6 +35,13 @@ from numafast.private import ITERATOR_SHUTDOWN
 
 pid: int = os.getpid()
 _started: int | None = None  # this process's start time, read at the first call of started()
+
+done_once: set[str] = set()
+"""What this process did once and never again, by key: the warnings said once (an
+unlocked pool, an unregistered one, an unshared budget ledger, a replaced worker, each
+LoaderHint, a loader collated in another process), the pools' exit hook (see :func:`first_time`)."""
+workers_replaced = 0
+"""Workers of this process's loaders replaced because they never started (torch/fork_watch.py)."""
 
 # ------------------------------------------------------------ pinned pools (numafast/pool.py)
 
@@ -96,10 +102,22 @@ STARTED = b"s"
 """A start token's one byte: whoever reads it decides whether the worker started."""
 
 
+def first_time(key: str) -> bool:
+    """True the first time ``key`` is asked for in this process (or in its parent, before
+    the fork): for what is said or done once per process."""
+    if key in done_once:
+        return False
+    done_once.add(key)
+    return True
+
+
 def _forked() -> None:
     """A forked child's first step, item by item: what it inherits, what it forgets.
 
     - ``pid`` and its start time: its own, read anew.
+    - ``done_once``: kept. The child does not repeat a warning its parent said, and it
+      inherits its parent's exit hooks (``atexit`` is copied by the fork).
+      ``workers_replaced``: kept, its parent's count.
     - The pools (``live_pools``, ``pool_files``, ``released_later``): inherited, and
       still its parent's; each file's mappings are made private here, so that the child
       only reads the slots it inherited (workers that fill slots map the file again,

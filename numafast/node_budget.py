@@ -245,13 +245,11 @@ def _ledger_path(node: int) -> Path:
 
 # Each node's ledger, opened once: kept in numafast/_process.py, like what this process reserved.
 _ledgers = cast("dict[tuple[int, Path], NodeLedger]", _process.ledgers)
-_unshared_warned = False
 
 
 def ledger(node: int) -> NodeLedger:
     """``node``'s ledger (under :data:`LEDGER_DIR` as it is now). Where the file cannot be
     opened, one of this process's own, said once: the budget then bounds this process alone."""
-    global _unshared_warned
     path = _ledger_path(node)
     with _process.ledgers_mutex:
         known = _ledgers.get((node, path))
@@ -260,8 +258,7 @@ def ledger(node: int) -> NodeLedger:
                 known = NodeLedger(node, path)
             except OSError as error:
                 known = NodeLedger(node, None)
-                if not _unshared_warned:
-                    _unshared_warned = True
+                if _process.first_time("unshared ledger"):
                     warnings.warn(
                         f"numafast: the pinned memory budget of node {node} cannot be shared with the other "
                         f"processes on it ({error}): this process's loader pools keep within it alone. Make "

@@ -258,9 +258,6 @@ class _Resources:
 _live_pools = cast("weakref.WeakSet[PinnedPool]", _process.live_pools)
 _released_later = cast("list[_Resources]", _process.released_later)
 _pool_files = cast("weakref.WeakSet[_Resources]", _process.pool_files)
-_exit_hook_installed = False
-_unlocked_warned = False  # a MemlockWarning was given (see warn_unlocked)
-_unregistered_warned = False  # a pool went on unregistered (see _register)
 _held_warnings = threading.local()  # .messages: the MemlockWarnings held back in this thread (memlock_warning_held)
 
 FORK_REMAP_FAILED_STATUS = _process.FORK_REMAP_FAILED_STATUS
@@ -356,7 +353,6 @@ class PinnedPool:
         prefault: bool = True,
         device: int | None = None,
     ) -> None:
-        global _exit_hook_installed
         node = check_node(node)
         slot_bytes = positive_int(slot_bytes, "slot_bytes")
         slots = positive_int(slots, "slots")
@@ -396,9 +392,8 @@ class PinnedPool:
             resources.release()
             raise
         _live_pools.add(self)
-        if not _exit_hook_installed:
+        if _process.first_time("close pools at exit"):
             atexit.register(_close_at_exit)
-            _exit_hook_installed = True
 
     # ------------------------------------------------------------ use
 
@@ -651,7 +646,6 @@ def _register(resources: _Resources, device: int, mode: RegisterMode, slot_bytes
     it, memory registered already by someone else), ``register='auto'`` goes on
     unregistered, as ``lock='auto'`` does, said once per process: None. ``runtime``
     (``runtime=``, ``device_guard=``) is passed on to :class:`~numafast.cuda.Registration`."""
-    global _unregistered_warned
     from numafast import cuda
 
     region = resources.region
@@ -664,8 +658,7 @@ def _register(resources: _Resources, device: int, mode: RegisterMode, slot_bytes
     except cuda.RegistrationFailed as error:
         if mode is RegisterMode.REQUIRED:
             raise
-        if not _unregistered_warned:
-            _unregistered_warned = True
+        if _process.first_time("pools unregistered"):
             warnings.warn(
                 f"{error}. Pools go on unregistered (this is said once): batches still land in them, but copies to "
                 "the GPU read them as pageable memory, staged by the driver. Pass register='off' not to try, or "
@@ -767,9 +760,7 @@ def memlock_warning_held() -> Iterator[list[str]]:
 def warn_unlocked(message: str, stacklevel: int) -> None:
     """Say the MemlockWarning ``message``, once per process (a loader's pools, made one
     by one, are refused alike); ``stacklevel`` as warnings.warn's, from the caller."""
-    global _unlocked_warned
-    if not _unlocked_warned:
-        _unlocked_warned = True
+    if _process.first_time("MemlockWarning"):
         warnings.warn(message, MemlockWarning, stacklevel=stacklevel + 1)
 
 

@@ -289,7 +289,7 @@ def test_a_refused_registration_leaves_the_pool_unregistered_and_no_error_for_th
         region = pool._resources.region
         elsewhere = cuda.Registration(region.address, region.size, device=0)
         try:
-            pool_module._unregistered_warned = False
+            numafast._process.done_once.discard("pools unregistered")
             with pytest.warns(RuntimeWarning, match="said once"):
                 fences = pool_module._register(pool._resources, 0, pool_module.RegisterMode.AUTO, MIB, 2)
             assert fences is None and pool._resources.registration is None

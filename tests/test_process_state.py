@@ -71,25 +71,28 @@ def test_a_forked_child_keeps_and_forgets_what_process_py_says() -> None:
     gc.collect()  # its pools go idle, kept for the next loader on their node
     assert _process.idle_pools and _process.reserved > 0 and len(_process.loader_iterators) == 1
     inherited = list(_process.loader_iterators)
+    _process.first_time("said in the parent")
+    said = sorted(_process.done_once)
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child reports through the pipe
         try:
-            said = {
+            child_said = {
                 "pid": _process.pid == os.getpid(), "reserved": _process.reserved,
                 "idle": len(_process.idle_pools), "iterators": len(_process.loader_iterators),
                 "shut": [getattr(iterator, "_shutdown", None) for iterator in inherited],
                 "pools": len(_process.live_pools) > 0, "tokens": sorted(_process.open_tokens),
+                "once": sorted(_process.done_once),
             }
-            os.write(write, json.dumps(said).encode())
+            os.write(write, json.dumps(child_said).encode())
         finally:
             os._exit(0)
     os.close(write)
     with os.fdopen(read) as pipe:
-        said = json.loads(pipe.read())
+        reported = json.loads(pipe.read())
     assert os.waitpid(child, 0)[1] == 0
-    assert said == {"pid": True, "reserved": 0, "idle": 0, "iterators": 0, "shut": [True], "pools": True,
-                    "tokens": []}
+    assert reported == {"pid": True, "reserved": 0, "idle": 0, "iterators": 0, "shut": [True], "pools": True,
+                        "tokens": [], "once": said}
     # The parent's own state is untouched, and its persistent workers serve the next epoch.
     assert _process.idle_pools and _process.reserved > 0 and len(_process.loader_iterators) == 1
     assert sorted(epoch(persistent)) == list(range(64))

@@ -107,13 +107,11 @@ _runs: weakref.WeakKeyDictionary[Any, list[_Run | None]] = weakref.WeakKeyDictio
 """Per iterator, what each of its workers runs, to fork it again in its place. Kept with
 the iterator, not the watch: the arguments hold the dataset and the collate function
 (a NumaLoader's pools), which must go the moment the iterator does."""
-_warned = False
-_replaced = 0
 
 
 def replaced_workers() -> int:
     """Workers of this process's loaders replaced because they never started."""
-    return _replaced
+    return _process.workers_replaced
 
 
 def watch_starts(
@@ -289,9 +287,7 @@ class _StartWatch:
         if why_not is not None:
             self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}.{cause}")
             return
-        global _warned
-        if not _warned:
-            _warned = True
+        if _process.first_time("worker replaced"):
             replaced = (f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
                         f"any index, so the epoch's batches are unchanged.{cause}")
             warnings.warn(replaced, RuntimeWarning, stacklevel=1)
@@ -321,8 +317,7 @@ class _StartWatch:
             _local.watch = outer
         getattr(iterator, ITERATOR_WORKERS)[worker.index] = replacement
         _end(iterator, old)
-        global _replaced
-        _replaced += 1
+        _process.workers_replaced += 1
         worker.pid = replacement.pid
         worker.restarts += 1
         if len(self.tokens) == forks + 1:

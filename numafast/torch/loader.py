@@ -370,9 +370,6 @@ class NumaLoader(DataLoader[T_co]):
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
 
 
-_hinted: set[str] = set()  # the LoaderHints said in this process, by kind
-
-
 def _hint(settings: dict[str, Any], *, batched: object) -> None:
     """One LoaderHint per kind and process, at the user's line, where numafast can do
     little: ``NumaLoader(dataset)`` with no batch size given (not ``batched``) makes
@@ -394,8 +391,7 @@ def _hint(settings: dict[str, Any], *, batched: object) -> None:
         )
     else:
         return
-    if kind not in _hinted:
-        _hinted.add(kind)
+    if _process.first_time(f"LoaderHint {kind}"):
         warnings.warn(text + " (said once)", LoaderHint, stacklevel=_user_level())
 
 

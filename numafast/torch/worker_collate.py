@@ -259,13 +259,9 @@ def _iterating_process() -> int:
     return _process.iterating[1]
 
 
-_warned_elsewhere: set[int] = set()
-
-
 def _warn_elsewhere(owner_pid: int) -> None:
     """Once per owner: this process collates for a loader whose pools live in another."""
-    if owner_pid not in _warned_elsewhere:
-        _warned_elsewhere.add(owner_pid)
+    if _process.first_time(f"collating for process {owner_pid}"):
         warnings.warn(
             f"numafast: this loader's pools belong to process {owner_pid}, not to the one iterating it: the "
             "loader was copied to another process (pickled, or inherited through fork), whose batches are "
