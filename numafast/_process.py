@@ -125,11 +125,12 @@ def _forked() -> None:
       an at-fork hook is only printed, and the child would go on writing into its
       parent's slots unseen.
     - The node budget: the ledgers stay open (the same files, shared); nothing is
-      reserved (the parent's pools are not the child's to release); every lock that
-      another thread of the parent may have held at the fork is made anew.
+      reserved (the parent's pools are not the child's to release); its locks (the
+      ledgers', each ledger's claiming lock, the reservation's), which another thread
+      of the parent may have held at the fork, are made anew.
     - Loaders' pools: inherited in ``loader_pools`` (each knows its owner's pid); no idle
-      pools (those inherited are the parent's: never taken, never closed here), nor
-      replacements; inherited iterators are marked shut down and forgotten: their
+      pools (those inherited are the parent's: never taken, never closed here), a new
+      ``idle_mutex``, no replacements; inherited iterators are marked shut down and forgotten: their
       workers, queues and done event are the parent's, and dropping one in the child
       would run torch's shutdown on them (set the shared done event, send each worker
       its end), ending the parent's epoch; marked, it ends with nothing done.
