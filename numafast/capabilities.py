@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass, fields
 from functools import cache
 
-from numafast import _libnuma
+from numafast import _libnuma, _process
 from numafast._validate import allowed_nodes, format_ids
 from numafast.errors import LibnumaError
 from numafast.policy import seccomp_hint
@@ -192,7 +192,6 @@ def capabilities() -> Capabilities:
 # (warn_unplaced): training in a default container must work, only less well placed.
 
 _MEMORY_CALLS = ("numa", "set_mempolicy", "mbind")  # get_mempolicy (the numa probe), set_mempolicy, mbind
-_unplaced_warned = False  # said once per process (see warn_unplaced)
 
 
 def memory_placement_refused() -> list[tuple[str, Capability]]:
@@ -224,7 +223,5 @@ def unplaced_text(nodes: list[int], refused: list[tuple[str, Capability]]) -> st
 def warn_unplaced(nodes: list[int], refused: list[tuple[str, Capability]], stacklevel: int) -> None:
     """Say once per process that numafast's own placement (pools, NumaLoader) goes on without
     memory policy; ``stacklevel`` as warnings.warn's, from the caller: the user's line."""
-    global _unplaced_warned
-    if not _unplaced_warned:
-        _unplaced_warned = True
+    if _process.first_time("memory placement refused"):
         warnings.warn(unplaced_text(nodes, refused), RuntimeWarning, stacklevel=stacklevel + 1)

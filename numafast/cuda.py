@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from numafast.errors import RegistrationFailed
+
 __all__ = [
     "REGISTER_CHUNK_BYTES",
     "CopyStream",
@@ -112,10 +114,6 @@ def register_ranges(address: int, nbytes: int, *, unit: int, head: int = 0,
         start += length
         length = per_piece
     return ranges
-
-
-class RegistrationFailed(RuntimeError):
-    """cudaHostRegister refused a piece of the memory; the pieces before it were unregistered."""
 
 
 def clear_last_error(runtime: Any, device: int) -> None:

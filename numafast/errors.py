@@ -33,7 +33,12 @@ __all__ = [
     "PoolClosedError",
     "PoolExhaustedError",
     "PoolForkedError",
+    "RegistrationFailed",
+    "SlotFull",
     "SlotTooSmallError",
+    # loaders
+    "SenderDied",
+    "WorkerStartError",
 ]
 
 
@@ -162,3 +167,24 @@ class LoaderHint(UserWarning):
 
 class CudaUnavailable(NumaError, RuntimeError):
     """CUDA was asked for (a CUDA device, register='required') but PyTorch with a usable GPU is not here."""
+
+
+class RegistrationFailed(RuntimeError):
+    """cudaHostRegister refused a piece of the memory; the pieces before it were unregistered."""
+
+
+class SlotFull(Exception):
+    """The batch does not fit in the slot: numafast's own signal between the layout engine
+    and its callers (the batch then goes as torch would send it), never the user's."""
+
+
+# ---------------------------------------------------------------- loaders
+
+
+class SenderDied(RuntimeError):
+    """A batch whose DataLoader worker died after sending it: the owner ended the dead
+    worker's leases, this batch's slot among them, so it cannot be read."""
+
+
+class WorkerStartError(RuntimeError):
+    """A DataLoader worker never started (stuck in ``os.fork()``) and could not be replaced."""

@@ -30,8 +30,9 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import cast
 
-from numafast import _libnuma, _pid
+from numafast import _libnuma, _process
 from numafast.topo.files import read_lines, read_text
 
 __all__ = ["LEDGER_DIR", "NodeLedger", "Reservation", "budget_bytes", "cgroup_memory_limit", "ledger", "reserve"]
@@ -158,7 +159,7 @@ class NodeLedger:
 
     def mine(self) -> int:
         """Bytes reserved by this process."""
-        entry = self._entry if self._entry_pid == _pid.pid else None
+        entry = self._entry if self._entry_pid == _process.pid else None
         return 0 if entry is None else _libnuma.shared_load(self.memory, 2 * entry + 1)
 
     # ------------------------------------------------------------ changing
@@ -182,19 +183,19 @@ class NodeLedger:
 
     def release(self, nbytes: int) -> None:
         """Take ``nbytes`` that this process reserved off its entry."""
-        if self._entry is not None and self._entry_pid == _pid.pid:
+        if self._entry is not None and self._entry_pid == _process.pid:
             _libnuma.shared_add(self.memory, 2 * self._entry + 1, -nbytes)
 
     def _mine(self) -> int:
-        return _identity(_pid.pid, _pid.started()) if self._entry_pid == _pid.pid else -1
+        return _identity(_process.pid, _process.started()) if self._entry_pid == _process.pid else -1
 
     def _claim(self) -> int | None:
         """This process's entry: a free one or a dead process's, taken with one
         compare-and-swap; None when every entry is a live process's."""
         with self._claiming:
-            if self._entry is not None and self._entry_pid == _pid.pid:
+            if self._entry is not None and self._entry_pid == _process.pid:
                 return self._entry
-            me = _identity(_pid.pid, _pid.started())
+            me = _identity(_process.pid, _process.started())
             for index in range(ENTRIES):
                 who = _libnuma.shared_load(self.memory, 2 * index)
                 if (not who or who != me and not _alive(who)) and _libnuma.shared_cas(self.memory, 2 * index, who, me):
@@ -202,7 +203,7 @@ class NodeLedger:
                     # meanwhile, which only refuses more than it must.
                     stale = _libnuma.shared_load(self.memory, 2 * index + 1)
                     _libnuma.shared_add(self.memory, 2 * index + 1, -stale)
-                    self._entry, self._entry_pid = index, _pid.pid
+                    self._entry, self._entry_pid = index, _process.pid
                     return index
         return None
 
@@ -210,7 +211,7 @@ class NodeLedger:
 def _alive(who: int) -> bool:
     """Whether the process an entry names still runs; True where /proc cannot tell."""
     try:
-        started = _pid.start_time(who >> 32)
+        started = _process.start_time(who >> 32)
     except OSError:
         return True
     return started is not None and started & _LOW_32 == who & _LOW_32
@@ -242,25 +243,22 @@ def _ledger_path(node: int) -> Path:
     return LEDGER_DIR / f"numafast-pinned-v1-uid{os.getuid()}-pidns{namespace}-node{node}"
 
 
-_ledgers: dict[tuple[int, Path], NodeLedger] = {}
-_ledgers_mutex = threading.Lock()
-_unshared_warned = False
+# Each node's ledger, opened once: kept in numafast/_process.py, like what this process reserved.
+_ledgers = cast("dict[tuple[int, Path], NodeLedger]", _process.ledgers)
 
 
 def ledger(node: int) -> NodeLedger:
     """``node``'s ledger (under :data:`LEDGER_DIR` as it is now). Where the file cannot be
     opened, one of this process's own, said once: the budget then bounds this process alone."""
-    global _unshared_warned
     path = _ledger_path(node)
-    with _ledgers_mutex:
+    with _process.ledgers_mutex:
         known = _ledgers.get((node, path))
         if known is None:
             try:
                 known = NodeLedger(node, path)
             except OSError as error:
                 known = NodeLedger(node, None)
-                if not _unshared_warned:
-                    _unshared_warned = True
+                if _process.first_time("unshared ledger"):
                     warnings.warn(
                         f"numafast: the pinned memory budget of node {node} cannot be shared with the other "
                         f"processes on it ({error}): this process's loader pools keep within it alone. Make "
@@ -281,49 +279,28 @@ class Reservation:
     released: bool = False
 
     def release(self) -> None:
-        global _process_reserved
-        if self.released or not _pid.owns(self.owner_pid):
+        if self.released or not _process.owns(self.owner_pid):
             return
         self.released = True
         self.book.release(self.nbytes)
-        with _process_mutex:
-            _process_reserved -= self.nbytes
-
-
-# What this process reserved on every node: what an explicit max_pinned_bytes bounds.
-_process_reserved = 0
-_process_mutex = threading.Lock()
-
-
-def _forked() -> None:
-    """In a forked child: nothing reserved (the parent's pools are not the child's to
-    release), and locks that another thread of the parent may have held at the fork anew."""
-    global _process_reserved, _process_mutex, _ledgers_mutex
-    _process_reserved = 0
-    _process_mutex = threading.Lock()
-    _ledgers_mutex = threading.Lock()
-    for book in _ledgers.values():
-        book._claiming = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forked)
+        with _process.reserved_mutex:
+            _process.reserved -= self.nbytes
 
 
 def process_reserved() -> int:
     """Bytes this process reserved, on every node, for pools not released yet."""
-    return _process_reserved
+    return _process.reserved
 
 
 def reserve(node: int, nbytes: int, limit: int, cap: int | None = None) -> Reservation | None:
     """``nbytes`` for a pool on ``node``, within the node's budget ``limit`` for every
     process and, where given, within ``cap`` for this process's pools on every node;
     None when either would be overshot."""
-    global _process_reserved
     book = ledger(node)
-    with _process_mutex:  # two loaders of this process: one checks and adds at a time
-        if cap is not None and _process_reserved + nbytes > cap:
+    with _process.reserved_mutex:  # two loaders of this process: one checks and adds at a time
+        if cap is not None and _process.reserved + nbytes > cap:
             return None
         if not book.reserve(nbytes, limit):
             return None
-        _process_reserved += nbytes
-    return Reservation(book, nbytes, _pid.pid)
+        _process.reserved += nbytes
+    return Reservation(book, nbytes, _process.pid)

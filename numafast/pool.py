@@ -7,7 +7,7 @@ to the node with mbind before any page exists, faulted in by threads on the node
 CPUs, page-locked, and registered with CUDA in chunks. Placement must come first:
 memory registered with CUDA is pinned for DMA and can no longer migrate.
 
-DataLoader workers map the file too (:mod:`numafast.pool_share`) and collate straight
+DataLoader workers map the file too (:mod:`numafast.pool_worker`) and collate straight
 into a slot. Neither the lock nor the registration is inherited by a child; a forked
 child gets a private, copy-on-write view of its parent's pools, so it never writes
 into a slot the parent may hand out again.
@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
-from numafast import _libnuma, _pid
+from numafast import _libnuma, _process
 from numafast._buffers import PAGE_SIZE
 from numafast._validate import allowed_cpus, check_node, cpus_near, positive_int
 from numafast.errors import (
@@ -51,7 +51,7 @@ from numafast.errors import (
     SlotTooSmallError,
 )
 from numafast.memory import allocate
-from numafast.pool_share import PoolHandle, fault_in
+from numafast.pool_worker import PoolHandle, fault_in
 from numafast.topo.files import read_fields
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class _Resources:
     pool, hold no reference to it."""
 
     def __init__(self, node: int) -> None:
-        self.owner_pid = _pid.pid
+        self.owner_pid = _process.pid
         self.node = node
         self.fd = -1
         self.region: _libnuma.MappedBuffer | None = None
@@ -219,7 +219,7 @@ class _Resources:
     def unpin(self) -> None:
         """Unregister and unlock (the memory stays mapped and valid); nothing in a
         forked child, which inherited neither the lock nor the registration."""
-        if not _pid.owns(self.owner_pid):
+        if not _process.owns(self.owner_pid):
             return
         with self.lock:
             registration, self.registration = self.registration, None
@@ -254,42 +254,13 @@ class _Resources:
             reservation.release()
 
 
-_live_pools: weakref.WeakSet[PinnedPool] = weakref.WeakSet()
-_released_later: list[_Resources] = []
-"""Registered pools drained while their thread captured a CUDA graph (see _release_deferred)."""
-_pool_files: weakref.WeakSet[_Resources] = weakref.WeakSet()
-"""Every pool's memory not released yet (see _Resources): also a pool being made, and
-one whose PinnedPool is gone while its slots are still viewed."""
-_exit_hook_installed = False
-_unlocked_warned = False  # a MemlockWarning was given (see warn_unlocked)
-_unregistered_warned = False  # a pool went on unregistered (see _register)
+# This process's pools, kept in numafast/_process.py (what a forked child does with them too).
+_live_pools = cast("weakref.WeakSet[PinnedPool]", _process.live_pools)
+_released_later = cast("list[_Resources]", _process.released_later)
+_pool_files = cast("weakref.WeakSet[_Resources]", _process.pool_files)
 _held_warnings = threading.local()  # .messages: the MemlockWarnings held back in this thread (memlock_warning_held)
 
-# The exit status of a forked child that cannot make its view of a pool private.
-FORK_REMAP_FAILED_STATUS = 70
-
-
-def _after_fork_in_child() -> None:
-    """A forked child makes its views of its parent's pools private (workers that fill
-    slots map the file again, shared). One that cannot exits here, saying why on
-    stderr: an exception raised in an at-fork hook is only printed, and the child
-    would go on writing into its parent's slots unseen."""
-    for file in list(_pool_files):
-        try:
-            file.view_privately()
-        except OSError as error:
-            message = (
-                f"numafast: process {_pid.pid}, forked from {os.getppid()}, cannot make its view of the "
-                f"node-{file.node} pool private ({error}); it would write into the slots its parent hands "
-                f"out, so it exits now with status {FORK_REMAP_FAILED_STATUS}\n"
-            )
-            try:
-                os.write(2, message.encode())
-            finally:
-                os._exit(FORK_REMAP_FAILED_STATUS)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+FORK_REMAP_FAILED_STATUS = _process.FORK_REMAP_FAILED_STATUS
 
 
 def _release_deferred() -> None:
@@ -394,7 +365,6 @@ class PinnedPool:
         prefault: bool = True,
         device: int | None = None,
     ) -> None:
-        global _exit_hook_installed
         node = check_node(node)
         slot_bytes = positive_int(slot_bytes, "slot_bytes")
         slots = positive_int(slots, "slots")
@@ -435,9 +405,8 @@ class PinnedPool:
             resources.release()
             raise
         _live_pools.add(self)
-        if not _exit_hook_installed:
+        if _process.first_time("close pools at exit"):
             atexit.register(_close_at_exit)
-            _exit_hook_installed = True
 
     # ------------------------------------------------------------ use
 
@@ -470,7 +439,7 @@ class PinnedPool:
     def _fault_in(self, index: int, nbytes: int, *, filled: bool = False) -> None:
         """Fault in the first ``nbytes`` of slot ``index`` now, in one call, as far as this
         process has not yet (a pool made with ``prefault=False``); ``filled``: a worker
-        wrote them (see :func:`~numafast.pool_share.fault_in`)."""
+        wrote them (see :func:`~numafast.pool_worker.fault_in`)."""
         if self._faulted is None:
             return  # prefault=True: every page was faulted in when the pool was made
         done = self._faulted[index]
@@ -496,12 +465,12 @@ class PinnedPool:
     def reclaim_orphans(self) -> int:
         """End every lease whose worker process is gone (killed, or exited with a batch
         never sent): those slots are free again. Returns how many."""
-        if not _pid.owns(self._resources.owner_pid):
+        if not _process.owns(self._resources.owner_pid):
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
             try:
-                now = _pid.start_time(pid)
+                now = _process.start_time(pid)
             except OSError:
                 continue  # /proc cannot tell now (EMFILE, ENFILE): alive, until it can
             # A lease keeps its worker's start time (modulo 2**40), so a later process given
@@ -517,7 +486,7 @@ class PinnedPool:
         """End process ``pid``'s lease of slot ``index`` in ``generation`` whose batch this
         process will not take over (it failed on arrival): the slot is free again. False
         when that lease had ended already (adopted, reclaimed)."""
-        if not _pid.owns(self._resources.owner_pid):
+        if not _process.owns(self._resources.owner_pid):
             return False
         return bool(self._slots.reclaim(index, generation, pid))
 
@@ -540,7 +509,7 @@ class PinnedPool:
 
     def share(self) -> PoolHandle:
         """What another process needs to map this pool and lease its slots (small and
-        picklable): see :class:`numafast.pool_share.PoolView`."""
+        picklable): see :class:`numafast.pool_worker.PoolView`."""
         self._check()
         return PoolHandle(
             owner_pid=self._resources.owner_pid,
@@ -572,9 +541,9 @@ class PinnedPool:
     def _check(self, *, closed_ok: bool = False) -> None:
         """PoolForkedError in a forked child (its copy of the pool is a private view);
         PoolClosedError once the pool is closed, unless ``closed_ok``."""
-        if not _pid.owns(self._resources.owner_pid):
+        if not _process.owns(self._resources.owner_pid):
             raise PoolForkedError(
-                f"this pool was made by process {self._resources.owner_pid}; the forked child {_pid.pid} only "
+                f"this pool was made by process {self._resources.owner_pid}; the forked child {_process.pid} only "
                 "reads the slots it inherited (a private view: locking and CUDA registration are not "
                 "inherited): make a new pool in the child"
             ) from None
@@ -691,7 +660,6 @@ def _register(resources: _Resources, device: int, mode: RegisterMode, slot_bytes
     it, memory registered already by someone else), ``register='auto'`` goes on
     unregistered, as ``lock='auto'`` does, said once per process: None. ``runtime``
     (``runtime=``, ``device_guard=``) is passed on to :class:`~numafast.cuda.Registration`."""
-    global _unregistered_warned
     from numafast import cuda
 
     region = resources.region
@@ -704,8 +672,7 @@ def _register(resources: _Resources, device: int, mode: RegisterMode, slot_bytes
     except cuda.RegistrationFailed as error:
         if mode is RegisterMode.REQUIRED:
             raise
-        if not _unregistered_warned:
-            _unregistered_warned = True
+        if _process.first_time("pools unregistered"):
             warnings.warn(
                 f"{error}. Pools go on unregistered (this is said once): batches still land in them, but copies to "
                 "the GPU read them as pageable memory, staged by the driver. Pass register='off' not to try, or "
@@ -807,9 +774,7 @@ def memlock_warning_held() -> Iterator[list[str]]:
 def warn_unlocked(message: str, stacklevel: int) -> None:
     """Say the MemlockWarning ``message``, once per process (a loader's pools, made one
     by one, are refused alike); ``stacklevel`` as warnings.warn's, from the caller."""
-    global _unlocked_warned
-    if not _unlocked_warned:
-        _unlocked_warned = True
+    if _process.first_time("MemlockWarning"):
         warnings.warn(message, MemlockWarning, stacklevel=stacklevel + 1)
 
 

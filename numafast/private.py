@@ -26,31 +26,31 @@ from typing import Any
 
 getframe: Callable[[int], FrameType] = sys._getframe
 """The caller's frame (the very builtin: the same depth as ``sys._getframe``): the
-warnings' ``stacklevel`` past numafast and torch (torch/pools.py ``_user_level``), and
+warnings' ``stacklevel`` past numafast and torch (torch/owner_pools.py ``_user_level``), and
 the start watch's walk to the Process being started and to torch's iterator forking
-(torch/workers.py ``_process_forking``, ``_found_watch``)."""
+(torch/fork_watch.py ``_process_forking``, ``_found_watch``)."""
 
 POPEN_PROCESS_LOCAL = "process_obj"
 """The local of ``multiprocessing.popen_fork.Popen.__init__`` and ``_launch`` holding the
-Process being started, read in the before-fork hook (torch/workers.py
+Process being started, read in the before-fork hook (torch/fork_watch.py
 ``_process_forking``) to fork a worker stuck in its fork again."""
 
 PROCESS_RUN_ATTRIBUTES = ("_target", "_args", "_kwargs")
 """What a ``multiprocessing`` Process runs (``start()`` drops them once it is launched),
-read from the one being started to fork it again (torch/workers.py ``_process_forking``)."""
+read from the one being started to fork it again (torch/fork_watch.py ``_process_forking``)."""
 
 EVENT_CONDITION = "_cond"
 """A ``multiprocessing.synchronize.Event``'s Condition, whose lock ``set()`` and
-``is_set()`` hold: tried with a deadline by torch/workers.py ``_DoneEvent``."""
+``is_set()`` hold: tried with a deadline by torch/fork_watch.py ``_DoneEvent``."""
 
 EVENT_FLAG = "_flag"
-"""That Event's Semaphore, 1 once set: read and set under that lock by torch/workers.py
+"""That Event's Semaphore, 1 once set: read and set under that lock by torch/fork_watch.py
 ``_DoneEvent``."""
 
 NOT_A_CHILD_ERROR: type[Exception] = AssertionError
 """What a ``multiprocessing`` Process's ``join()``, ``is_alive()`` and ``exitcode`` raise
 in a process that is not its parent ("can only join a child process", "can only test a
-child process"): torch/workers.py ``_kill`` ends a worker from the watch's thread, where
+child process"): torch/fork_watch.py ``_kill`` ends a worker from the watch's thread, where
 a forked child may run it too."""
 
 ARGPARSE_TYPES = ("_SubParsersAction", "_ActionsContainer")
@@ -62,52 +62,52 @@ annotations of the subcommands' ``add_parser`` functions (numafast/cli)."""
 DATALOADER_MODULE = "torch.utils.data.dataloader"
 MULTI_WORKER_ITERATOR = "_MultiProcessingDataLoaderIter"
 """torch's iterator with workers, found in :data:`DATALOADER_MODULE` (never imported
-from here): made :class:`~numafast.torch.workers._Iterating` by a ``__class__`` swap
-(torch/workers.py ``_extend``), and looked for above a fork (``_found_watch``)."""
+from here): made :class:`~numafast.torch.fork_watch._Iterating` by a ``__class__`` swap
+(torch/fork_watch.py ``_extend``), and looked for above a fork (``_found_watch``)."""
 
 ITERATOR_WORKERS = "_workers"
 """The iterator's list of worker Processes, by worker index: the start watch pairs its
-tokens with them and puts a replacement in place (torch/workers.py), the done event
+tokens with them and puts a replacement in place (torch/fork_watch.py), the done event
 looks at their exits (``_DoneEvent``)."""
 
 ITERATOR_WORKER_PIDS_SET = "_worker_pids_set"
 """True while the iterator's workers are registered for torch's SIGCHLD check
-(torch/workers.py: the watch attaches then; ``_end`` waits for it to go)."""
+(torch/fork_watch.py: the watch attaches then; ``_end`` waits for it to go)."""
 
 ITERATOR_SHUTDOWN = "_shutdown"
-"""True once the iterator shut its workers down: the watch stops (torch/workers.py), and
+"""True once the iterator shut its workers down: the watch stops (torch/fork_watch.py), and
 an iterator a forked child inherits is marked so, so that its ``__del__`` does nothing
-(torch/process_pools.py ``forget_inherited``)."""
+(numafast/_process.py ``_forked``)."""
 
 ITERATOR_RECEIVED = "_rcvd_idx"
 """The task number of the next batch the iterator yields: a stuck worker's error was met
-once it is past (torch/workers.py ``_settle_doomed``)."""
+once it is past (torch/fork_watch.py ``_settle_doomed``)."""
 
 ITERATOR_TASK_INFO = "_task_info"
 """Task number -> ``(worker index,)`` while its batch is awaited: the task a stuck
-worker's error is queued as (torch/workers.py ``_queue_error``)."""
+worker's error is queued as (torch/fork_watch.py ``_queue_error``)."""
 
 ITERATOR_RESULT_QUEUE = "_worker_result_queue"
 """The queue of ``(task, data)`` the workers send: a stuck worker's error, and the wake-up
-of the iterating thread, are put on it (torch/workers.py ``_queue_error``, ``_wake``)."""
+of the iterating thread, are put on it (torch/fork_watch.py ``_queue_error``, ``_wake``)."""
 
 ITERATOR_DONE_EVENT = "_workers_done_event"
 """The multiprocessing Event that tells the workers to exit: replaced by
-torch/workers.py ``_DoneEvent``, which never waits unbounded for its lock."""
+torch/fork_watch.py ``_DoneEvent``, which never waits unbounded for its lock."""
 
 ITERATOR_COLLATE = "_collate_fn"
 """The collate function the iterator's workers run: numafast's marks a torch iterator
-found forking as a NumaLoader's (torch/workers.py ``_found_watch``)."""
+found forking as a NumaLoader's (torch/fork_watch.py ``_found_watch``)."""
 
 ITERATOR_TRY_GET_DATA = "_try_get_data"
 """``_try_get_data(self, timeout)`` -> ``(got, data)``, the iterator's one wait for a
 batch, which raises "DataLoader worker (pid(s) N) exited unexpectedly" for a dead worker
-(:data:`WORKER_EXITED_MESSAGE`): overridden by torch/workers.py ``_Iterating`` to serve
+(:data:`WORKER_EXITED_MESSAGE`): overridden by torch/fork_watch.py ``_Iterating`` to serve
 the start watch in the thread that iterates."""
 
 WORKER_EXITED_MESSAGE = "DataLoader worker (pid(s) {pids_str}) exited unexpectedly"
 """torch's error where a worker is found dead as a batch is awaited: what a
-:class:`~numafast.torch.message.SenderDied` raised out of the queue's ``get`` becomes
+:class:`~numafast.errors.SenderDied` raised out of the queue's ``get`` becomes
 (torch/message.py)."""
 
 WORKER_KILLED_MESSAGE = "DataLoader worker (pid {pid}) is killed by signal: "
@@ -131,13 +131,13 @@ REMOVE_WORKER_PIDS = "_remove_worker_pids"
 """``_set_worker_pids(key, pids)`` and ``_remove_worker_pids(key)`` of
 :data:`SIGNAL_HANDLING_MODULE`: the workers torch's SIGCHLD check watches, per
 iterator (``id(iterator)``), changed so that a worker numafast kills is not taken for
-one that died (torch/workers.py ``_worker_pids``)."""
+one that died (torch/fork_watch.py ``_worker_pids``)."""
 
 EXCEPTION_WRAPPER_MODULE = "torch._utils"
 EXCEPTION_WRAPPER = "ExceptionWrapper"
 """``ExceptionWrapper(exc_info=None, where=...)``, raised again by the iterator
 (``reraise()``) at the batch it stands for: a message that cannot become its batch
-(torch/message.py ``_failed``), a stuck worker's error (torch/workers.py
+(torch/message.py ``_failed``), a stuck worker's error (torch/fork_watch.py
 ``_queue_error``)."""
 
 PIN_THREAD_NAME = "pt_data_pin"

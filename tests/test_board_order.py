@@ -26,7 +26,8 @@ import pytest
 
 import numafast
 from numafast import _libnuma
-from numafast.pool_share import BOARD_ENTRIES, PoolBoard, PoolHandle, BoardReader, PoolView
+from numafast.pool_owner import PoolBoard
+from numafast.pool_worker import BOARD_ENTRIES, BoardReader, PoolHandle, PoolView
 from sysfs_truth import node_cpus, online_nodes
 
 NODES = online_nodes()

@@ -159,10 +159,10 @@ def test_a_refused_registration_with_register_auto_leaves_the_pools_unregistered
     import warnings
 
     import numafast
-    from numafast import pool as pool_module
+    from numafast import _process, pool as pool_module
     from numafast.pages import local_node
 
-    pool_module._unregistered_warned = False  # noqa: SLF001 - a fresh process's state
+    _process.done_once.discard("pools unregistered")  # a fresh process's state
     pools = [numafast.PinnedPool(local_node(), 1 << 16, 2, lock="off", register="off") for _ in range(2)]
     runtimes = [Recorder(fail_at=1) for _ in pools]
     with warnings.catch_warnings(record=True) as caught:

@@ -22,7 +22,7 @@ import numafast  # noqa: E402
 import numafast.pool  # noqa: E402
 import numafast.torch  # noqa: E402
 from numafast.pages import local_node  # noqa: E402
-from numafast.torch.pools import NodePools  # noqa: E402
+from numafast.torch.owner_pools import NodePools  # noqa: E402
 
 SEMANTICS = pytest.mark.host_only("numafast's bookkeeping, the same on any kernel")
 BATCH = 4

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import numafast.torch  # noqa: E402
-from numafast.torch.collate import SlotCollate  # noqa: E402
+from numafast.torch.worker_collate import SlotCollate  # noqa: E402
 
 NODES = online_nodes()
 SEMANTICS = pytest.mark.host_only("loader semantics, the same on any kernel; worker processes cost seconds under TCG")

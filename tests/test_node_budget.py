@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from numafast import _libnuma, _pid, node_budget
+from numafast import _libnuma, _process, node_budget
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -134,8 +134,8 @@ def test_a_dead_process_entry_stops_counting_and_is_reused(ledger_dir: Path) -> 
     assert not book.reserve(400, 1000)  # the live child's 700 count
     child.kill()
     child.wait(timeout=60)
-    assert [(pid, nbytes) for _, pid, nbytes in book.entries()] == [(_pid.pid, 0)]  # the child's is free again
-    assert book.reserve(1000, 1000) and [(pid, nbytes) for _, pid, nbytes in book.entries()] == [(_pid.pid, 1000)]
+    assert [(pid, nbytes) for _, pid, nbytes in book.entries()] == [(_process.pid, 0)]  # the child's is free again
+    assert book.reserve(1000, 1000) and [(pid, nbytes) for _, pid, nbytes in book.entries()] == [(_process.pid, 1000)]
     book.release(1000)
 
 
@@ -231,8 +231,8 @@ def test_a_killed_loader_process_share_comes_back(ledger_dir: Path) -> None:
 @SEMANTICS
 def test_a_loaders_pools_reserve_on_the_ledger_and_give_back_as_released(ledger_dir: Path) -> None:
     torch = pytest.importorskip("torch")
-    from numafast.torch.pools import NodePools
-    from numafast.torch.process_pools import pinned_bytes
+    from numafast.torch.owner_pools import NodePools
+    from numafast.torch.owner_process_pools import pinned_bytes
 
     book = node_budget.ledger(0)
     pools = NodePools(0, 2, lock="off")
@@ -272,7 +272,7 @@ def maps_inode(inode: int) -> bool:
 
 def test_a_retired_pools_last_slot_dropped_under_the_mutex_is_released_after_it(ledger_dir: Path) -> None:
     torch = pytest.importorskip("torch")
-    from numafast.torch.pools import NodePools
+    from numafast.torch.owner_pools import NodePools
 
     pools = NodePools(0, 2, lock="off")
     batch = pools.pin(torch.zeros(1 << 12))
@@ -290,8 +290,8 @@ def test_a_retired_pools_last_slot_dropped_under_the_mutex_is_released_after_it(
 
 def test_a_retired_pool_whose_dead_workers_lease_is_reclaimed_is_released_outside_the_mutex(ledger_dir: Path) -> None:
     pytest.importorskip("torch")
-    from numafast.pool_share import PoolView
-    from numafast.torch.pools import NodePools
+    from numafast.pool_worker import PoolView
+    from numafast.torch.owner_pools import NodePools
 
     pools = NodePools(0, 2, lock="off")
     assert pools.make_room(1 << 12, more=False)

@@ -271,7 +271,7 @@ def test_an_open_pool_frees_a_fenced_slot_for_workers_once_its_fence_is_done() -
 
     region = _libnuma.mmap_anonymous(_libnuma.slot_table_bytes(1) + PAGE_SIZE)
     slots = _libnuma.SlotPool(region, PAGE_SIZE, 1, fence)
-    started = numafast._pid.started()
+    started = numafast._process.started()
     slots.acquire(PAGE_SIZE)  # dropped at once: a batch dropped while its copy to the GPU still runs
     slots.settle()
     assert slots.fenced == 1 and slots.table.claim(started) is None  # the worker waits for the copy

@@ -258,7 +258,7 @@ def test_batches_keep_arriving_while_a_registered_pool_is_made() -> None:
     """A resize to 512 MiB slots faults in and registers a GiB on the serving thread's side,
     outside the mutex every batch takes: copies into the current pool go on meanwhile,
     each taking far less than the making does."""
-    pools = numafast.torch.pools.NodePools(NODE, 2)
+    pools = numafast.torch.owner_pools.NodePools(NODE, 2)
     pools.device = 0
     pools.make_room(MIB, more=False)
     started = time.perf_counter()
@@ -289,7 +289,7 @@ def test_a_refused_registration_leaves_the_pool_unregistered_and_no_error_for_th
         region = pool._resources.region
         elsewhere = cuda.Registration(region.address, region.size, device=0)
         try:
-            pool_module._unregistered_warned = False
+            numafast._process.done_once.discard("pools unregistered")
             with pytest.warns(RuntimeWarning, match="said once"):
                 fences = pool_module._register(pool._resources, 0, pool_module.RegisterMode.AUTO, MIB, 2)
             assert fences is None and pool._resources.registration is None

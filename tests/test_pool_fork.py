@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import numafast
-from numafast import _libnuma, _pid, pool as pool_module
-from numafast.pool_share import PoolView
+from numafast import _libnuma, _process, pool as pool_module
+from numafast.pool_worker import PoolView
 from sysfs_truth import online_nodes
 
 TESTS = Path(__file__).resolve().parent
@@ -224,7 +224,7 @@ def test_a_lease_whose_pid_names_another_process_now_is_ended() -> None:
         # process the kernel gives the same pid would.
         words[8 + index] = words[8 + index] & ~np.uint64(0xFFFFFFFF) | np.uint64(os.getpid())
         assert table.leases() == [(index, generation, os.getpid(), started)]
-        assert _pid.start_time(os.getpid()) != started
+        assert _process.start_time(os.getpid()) != started
         assert pool.reclaim_orphans() == 1 and table.leases() == []
 
         go_read, go_write = os.pipe()
@@ -239,7 +239,7 @@ def test_a_lease_whose_pid_names_another_process_now_is_ended() -> None:
                 os._exit(0)
         assert os.read(lease_read, 10) == b"leased"
         (index, generation, pid, started), = table.leases()
-        assert (pid, started) == (live, _pid.start_time(live))
+        assert (pid, started) == (live, _process.start_time(live))
         assert pool.reclaim_orphans() == 0  # alive, and the same process
         words[8 + table.count + index] = 0  # as in the instant before the leaser records its start
         assert table.leases() == [(index, generation, live, -1)]
@@ -285,7 +285,7 @@ def test_a_lease_whose_pid_the_kernel_gave_to_a_new_process_is_ended() -> None:
         else:
             pytest.skip(f"the kernel never gave pid {dead} again in 50 tries")
         try:
-            assert _pid.start_time(dead) is not None  # the pid runs again: a new process
+            assert _process.start_time(dead) is not None  # the pid runs again: a new process
             assert pool.reclaim_orphans() == 1 and pool._slots.table.leases() == []
         finally:
             os.write(go_write, b"x")
@@ -295,23 +295,23 @@ def test_a_lease_whose_pid_the_kernel_gave_to_a_new_process_is_ended() -> None:
 
 
 def test_start_times_tell_processes_apart_and_a_zombie_is_not_running() -> None:
-    assert _pid.start_time("self") == _pid.started() == _pid.start_time(os.getpid())
-    assert _pid.start_time(os.getppid()) is not None
+    assert _process.start_time("self") == _process.started() == _process.start_time(os.getpid())
+    assert _process.start_time(os.getppid()) is not None
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     deadline = time.monotonic() + 10
     while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z" and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert _pid.start_time(pid) is None  # dead, not yet reaped
+    assert _process.start_time(pid) is None  # dead, not yet reaped
     os.waitpid(pid, 0)
-    assert _pid.start_time(pid) is None
-    parent_started = _pid.started()  # read, and kept, before the fork
+    assert _process.start_time(pid) is None
+    parent_started = _process.started()  # read, and kept, before the fork
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            os.write(write_end, f"{_pid.started()} {_pid.start_time('self')}".encode())
+            os.write(write_end, f"{_process.started()} {_process.start_time('self')}".encode())
         finally:
             os._exit(0)
     cached, fresh = map(int, os.read(read_end, 100).split())
@@ -356,7 +356,7 @@ def test_a_live_workers_lease_stays_while_proc_cannot_be_read() -> None:
             filler = fds_used_up()
             try:
                 with pytest.raises(OSError) as error:
-                    _pid.start_time(live)
+                    _process.start_time(live)
                 freed = pool.reclaim_orphans()
             finally:
                 for fd in filler:
@@ -364,7 +364,7 @@ def test_a_live_workers_lease_stays_while_proc_cannot_be_read() -> None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             assert error.value.errno == errno.EMFILE
             assert freed == 0 and len(pool._slots.table.leases()) == 1
-            assert _pid.start_time(live) is not None
+            assert _process.start_time(live) is not None
         finally:
             os.write(go_write, b"x")
             os.waitpid(live, 0)

@@ -22,7 +22,8 @@ import pytest
 
 import numafast
 from numafast import _libnuma
-from numafast.pool_share import BoardReader, PoolBoard, PoolView
+from numafast.pool_owner import PoolBoard
+from numafast.pool_worker import BoardReader, PoolView
 from sysfs_truth import node_cpus, online_nodes, pagemap_nodes
 
 TESTS = Path(__file__).resolve().parent
@@ -92,7 +93,7 @@ def test_the_owner_maps_a_slot_a_worker_filled_with_a_fault_per_many_pages_and_a
             would leave this process's own memory copy-on-write (faults of its own)."""
             code = (
                 "import sys, numpy as np\n"
-                "from numafast.pool_share import PoolHandle, PoolView\n"
+                "from numafast.pool_worker import PoolHandle, PoolView\n"
                 "*fields, tag, page = map(int, sys.argv[1:])\n"
                 "view = PoolView(PoolHandle(*fields))\n"
                 "index, generation = view.lease()\n"
@@ -127,12 +128,12 @@ def test_the_owner_maps_a_slot_a_worker_filled_with_a_fault_per_many_pages_and_a
 
 
 def test_the_process_id_the_batch_path_checks_is_a_forked_childs_own() -> None:
-    """numafast._pid spares a getpid() system call per check: it must follow fork, or a
+    """numafast._process spares a getpid() system call per check: it must follow fork, or a
     forked child would take its parent's pools for its own."""
-    from numafast import _pid
+    from numafast import _process
 
-    assert _pid.pid == os.getpid()
-    assert in_child(lambda: 0 if _pid.pid == os.getpid() != os.getppid() else 1) == 0
+    assert _process.pid == os.getpid()
+    assert in_child(lambda: 0 if _process.pid == os.getpid() != os.getppid() else 1) == 0
 
 
 def test_no_process_leases_a_slot_of_a_closed_pool_and_a_lease_from_before_keeps_it() -> None:
@@ -179,7 +180,7 @@ def test_a_spawned_process_maps_the_pool_through_proc() -> None:
         handle = pool.share()
         code = (
             "import sys, numpy as np\n"
-            "from numafast.pool_share import PoolHandle, PoolView\n"
+            "from numafast.pool_worker import PoolHandle, PoolView\n"
             "view = PoolView(PoolHandle(*map(int, sys.argv[1:])))\n"
             "index, generation = view.lease()\n"
             "np.frombuffer(view.slot(index), dtype=np.uint8)[:10] = 7\n"

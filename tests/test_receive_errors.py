@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numafast.torch  # noqa: E402
-from numafast import _pid  # noqa: E402
+from numafast import _process  # noqa: E402
 from numafast.torch.hook import PinMemoryHook  # noqa: E402
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers  # noqa: E402
 from torch._utils import ExceptionWrapper  # noqa: E402
@@ -236,7 +236,7 @@ def test_a_worker_killed_during_a_take_over_raises_the_dataloaders_error_not_the
         loader.pools.before_receive = lambda: None
         os.kill(killed.pid, signal.SIGKILL)
         deadline = time.monotonic() + TIMEOUT_S
-        while _pid.start_time(killed.pid) is not None and time.monotonic() < deadline:
+        while _process.start_time(killed.pid) is not None and time.monotonic() < deadline:
             time.sleep(0.001)  # until it is a zombie: its SIGCHLD is sent
         time.sleep(0.1)  # the handler runs at the interpreter's next check: in this loop or this sleep
 

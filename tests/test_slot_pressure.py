@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
-from numafast.torch import pools as node_pools_module  # noqa: E402
+from numafast.torch import owner_pools as node_pools_module  # noqa: E402
 from sysfs_truth import online_nodes  # noqa: E402
 
 SEMANTICS = pytest.mark.host_only("loader semantics, the same on any kernel; worker processes cost seconds under TCG")
@@ -283,7 +283,7 @@ def test_idle_persistent_workers_let_go_of_the_pools_their_loader_released(monke
     """Pools shrink back in the workers too: idle persistent workers (between epochs, no
     next batch to make them look at the board) unmap the pools the owner let go, so the
     memory is not kept resident by them; until they do, stats() counts it."""
-    monkeypatch.setattr(numafast.torch.collate, "IDLE_LOOK_S", 3600.0)  # workers forked now never look
+    monkeypatch.setattr(numafast.torch.worker_collate, "IDLE_LOOK_S", 3600.0)  # workers forked now never look
     loader, workers = grown_then_dropped()
     first_pool = loader.stats().pools[0].bytes_mapped
     kept = sum(map(pool_bytes_mapped_by, workers)) - 2 * first_pool
@@ -296,7 +296,7 @@ def test_idle_persistent_workers_let_go_of_the_pools_their_loader_released(monke
     def released_still_mapped() -> set[int]:
         return {inode for pid in workers for inode in pool_files_mapped_by(pid)} - kept
 
-    deadline = time.monotonic() + 10 * numafast.torch.collate.IDLE_LOOK_S
+    deadline = time.monotonic() + 10 * numafast.torch.worker_collate.IDLE_LOOK_S
     while released_still_mapped() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert released_still_mapped() == set()

@@ -25,7 +25,7 @@ import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
 from numafast.pages import local_node  # noqa: E402
 from numafast.torch import device as loader_device  # noqa: E402
-from numafast.torch.pools import NodePools  # noqa: E402
+from numafast.torch.owner_pools import NodePools  # noqa: E402
 from sysfs_truth import online_nodes, pagemap_nodes  # noqa: E402
 from test_launch_live import LAUNCHER_VARIABLES, snapshot_with_gpus  # noqa: E402
 

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset  # noqa: E402
 
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
-from numafast.torch.collate import SlotCollate  # noqa: E402
+from numafast.torch.worker_collate import SlotCollate  # noqa: E402
 
 NODES = online_nodes()
 CPU_NODES = [node for node in NODES if node_cpus(node)]

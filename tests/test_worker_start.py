@@ -31,7 +31,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numafast.torch  # noqa: E402
-from numafast.torch import workers  # noqa: E402
+from numafast import _process  # noqa: E402
+from numafast.torch import fork_watch  # noqa: E402
 
 pytestmark = pytest.mark.host_only("forks workers in one process: nothing the kernel's nodes change")
 
@@ -139,14 +140,14 @@ def no_garbage_loaders() -> None:
     """Loaders of the tests before (held in cycles, by a traceback) collected here, in
     this thread: collected in a thread the next loader starts, a loader's finalizer
     waits for the lock that loader holds while it starts that thread (NodePools.attach
-    in numafast/torch/pools.py, let_go in numafast/torch/process_pools.py)."""
+    in numafast/torch/owner_pools.py, let_go in numafast/torch/owner_process_pools.py)."""
     gc.collect()
 
 
 @pytest.fixture
 def short_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(workers, "START_DEADLINE_S", DEADLINE_S)
-    monkeypatch.setattr(workers, "_warned", False)
+    monkeypatch.setattr(fork_watch, "START_DEADLINE_S", DEADLINE_S)
+    monkeypatch.setattr(_process, "done_once", _process.done_once - {"worker replaced"})  # said again
 
 
 def gone(pid: int, within_s: float = 10.0) -> bool:
@@ -220,7 +221,7 @@ def test_numaloader_replaces_a_worker_stuck_in_fork_and_every_epoch_is_whole(
     head_lock_at_fork: HeadLockAtFork, short_deadline: None
 ) -> None:
     loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=20)
-    replaced = workers.replaced_workers()
+    replaced = fork_watch.replaced_workers()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for epoch in range(3):
@@ -232,7 +233,7 @@ def test_numaloader_replaces_a_worker_stuck_in_fork_and_every_epoch_is_whole(
             assert time.monotonic() - began < DEADLINE_S + 5
             assert gone(stuck)  # killed and reaped
             del iterator
-    assert workers.replaced_workers() == replaced + 3
+    assert fork_watch.replaced_workers() == replaced + 3
     said = [str(warning.message) for warning in caught if "had not started" in str(warning.message)]
     assert len(said) == 1, said  # once
     assert "DataLoader worker 0 (pid" in said[0] and "replaced by pid" in said[0] and "futex" in said[0], said[0]
@@ -280,14 +281,14 @@ def test_a_worker_stuck_in_fork_is_replaced_where_numaloader_does_not_iterate_it
     loader = numa if made == "iterated through" else torch.utils.data.DataLoader(
         numa.dataset, batch_size=2, num_workers=2, timeout=10, collate_fn=numa.collate_fn)  # fmt: skip
     assert (numa._through is not None) == (made == "iterated through")
-    replaced = workers.replaced_workers()
+    replaced = fork_watch.replaced_workers()
     head_lock_at_fork.wedge(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         began = time.monotonic()
         assert firsts(iter(loader)) == expected()
     assert time.monotonic() - began < DEADLINE_S + 5
-    assert workers.replaced_workers() == replaced + 1
+    assert fork_watch.replaced_workers() == replaced + 1
 
 
 def test_where_a_worker_cannot_be_replaced_the_error_names_it_and_the_fix(
@@ -296,7 +297,7 @@ def test_where_a_worker_cannot_be_replaced_the_error_names_it_and_the_fix(
     """As with a torch or Python whose internals numafast does not know: the consumer
     gets the error at the stuck worker's first batch, within the deadline, and the
     iteration then ends as it does when a worker dies."""
-    monkeypatch.setattr(workers, "_process_forking", lambda: None)  # what a Process runs: unknown
+    monkeypatch.setattr(fork_watch, "_process_forking", lambda: None)  # what a Process runs: unknown
     loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=5)
     head_lock_at_fork.wedge(1)
     began = time.monotonic()
@@ -305,7 +306,7 @@ def test_where_a_worker_cannot_be_replaced_the_error_names_it_and_the_fix(
         iterator = iter(loader)
         stuck = iterator._workers[1].pid
         assert firsts([next(iterator)]) == expected()[:1]
-        with pytest.raises(workers.WorkerStartError) as raised:
+        with pytest.raises(fork_watch.WorkerStartError) as raised:
             next(iterator)
         assert time.monotonic() - began < DEADLINE_S + 3
         text = str(raised.value)
@@ -323,7 +324,7 @@ def test_a_dropped_iterator_lets_its_dataset_go_while_a_worker_is_yet_to_start(
 ) -> None:
     """What a pending worker runs (kept to fork it again) goes with its iterator, not when
     the watch thread next looks: the loader's pools go idle for the next loader at once."""
-    monkeypatch.setattr(workers, "POLL_S", 10.0)  # the watch looks every 0.256 s: it sleeps at the del
+    monkeypatch.setattr(fork_watch, "POLL_S", 10.0)  # the watch looks every 0.256 s: it sleeps at the del
     samples = SlowToStart(0)
     loader = numafast.torch.NumaLoader(samples, batch_size=2, num_workers=2, timeout=20)
     gone = weakref.ref(samples), weakref.ref(loader)
@@ -351,17 +352,17 @@ def test_the_watch_holds_no_iterator_while_it_polls_the_tokens(monkeypatch: pyte
 
     held = [Iterator()]  # the consumer's reference
     made = weakref.ref(held[0])
-    watch = workers._StartWatch(contextlib.nullcontext)
-    watch.workers.append(workers._Worker(0, os.getpid(), watch.token()))  # a worker yet to start
+    watch = fork_watch._StartWatch(contextlib.nullcontext)
+    watch.workers.append(fork_watch._Worker(0, os.getpid(), watch.token()))  # a worker yet to start
     gone_during_poll: list[bool] = []
-    poll = workers._unclaimed
+    poll = fork_watch._unclaimed
 
     def poll_as_the_consumer_drops_it(tokens: list[Any]) -> set[int]:
         held.clear()
         gone_during_poll.append(made() is None)
         return poll(tokens)
 
-    monkeypatch.setattr(workers, "_unclaimed", poll_as_the_consumer_drops_it)
+    monkeypatch.setattr(fork_watch, "_unclaimed", poll_as_the_consumer_drops_it)
     thread = threading.Thread(target=watch.run, args=(made,))
     thread.start()
     thread.join(10)
@@ -394,13 +395,13 @@ def test_a_worker_whose_first_batch_is_only_slow_is_not_replaced(short_deadline:
     """A worker started at its fork: a slow worker_init_fn or first batch is no alarm."""
     loader = numafast.torch.NumaLoader(SlowToStart(3 * DEADLINE_S), batch_size=2, num_workers=2, timeout=20,
                                        worker_init_fn=slow_init)  # fmt: skip
-    replaced = workers.replaced_workers()
+    replaced = fork_watch.replaced_workers()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         iterator = iter(loader)
         pids = [worker.pid for worker in iterator._workers]
         assert firsts(iterator) == expected()
-    assert workers.replaced_workers() == replaced
+    assert fork_watch.replaced_workers() == replaced
     assert not [warning for warning in caught if "had not started" in str(warning.message)]
     assert [worker.pid for worker in iterator._workers] == pids
 
@@ -413,7 +414,7 @@ def test_the_watch_ends_once_every_worker_started() -> None:
     while time.monotonic() < deadline and any(t.name == "numafast worker start" for t in threading.enumerate()):
         time.sleep(0.01)
     assert not any(thread.name == "numafast worker start" for thread in threading.enumerate())
-    assert not workers._open_tokens
+    assert not fork_watch._open_tokens
     assert firsts(iterator) == expected()
 
 
@@ -430,12 +431,12 @@ def test_a_worker_the_watch_kills_is_not_taken_for_one_that_died_even_while_torc
         # while it reads one, a worker may hold the lock of torch's done event (each index
         # is checked against it), and torch's shutdown then waits on that lock forever.
         assert len(firsts(itertools.islice(iterator, BATCHES))) == BATCHES
-        workers._end(iterator, first)  # iterating: first leaves the registered workers
+        fork_watch._end(iterator, first)  # iterating: first leaves the registered workers
         time.sleep(0.5)  # the handler runs in this thread, here, if it finds a worker killed
         assert not first.is_alive()
 
         iterator._shutdown = True  # torch's shutdown, begun: its joins come before its finally
-        ending = threading.Thread(target=workers._end, args=(iterator, second))
+        ending = threading.Thread(target=fork_watch._end, args=(iterator, second))
         ending.start()
         time.sleep(0.5)
         assert second.is_alive()  # the kill waits for torch's finally
@@ -508,9 +509,9 @@ def die() -> None:
 os.register_at_fork(before=count, after_in_child=die)
 import torch
 import numafast.torch
-from numafast.torch import workers
+from numafast.torch import fork_watch
 
-workers.START_DEADLINE_S = 1.0
+fork_watch.START_DEADLINE_S = 1.0
 data = [torch.tensor([index]) for index in range(16)]
 loader = numafast.torch.NumaLoader(data, batch_size=2, num_workers=2, timeout=20)
 said, error, batches = [], None, []
@@ -529,7 +530,7 @@ with warnings.catch_warnings(record=True) as caught:
     consumer.start()
     consumer.join(60)
 said = [str(warning.message) for warning in caught if "DataLoader worker" in str(warning.message)]
-print(json.dumps({"batches": batches, "error": error, "said": said, "replaced": workers.replaced_workers()}))
+print(json.dumps({"batches": batches, "error": error, "said": said, "replaced": fork_watch.replaced_workers()}))
 """
 
 
@@ -584,7 +585,7 @@ def test_a_replacement_is_forked_and_registered_in_the_consuming_thread(
             calls.append(threading.current_thread().name)
 
     loader = numafast.torch.NumaLoader(dataset(), batch_size=2, num_workers=2, timeout=20)
-    replaced = workers.replaced_workers()
+    replaced = fork_watch.replaced_workers()
     head_lock_at_fork.wedge(1)
     forks = len(_forks_from)
     threading.setprofile(profile)  # the threads started from now on: the watch's
@@ -596,7 +597,7 @@ def test_a_replacement_is_forked_and_registered_in_the_consuming_thread(
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
-    assert workers.replaced_workers() == replaced + 1
+    assert fork_watch.replaced_workers() == replaced + 1
     consumer = threading.current_thread().name
     assert _forks_from[forks:] == [consumer] * 3  # two workers, then the one in worker 1's place
     assert len(calls) >= 3 and set(calls) == {consumer}, calls  # set, re-set without the stuck one, removed

@@ -9,6 +9,8 @@ pin step and host buffers sit on the GPU's NUMA node.
   that Lightning, Accelerate or Ray Train make from it keep all of that;
 - :func:`loader_stats`: how the batches of any such loader arrived;
 - :func:`pin_memory_hook`: one line for loaders that keep ``pin_memory=True``.
+- :class:`WorkerPlacement`: a ``worker_init_fn`` that binds a plain DataLoader's
+  workers to a node (NumaLoader's workers bind themselves), then runs yours.
 
 Importing numafast never imports torch; importing this package does. Only
 :mod:`numafast.cuda` touches ``torch.cuda``, and only where CUDA is usable.
@@ -18,8 +20,8 @@ from numafast.torch.batch import pin, record_stream
 from numafast.torch.hook import PinMemoryHook, pin_memory_hook
 from numafast.torch.loader import NumaLoader, WorkerPlacement, loader_stats
 from numafast.torch.message import FallbackReason
-from numafast.torch.pools import LoaderStats
-from numafast.torch.process_pools import close_idle_pools
+from numafast.torch.owner_pools import LoaderStats
+from numafast.torch.owner_process_pools import close_idle_pools
 from numafast.torch.tensors import empty, zeros
 
 __all__ = [

@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader
 
 from numafast._validate import check_node, positive_int
 from numafast.binding import bind_if_permitted
-from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, resolve_device
 from numafast.torch.message import in_pin_thread
-from numafast.torch.pools import LoaderStats, node_pools
+from numafast.torch.owner_pools import LoaderStats, node_pools
+from numafast.torch.worker_collate import SlotCollate
 
 __all__ = ["PinMemoryHook", "pin_memory_hook"]
 

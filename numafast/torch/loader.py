@@ -4,7 +4,7 @@ whose batches arrive page-locked there without a copy.
 Stock PyTorch collates each batch in a worker into a fresh shared-memory file, then
 copies it again, in a pin thread the scheduler puts anywhere, into a NUMA-blind
 caching allocator. NumaLoader's ``collate_fn`` is numafast's
-(:mod:`numafast.torch.collate`): each worker binds itself to the node at its first
+(:mod:`numafast.torch.worker_collate`): each worker binds itself to the node at its first
 batch (some OpenMP runtimes reset affinity after fork; a spawned worker inherits
 nothing) and collates straight into a slot of a shared, node-local, page-locked pool.
 A plain attribute, it survives a framework rebuilding the loader from its settings
@@ -25,20 +25,20 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from numafast import _pid, cuda
+from numafast import _process, cuda
 from numafast._validate import check_node, positive_int
 from numafast.binding import bind, numa_local_if_permitted
 from numafast.capabilities import memory_placement_refused, warn_unplaced
 from numafast.errors import LoaderHint, MemlockError
 from numafast.pool import MEMLOCK_FIX, LockMode, memlock_room, parse_mode
 from numafast.private import LIGHTNING_SAVED_ARGUMENTS, LOADER_GET_ITERATOR, LOADER_ITERATOR, RAY_INNER_LOADER
+from numafast.torch import owner_process_pools
 from numafast.torch.batch import flatten, record_stream
-from numafast.torch.collate import SlotCollate
 from numafast.torch.device import gpu_node, iteration_gpu, landing_node, resolve_device
-from numafast.torch import process_pools
-from numafast.torch.pools import LoaderStats, NodePools, _user_level, node_pools
-from numafast.torch.sizing import check_max_pinned_bytes
-from numafast.torch.workers import watch_starts
+from numafast.torch.fork_watch import watch_starts
+from numafast.torch.owner_pools import LoaderStats, NodePools, _user_level, node_pools
+from numafast.torch.owner_sizing import check_max_pinned_bytes
+from numafast.torch.worker_collate import SlotCollate
 
 # What the loader's dataset yields: NumaLoader[T] reads like DataLoader[T].
 T_co = TypeVar("T_co", covariant=True)
@@ -325,16 +325,16 @@ class NumaLoader(DataLoader[T_co]):
         device it settles anew, before any worker of its forks. The parent's are left
         alone: its workers' slots, its mutexes (maybe held by a thread at the fork), its
         idle pools; so is a persistent iterator inherited from it, whose workers are the
-        parent's (see :func:`numafast.torch.process_pools.forget_inherited`)."""
+        parent's (see :func:`numafast._process._forked`)."""
         setattr(self, LOADER_ITERATOR, None)
         self.device, self._node_guessed = self._asked
         if self._node_guessed:
             self.node = landing_node(self.device)[0]
         self._first_iteration_done = False
-        inherited, mine = self.pools, process_pools.replacing.get(self.pools)
+        inherited, mine = self.pools, owner_process_pools.replacing.get(self.pools)
         if mine is None or mine.closed or mine.node != self.node:
             self._take_pools()
-            process_pools.replacing[inherited] = self.pools
+            owner_process_pools.replacing[inherited] = self.pools
         else:  # a framework's copy of this loader, or the loader it copies, came first
             self._take_pools(cast("NodePools", mine))
         self.collate_fn = self.collate_fn  # __setattr__ wraps the user's again, over the new pools
@@ -342,7 +342,7 @@ class NumaLoader(DataLoader[T_co]):
             settings_loader(self._through).collate_fn = self.collate_fn
 
     def __iter__(self) -> Any:
-        if not _pid.owns(self.pools.owner_pid):
+        if not _process.owns(self.pools.owner_pid):
             self._own_pools()
         self._before_first_iteration()
         if refused := memory_placement_refused():  # a container's seccomp profile, a kernel without NUMA
@@ -360,22 +360,19 @@ class NumaLoader(DataLoader[T_co]):
             fork_scope = functools.partial(numa_local_if_permitted, self.node, strict=self.strict)
             with fork_scope():
                 batches = watch_starts(super().__iter__, fork_scope)
-            process_pools.iterators.add(batches)
+            owner_process_pools.iterators.add(batches)
         return batches if self.device is None else _OnDeviceIterator(self, batches)
 
     def stats(self) -> LoaderStats:
         """How the batches arrived, and the counters of the pinned pools in use (in a forked
         child not iterated yet: nothing arrived)."""
-        if not _pid.owns(self.pools.owner_pid):
+        if not _process.owns(self.pools.owner_pid):
             self._own_pools()
         return self.pools.stats()
 
     def __repr__(self) -> str:
         target = str(self.device) if self.device is not None else "host"
         return f"<NumaLoader node {self.node} -> {target}, prefetch {self.prefetch}, {len(self.pools.pools)} pools>"
-
-
-_hinted: set[str] = set()  # the LoaderHints said in this process, by kind
 
 
 def _hint(settings: dict[str, Any], *, batched: object) -> None:
@@ -399,8 +396,7 @@ def _hint(settings: dict[str, Any], *, batched: object) -> None:
         )
     else:
         return
-    if kind not in _hinted:
-        _hinted.add(kind)
+    if _process.first_time(f"LoaderHint {kind}"):
         warnings.warn(text + " (said once)", LoaderHint, stacklevel=_user_level())
 
 
@@ -477,7 +473,7 @@ def loader_stats(loader: object) -> LoaderStats | None:
         attributes = vars(current) if hasattr(current, "__dict__") else {}
         collate = attributes.get("collate_fn")
         if isinstance(collate, SlotCollate) and collate.pools is not None:
-            pools = collate.pools if _pid.owns(collate.pools.owner_pid) else process_pools.replacing.get(collate.pools)
+            pools = collate.pools if _process.owns(collate.pools.owner_pid) else owner_process_pools.replacing.get(collate.pools)
             return None if pools is None else cast("NodePools", pools).stats()
         pending.extend(attributes[name] for name in _INNER_LOADER_ATTRIBUTES if attributes.get(name) is not None)
     return None

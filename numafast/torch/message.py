@@ -39,9 +39,10 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from traceback import walk_tb
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from numafast import _pid
+from numafast import _process
+from numafast.errors import SenderDied
 from numafast.private import PIN_THREAD_NAME, exception_wrapper
 
 __all__ = ["Fallback", "FallbackReason", "Receiver", "SenderDied", "SlotBatch", "in_pin_thread", "receivers"]
@@ -70,21 +71,16 @@ class FallbackReason(str, Enum):
     settings live where numafast cannot reach them)."""
 
 
-class SenderDied(RuntimeError):
-    """A batch whose DataLoader worker died after sending it: the owner ended the dead
-    worker's leases, this batch's slot among them, so it cannot be read."""
-
-
 class Receiver(Protocol):
-    """The owner's side (:class:`numafast.torch.pools.NodePools`)."""
+    """The owner's side (:class:`numafast.torch.owner_pools.NodePools`)."""
 
     def receive(self, message: SlotBatch) -> Any: ...
 
     def copy_in(self, fallback: Fallback) -> Any: ...
 
 
-# The receivers of this process by id: what a message names to become its batch.
-receivers: weakref.WeakValueDictionary[int, Receiver] = weakref.WeakValueDictionary()
+# The receivers of this process by id: what a message names to become its batch (kept in numafast/_process.py).
+receivers = cast("weakref.WeakValueDictionary[int, Receiver]", _process.receivers)
 
 
 class _Message:
@@ -153,7 +149,7 @@ def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
     """A message unpickled: its batch in its receiver's process (a forked child inherits
     the registry, not the pools), else the message itself, to travel on."""
     message = kind(*fields)
-    receiver = receivers.get(message.owner_id) if message.owner_pid == _pid.pid else None
+    receiver = receivers.get(message.owner_id) if message.owner_pid == _process.pid else None
     if receiver is None:
         return message
     try:

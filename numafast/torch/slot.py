@@ -22,7 +22,7 @@ import torch
 
 from numafast import _libnuma
 from numafast._validate import positive_int
-from numafast.errors import InvalidBufferError
+from numafast.errors import InvalidBufferError, SlotFull
 
 __all__ = [
     "ALIGNMENT", "CACHE_ENTRIES", "Leaf", "Ref", "SlotFull", "SlotLayout", "copy_in", "copy_threads",
@@ -48,10 +48,6 @@ Ref = tuple[Any, ...]
 K = TypeVar("K")
 V = TypeVar("V")
 D = TypeVar("D")
-
-
-class SlotFull(Exception):
-    """The batch does not fit in the slot."""
 
 
 class SlotLayout:

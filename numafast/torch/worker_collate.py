@@ -20,19 +20,19 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch.utils.data import default_collate, get_worker_info
 
-from numafast import _pid
+from numafast import _process
 from numafast.binding import bind_if_permitted
-from numafast.pool_share import BoardHandle, BoardReader, PoolView
+from numafast.pool_worker import BoardHandle, BoardReader, PoolView
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch
 from numafast.torch.packing import SlotMeasure, SlotPacker
 from numafast.torch.slot import SlotFull
 
 if TYPE_CHECKING:
-    from numafast.torch.pools import NodePools
+    from numafast.torch.owner_pools import NodePools
 
 __all__ = ["SlotCollate"]
 
@@ -60,7 +60,7 @@ class SlotCollate:
         self.direct = collate_fn is default_collate
         self.pools: NodePools | None = pools
         self.owner_id = pools.owner_id
-        self.owner_pid = _pid.pid
+        self.owner_pid = _process.pid
         self.board: BoardHandle = pools.board.handle()
         self.node = pools.node if bind_workers else None
         """The node each worker binds itself to at its first batch (None: stay where it is)."""
@@ -85,22 +85,22 @@ class SlotCollate:
             if _iterating_process() != self.owner_pid:
                 _warn_elsewhere(self.owner_pid)
                 return self.collate_fn(samples)
-            if self.node is not None and self._bound_pid != _pid.pid:
+            if self.node is not None and self._bound_pid != _process.pid:
                 # Here, not in worker_init_fn, so that the loader's own stays the user's
                 # (Lightning seeds workers only where it is None) and a loader a framework
                 # re-creates gets the placement with the collate function. Workers forked
                 # by NumaLoader's iter() start bound already.
                 bind_if_permitted(self.node, strict=self.strict)
-                self._bound_pid = _pid.pid
+                self._bound_pid = _process.pid
             pid, _worker, number = self._batch
-            self._batch = (_pid.pid, info.id, number + 1 if pid == _pid.pid else 1)
+            self._batch = (_process.pid, info.id, number + 1 if pid == _process.pid else 1)
             with _making_batch:
                 batch = self._in_worker(samples)
                 if self._packer is not None:
                     self._packer.reset(b"")  # between batches it keeps no slot (see _let_go_while_idle)
             _watch_while_idle()
             return batch
-        if self.pools is not None and _pid.pid == self.owner_pid:
+        if self.pools is not None and _process.pid == self.owner_pid:
             return self.pools.collate_here(samples, self.collate_fn, self.direct)
         _warn_elsewhere(self.owner_pid)
         return self.collate_fn(samples)
@@ -154,7 +154,7 @@ class SlotCollate:
             raise
         unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
-                         unpinned, self._batch[1], self._batch[2], _pid.pid)  # fmt: skip
+                         unpinned, self._batch[1], self._batch[2], _process.pid)  # fmt: skip
 
     def _more_slots(self, reader: BoardReader, needed: int) -> tuple[tuple[PoolView, int, int] | None, bool]:
         """Ask the owner for more slots and lease one once published: ``(lease, False)``;
@@ -162,7 +162,7 @@ class SlotCollate:
         ``(None, False)`` when it answered that a slot is free or soon free and none was
         free here, or gave no answer within POOL_WAIT_S."""
         pid, version, until = self._refused
-        if pid == _pid.pid and version == reader.version and time.monotonic() < until:
+        if pid == _process.pid and version == reader.version and time.monotonic() < until:
             return None, True
         version, before = reader.version, [view.handle for view in reader.views]
         if not reader.ask(needed, more=True):
@@ -177,7 +177,7 @@ class SlotCollate:
                 if reader.version != version:
                     now = [view.handle for view in views]
                     if now == before and reader.refused:  # the owner's answer: no more room
-                        self._refused = (_pid.pid, reader.version, time.monotonic() + REFUSAL_KEPT_S)
+                        self._refused = (_process.pid, reader.version, time.monotonic() + REFUSAL_KEPT_S)
                         return None, True
                     if now == before:  # its answer: a slot is free or soon free, taken by a sibling first
                         return None, False  # the owner copies this batch, making room if it must
@@ -203,19 +203,17 @@ class SlotCollate:
         return Fallback(self.owner_pid, self.owner_id, batch, reason, detail, self._batch[1], self._batch[2])
 
 
-# In a worker: the board of each loader it serves, mapped once.
-_readers: dict[BoardHandle, BoardReader] = {}
+# In a worker: the board of each loader it serves, mapped once (kept in numafast/_process.py).
+_readers = cast("dict[BoardHandle, BoardReader]", _process.board_readers)
 # How often an idle worker looks for pools the owner let go (a look is a read of the board).
 IDLE_LOOK_S = 1.0
 _making_batch = threading.Lock()  # held by a worker's collate: the idle look waits its turn
-_idle_watch_pid = 0  # the worker process whose idle look runs
 
 
 def _watch_while_idle() -> None:
     """Once per worker process: start the thread of :func:`_let_go_while_idle`."""
-    global _idle_watch_pid
-    if _idle_watch_pid != _pid.pid:
-        _idle_watch_pid = _pid.pid
+    if _process.idle_watch_pid != _process.pid:
+        _process.idle_watch_pid = _process.pid
         threading.Thread(target=_let_go_while_idle, name="numafast idle pools", daemon=True).start()
 
 
@@ -249,29 +247,21 @@ def _free_slot(views: list[PoolView], needed: int) -> tuple[PoolView, int, int] 
     return None
 
 
-_iterating = (0, 0)  # (this process's pid, the pid of the process its DataLoader runs in)
-
-
 def _iterating_process() -> int:
     """In a DataLoader worker: the process that iterates its DataLoader, whose pools alone
     its batches may land in (the one that made its ``Process``, whether it forked or
     spawned it, or had a forkserver fork it). A worker of a process forked from the
     pools' owner (a ``ddp_fork`` rank iterating an inherited DataLoader) must not lease
     the owner's slots: its batches would arrive where nothing turns them into batches."""
-    global _iterating
-    if _iterating[0] != _pid.pid:
+    if _process.iterating[0] != _process.pid:
         parent = multiprocessing.parent_process()
-        _iterating = (_pid.pid, parent.pid if parent is not None and parent.pid is not None else 0)
-    return _iterating[1]
-
-
-_warned_elsewhere: set[int] = set()
+        _process.iterating = (_process.pid, parent.pid if parent is not None and parent.pid is not None else 0)
+    return _process.iterating[1]
 
 
 def _warn_elsewhere(owner_pid: int) -> None:
     """Once per owner: this process collates for a loader whose pools live in another."""
-    if owner_pid not in _warned_elsewhere:
-        _warned_elsewhere.add(owner_pid)
+    if _process.first_time(f"collating for process {owner_pid}"):
         warnings.warn(
             f"numafast: this loader's pools belong to process {owner_pid}, not to the one iterating it: the "
             "loader was copied to another process (pickled, or inherited through fork), whose batches are "

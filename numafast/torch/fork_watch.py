@@ -50,13 +50,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
+from numafast import _process
+from numafast.errors import WorkerStartError
 from numafast.private import (
     EVENT_CONDITION, EVENT_FLAG, ITERATOR_COLLATE, ITERATOR_DONE_EVENT, ITERATOR_RECEIVED, ITERATOR_RESULT_QUEUE,
     ITERATOR_SHUTDOWN, ITERATOR_TASK_INFO, ITERATOR_WORKER_PIDS_SET, ITERATOR_WORKERS, NOT_A_CHILD_ERROR,
     POPEN_PROCESS_LOCAL, PROCESS_RUN_ATTRIBUTES, REMOVE_WORKER_PIDS, SET_WORKER_PIDS, exception_wrapper, getframe,
     multi_worker_iterator, signal_handling,
 )  # fmt: skip
-from numafast.torch.collate import SlotCollate
+from numafast.torch.worker_collate import SlotCollate
 
 __all__ = ["MAX_RESTARTS", "START_DEADLINE_S", "WorkerStartError", "replaced_workers", "watch_starts"]
 
@@ -69,14 +71,8 @@ POLL_S = 0.02
 """How often the watch looks at the tokens (the first looks come sooner)."""
 _SHUTDOWN_WAIT_S = 30.0  # torch's shutdown joins each worker for up to 5 s before it lets them go
 
-_STARTED = b"s"  # a token's one byte: whoever reads it decides whether the worker started
-
 Iterated = TypeVar("Iterated")
 Held = TypeVar("Held")
-
-
-class WorkerStartError(RuntimeError):
-    """A DataLoader worker never started (stuck in ``os.fork()``) and could not be replaced."""
 
 
 _Run = dict[str, Any]
@@ -85,7 +81,7 @@ _Run = dict[str, Any]
 
 @dataclass
 class _Token:
-    """A start token: the read end of a pipe holding one byte (who reads it: :func:`_claim`)."""
+    """A start token: the read end of a pipe holding one byte (who reads it: :func:`numafast._process.claim`)."""
 
     read: int
     forked_at: float
@@ -105,19 +101,17 @@ class _Worker:
     restarts: int = 0
 
 
-_local = threading.local()  # .watch: arming this thread's forks; .pending: its fork's token; .begin: see _found_watch
-_open_tokens: set[int] = set()  # every token fd of this process (a child closes its copies)
+_local = _process.forking  # per thread: the watch arming its forks, the fork's token (see numafast/_process.py)
+_open_tokens = _process.open_tokens  # every token fd of this process (a child closes its copies)
 _runs: weakref.WeakKeyDictionary[Any, list[_Run | None]] = weakref.WeakKeyDictionary()
 """Per iterator, what each of its workers runs, to fork it again in its place. Kept with
 the iterator, not the watch: the arguments hold the dataset and the collate function
 (a NumaLoader's pools), which must go the moment the iterator does."""
-_warned = False
-_replaced = 0
 
 
 def replaced_workers() -> int:
     """Workers of this process's loaders replaced because they never started."""
-    return _replaced
+    return _process.workers_replaced
 
 
 def watch_starts(
@@ -162,7 +156,7 @@ class _StartWatch:
         read, write = os.pipe()
         _open_tokens.add(read)
         os.set_blocking(read, False)  # shared with the child: a claim never waits
-        os.write(write, _STARTED)
+        os.write(write, _process.STARTED)
         os.close(write)  # nothing more is written: once the byte is taken, a read gets EOF
         token = _Token(read, time.monotonic(), None if self.workers else _process_forking())
         self.tokens.append(token)
@@ -232,7 +226,7 @@ class _StartWatch:
         if getattr(made(), ITERATOR_SHUTDOWN, True):
             for worker in self.workers:
                 if worker.token is not None:
-                    _claim(worker.token.read)
+                    _process.claim(worker.token.read)
             iterator = made() if self.doomed else None
             for process, _task in self.doomed:
                 _end(iterator, process)
@@ -253,7 +247,7 @@ class _StartWatch:
         """``worker`` missed its deadline, or ended before it started: condemned, for the
         iterating thread to replace it, or to queue its error (:meth:`serve`)."""
         waited = time.monotonic() - token.forked_at
-        condemned = _claim(token.read)
+        condemned = _process.claim(token.read)
         self._release(worker, token)
         if not condemned:  # it started after all, just now
             self.last_start = time.monotonic()
@@ -293,9 +287,7 @@ class _StartWatch:
         if why_not is not None:
             self._fail(iterator, worker, f"{what}. numafast could not replace it: {why_not}.{cause}")
             return
-        global _warned
-        if not _warned:
-            _warned = True
+        if _process.first_time("worker replaced"):
             replaced = (f"numafast: {what}. It was replaced by pid {worker.pid}, forked in its place before it read "
                         f"any index, so the epoch's batches are unchanged.{cause}")
             warnings.warn(replaced, RuntimeWarning, stacklevel=1)
@@ -325,8 +317,7 @@ class _StartWatch:
             _local.watch = outer
         getattr(iterator, ITERATOR_WORKERS)[worker.index] = replacement
         _end(iterator, old)
-        global _replaced
-        _replaced += 1
+        _process.workers_replaced += 1
         worker.pid = replacement.pid
         worker.restarts += 1
         if len(self.tokens) == forks + 1:
@@ -366,9 +357,9 @@ class _StartWatch:
 
 def _before_fork() -> None:
     watch = getattr(_local, "watch", None) or _found_watch()
-    _local.pending = watch.token() if watch is not None else None
+    _local.pending = watch.token().read if watch is not None else None
     # A worker's collector stays off until its first step freezes what it inherited (see
-    # _after_fork_in_child): the after-fork handlers registered before numafast's run first.
+    # numafast._process._start_claimed): the after-fork handlers registered before numafast's run first.
     _local.collecting = watch is not None and gc.isenabled()
     if _local.collecting:
         gc.disable()
@@ -410,34 +401,7 @@ def _found_watch() -> _StartWatch | None:
         return None
 
 
-def _after_fork_in_child() -> None:
-    """A forked child's first step: claim its start token (a watched worker) and drop the
-    parent's tokens."""
-    token: _Token | None = getattr(_local, "pending", None)
-    collecting, _local.collecting = getattr(_local, "collecting", False), False
-    _local.pending = _local.watch = _local.begin = None  # this child's own forks are not watched
-    started = token is None or _claim(token.read)
-    for fd in _open_tokens:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _open_tokens.clear()
-    if token is not None:
-        # The parent's garbage not yet collected (an old iterator in a reference cycle) is
-        # the worker's too: collected here, it would run the parent's finalizers in the
-        # worker (torch's iterator shuts down workers not its own), and under 3.11 one
-        # that imports, run amid an import, kills the worker (gh-91351: KeyError in
-        # importlib's _ModuleLock.acquire). Frozen, the collector never looks at what
-        # the worker inherited; nor does it write to those pages, so they stay shared.
-        gc.freeze()
-    if collecting:
-        gc.enable()
-    if not started:
-        os._exit(0)  # condemned: only slow, it must not race the worker forked in its place
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)  # the child's step: numafast/_process.py
 
 
 def _process_forking() -> _Run | None:
@@ -468,17 +432,6 @@ def _held_above(frame: FrameType | None, depth: int, kind: type[Held], *names: s
                     return held
         frame = frame.f_back
     return None
-
-
-def _claim(read: int) -> bool:
-    """Take a token's byte: True for the first to read it (in the child: it starts; in
-    the parent: it condemns the child)."""
-    try:
-        return os.read(read, 1) == _STARTED  # b"" (EOF) once taken
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True  # never a reason to stop a worker
 
 
 def _unclaimed(tokens: list[_Token]) -> set[int]:

@@ -9,7 +9,7 @@ slots, and when the consumer keeps every slot another pool is added at once rath
 than waiting for a slot that would never come back; all within the node's pinned budget
 that every numafast process there shares, and ``max_pinned_bytes`` where given, past
 which batches arrive unpinned. Idle pools outlive their loader for the next one
-on the node (:mod:`numafast.torch.process_pools`).
+on the node (:mod:`numafast.torch.owner_process_pools`).
 """
 
 from __future__ import annotations
@@ -32,21 +32,22 @@ from typing import Any, TypeVar, cast
 import torch
 
 import numafast
-from numafast import _pid, node_budget
+from numafast import _process, node_budget
 from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import (
     MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode,
     pool_bytes, warn_unlocked,
 )
-from numafast.pool_share import BOARD_ENTRIES, PoolBoard
+from numafast.pool_owner import PoolBoard
+from numafast.pool_worker import BOARD_ENTRIES
 from numafast.private import getframe
-from numafast.torch import process_pools
+from numafast.torch import owner_process_pools
 from numafast.torch.batch import place
 from numafast.torch.device import gpu_usable, iteration_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
 from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
-from numafast.torch.process_pools import pinned_bytes
-from numafast.torch.sizing import (
+from numafast.torch.owner_process_pools import pinned_bytes
+from numafast.torch.owner_sizing import (
     check_max_pinned_bytes, default_max_pinned_bytes, grown_slot_bytes, slot_bytes_for, slots_within,
 )
 from numafast.torch.slot import SlotFull, placeable, tensor_kind
@@ -56,7 +57,7 @@ __all__ = ["LoaderStats", "NodePools", "default_max_pinned_bytes", "node_pools",
 Batch = TypeVar("Batch")
 
 # A grown pool found wholly free is released when the batches a loader received reach
-# a multiple of this (every loader's pools: see process_pools.shrink_all), and at
+# a multiple of this (every loader's pools: see owner_process_pools.shrink_all), and at
 # stats(), iter() and when its loader is gone: a look at each pool's counters.
 SHRINK_EVERY = 8
 # How long a copy in the receiving thread waits for a pool another thread is making (a
@@ -156,7 +157,7 @@ class NodePools:
         self.device: int | None = None
         self.board = PoolBoard()
         self.owner_id = next(_owner_ids)
-        self.owner_pid = _pid.pid
+        self.owner_pid = _process.pid
         self.users = 0  # the loaders landing their batches here
         self.closed = False
         self._by_inode: dict[int, PinnedPool] = {}
@@ -169,7 +170,7 @@ class NodePools:
         self._mutex = _Mutex()
         self._making = threading.Lock()
         receivers[self.owner_id] = self
-        process_pools.every.add(self)
+        owner_process_pools.every.add(self)
 
     def _start(self, in_flight: int, max_pinned_bytes: int | None, *, taken_over: bool) -> None:
         """The settings and counters of a loader starting on these pools (new, or idle ones
@@ -202,15 +203,15 @@ class NodePools:
     def attach(self, user: object) -> None:
         """``user`` (a loader's collate function) lands its batches here: the pools stay
         while it lives, and go idle once none is left."""
-        process_pools.use(self)
-        # Not under process_pools' mutex: Thread.start() waits for the new thread, in which
+        owner_process_pools.use(self)
+        # Not under owner_process_pools' mutex: Thread.start() waits for the new thread, in which
         # the garbage collector may run a gone loader's let_go, which takes that mutex.
         with self._server_mutex:
             if self._server is None:
                 make_room = functools.partial(_make_room_in, weakref.ref(self))
                 self._server = self.board.serve_requests(make_room, f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
-        weakref.finalize(user, process_pools.let_go, self).atexit = False
+        weakref.finalize(user, owner_process_pools.let_go, self).atexit = False
 
     # ------------------------------------------------------------ batches arriving
 
@@ -258,7 +259,7 @@ class NodePools:
         if self._unlocked is not None:
             self._warn_unlocked_pool()
         if not self.received() % SHRINK_EVERY:
-            process_pools.shrink_all()
+            owner_process_pools.shrink_all()
         self._settle_retired()
 
     def copy_in(self, fallback: Fallback) -> Any:
@@ -702,7 +703,7 @@ class NodePools:
 def _sender_gone(pid: int) -> bool:
     """Whether worker ``pid`` is gone; False where /proc cannot tell (EMFILE, ENFILE)."""
     try:
-        return _pid.start_time(pid) is None
+        return _process.start_time(pid) is None
     except OSError:
         return False
 
@@ -800,7 +801,7 @@ def node_pools(
     they have ``slots`` slots or more, else new ones."""
     cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
-    idle = cast("NodePools | None", process_pools.take_idle(key))  # as NodePools put it there
+    idle = cast("NodePools | None", owner_process_pools.take_idle(key))  # as NodePools put it there
     if idle is not None and idle.slots >= slots:
         with idle._mutex:
             idle._start(in_flight, cap, taken_over=True)

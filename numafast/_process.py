@@ -1,0 +1,264 @@
+"""Process-wide state, in one place: every registry and flag that describes this
+process (its pid, its pools, the node budget it reserved, its loaders' pools and
+iterators, a worker's boards, the fork watch's tokens), and the one reset a child
+that ``os.fork()`` makes runs first (:func:`_forked`).
+
+NOTE: what a forked child inherits has its one answer in :func:`_forked`, item by
+item; other modules reach this state as ``_process.NAME`` (never rebinding it: names
+rebound here are read through the module, containers are only changed in place). This
+module imports nothing of numafast's but the names of ``private.py`` (which imports
+nothing), so that every layer can use it. Kept elsewhere: per-iterator state of the
+fork watch (with each iterator, weakly: a child's inherited iterators are shut down
+here, ``loader_iterators``), caches that describe no process (placements, struct
+formats, layouts), per-thread bindings, and memory.py's one warning flag.
+
+The pid is cached for the checks made per batch (is this the pools' owner? a worker
+forked since?) without a system call each: glibc no longer caches ``getpid()``. A
+spawned child imports this anew. And what tells one process from another that the
+kernel later gives the same pid: its start time (:func:`started`, :func:`start_time`).
+A pid alone is no identity: pids are reused once the process that had one is gone and
+reaped, within seconds on a busy machine where ``pid_max`` is small (32768 by default
+before systemd raised it)."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import threading
+import weakref
+from typing import Any
+
+from numafast.private import ITERATOR_SHUTDOWN
+
+# ------------------------------------------------------------ this process
+
+pid: int = os.getpid()
+_started: int | None = None  # this process's start time, read at the first call of started()
+
+done_once: set[str] = set()
+"""What this process did once and never again, by key: the warnings said once (an
+unlocked pool, an unregistered one, an unshared budget ledger, a replaced worker, each
+LoaderHint, a loader collated in another process), the pools' exit hook (see :func:`first_time`)."""
+workers_replaced = 0
+"""Workers of this process's loaders replaced because they never started (torch/fork_watch.py)."""
+
+# ------------------------------------------------------------ pinned pools (numafast/pool.py)
+
+live_pools: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Every open PinnedPool: closed at exit."""
+pool_files: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Every pool's memory not released yet (pool.py ``_Resources``): also a pool being
+made, and one whose PinnedPool is gone while its slots are still viewed."""
+released_later: list[Any] = []
+"""Registered pools drained while their thread captured a CUDA graph (pool.py ``_release_deferred``)."""
+FORK_REMAP_FAILED_STATUS = 70
+"""The exit status of a forked child that cannot make its view of a pool private."""
+
+# ------------------------------------------------------------ the node budget (numafast/node_budget.py)
+
+ledgers: dict[Any, Any] = {}
+"""Each node's ledger in /dev/shm, opened once, by (node, path)."""
+ledgers_mutex = threading.Lock()
+reserved = 0
+"""What this process reserved on every node: what an explicit max_pinned_bytes bounds."""
+reserved_mutex = threading.Lock()
+
+# ------------------------------------------------------------ loaders' pools (numafast/torch/owner_process_pools.py)
+
+loader_pools: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Every NodePools of this process (each adds itself): what max_pinned_bytes bounds together."""
+idle_pools: dict[Any, Any] = {}
+"""NodePools no loader uses any more, by (node, lock, register): the next loader's."""
+idle_mutex = threading.Lock()
+"""Guards idle_pools and every NodePools' ``users``."""
+replacing: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+"""In a forked child: the pools made here in the place of each set inherited from the
+parent, so that the loaders over one inherited set (the user's and a framework's copy
+of it) land in one set here too, as they did there."""
+loader_iterators: weakref.WeakSet[Any] = weakref.WeakSet()
+"""torch's iterators over NumaLoaders of this process that have workers."""
+receivers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""The receivers of this process by id: what a message names to become its batch (torch/message.py)."""
+
+# ------------------------------------------------------------ a DataLoader worker (numafast/torch/worker_collate.py)
+
+board_readers: dict[Any, Any] = {}
+"""In a worker: the board of each loader it serves, mapped once."""
+idle_watch_pid = 0
+"""The worker process whose idle look runs (a child of it has none: it compares its pid)."""
+iterating: tuple[int, int] = (0, 0)
+"""(this process's pid, the pid of the process its DataLoader runs in), read once per process."""
+
+# ------------------------------------------------------------ the fork watch (numafast/torch/fork_watch.py)
+
+forking = threading.local()
+"""Per thread: ``.watch``, the start watch arming this thread's forks; ``.pending``, the
+read end of the start token of the fork under way; ``.collecting``, whether the
+collector was on before it; ``.begin``, see torch/fork_watch.py ``_found_watch``."""
+open_tokens: set[int] = set()
+"""Every start token's read end this process holds (a child closes its copies)."""
+STARTED = b"s"
+"""A start token's one byte: whoever reads it decides whether the worker started."""
+
+
+def first_time(key: str) -> bool:
+    """True the first time ``key`` is asked for in this process (or in its parent, before
+    the fork): for what is said or done once per process."""
+    if key in done_once:
+        return False
+    done_once.add(key)
+    return True
+
+
+def _forked() -> None:
+    """A forked child's first step, item by item: what it inherits, what it forgets.
+
+    - ``pid`` and its start time: its own, read anew.
+    - ``done_once``: kept. The child does not repeat a warning its parent said, and it
+      inherits its parent's exit hooks (``atexit`` is copied by the fork).
+      ``workers_replaced``: kept, its parent's count.
+    - The pools (``live_pools``, ``pool_files``, ``released_later``): inherited, and
+      still its parent's; each file's mappings are made private here, so that the child
+      only reads the slots it inherited (workers that fill slots map the file again,
+      shared). One that cannot exits here, saying why on stderr: an exception raised in
+      an at-fork hook is only printed, and the child would go on writing into its
+      parent's slots unseen.
+    - The node budget: the ledgers stay open (the same files, shared); nothing is
+      reserved (the parent's pools are not the child's to release); its locks (the
+      ledgers', each ledger's claiming lock, the reservation's), which another thread
+      of the parent may have held at the fork, are made anew.
+    - Loaders' pools: inherited in ``loader_pools`` (each knows its owner's pid); no idle
+      pools (those inherited are the parent's: never taken, never closed here), a new
+      ``idle_mutex``, no replacements; inherited iterators are marked shut down and forgotten: their
+      workers, queues and done event are the parent's, and dropping one in the child
+      would run torch's shutdown on them (set the shared done event, send each worker
+      its end), ending the parent's epoch; marked, it ends with nothing done.
+      ``receivers`` stay: messages name their owner's pid, which is not this one.
+    - A worker's boards (``board_readers``): inherited, the same shared mappings;
+      ``idle_watch_pid`` and ``iterating`` are keyed by pid, so stale here by design.
+    - The fork watch: this child's own forks are not watched; it claims its start token
+      (a watched worker), closes its copies of the parent's tokens, freezes what it
+      inherited for the collector and turns the collector back on, and exits at once
+      where the parent condemned it already (only slow, it must not race the worker
+      forked in its place).
+    """
+    global pid, _started, ledgers_mutex, reserved, reserved_mutex, idle_mutex
+    pid = os.getpid()
+    _started = None
+    _pools_made_private()
+    ledgers_mutex, reserved_mutex, idle_mutex = threading.Lock(), threading.Lock(), threading.Lock()
+    reserved = 0
+    for book in ledgers.values():
+        book._claiming = threading.Lock()
+    idle_pools.clear()
+    replacing.clear()
+    for iterator in list(loader_iterators):
+        setattr(iterator, ITERATOR_SHUTDOWN, True)  # torch's iterator: its __del__ shuts down only what is not
+    loader_iterators.clear()
+    if not _start_claimed():
+        os._exit(0)
+
+
+def _pools_made_private() -> None:
+    """The child's views of its parent's pools made private; exit where one cannot be."""
+    for file in list(pool_files):
+        try:
+            file.view_privately()
+        except OSError as error:
+            message = (
+                f"numafast: process {pid}, forked from {os.getppid()}, cannot make its view of the "
+                f"node-{file.node} pool private ({error}); it would write into the slots its parent hands "
+                f"out, so it exits now with status {FORK_REMAP_FAILED_STATUS}\n"
+            )
+            try:
+                os.write(2, message.encode())
+            finally:
+                os._exit(FORK_REMAP_FAILED_STATUS)
+
+
+def _start_claimed() -> bool:
+    """The fork watch's part: claim this child's start token (True where none was
+    pending, or where the child took it first), and drop the parent's tokens."""
+    token: int | None = getattr(forking, "pending", None)
+    collecting, forking.collecting = getattr(forking, "collecting", False), False
+    forking.pending = forking.watch = forking.begin = None  # this child's own forks are not watched
+    started = token is None or claim(token)
+    for fd in open_tokens:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    open_tokens.clear()
+    if token is not None:
+        # The parent's garbage not yet collected (an old iterator in a reference cycle) is
+        # the worker's too: collected here, it would run the parent's finalizers in the
+        # worker (torch's iterator shuts down workers not its own), and under 3.11 one
+        # that imports, run amid an import, kills the worker (gh-91351: KeyError in
+        # importlib's _ModuleLock.acquire). Frozen, the collector never looks at what
+        # the worker inherited; nor does it write to those pages, so they stay shared.
+        gc.freeze()
+    if collecting:
+        gc.enable()
+    return started
+
+
+def claim(read: int) -> bool:
+    """Take a start token's byte: True for the first to read it (in the child: it
+    starts; in the parent: it condemns the child)."""
+    try:
+        return os.read(read, 1) == STARTED  # b"" (EOF) once taken
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # never a reason to stop a worker
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+# What opening /proc/PID/stat fails with once the process is gone (ESRCH: reaped while read).
+_GONE = (errno.ENOENT, errno.ESRCH)
+
+
+def owns(owner_pid: int) -> bool:
+    """Whether this process is ``owner_pid``: the check made before anything that only
+    the process which made a pool or a board may do (a forked child has a copy)."""
+    return owner_pid == pid
+
+
+def start_time(process: int | str = "self") -> int | None:
+    """When ``process`` started, in clock ticks after boot (/proc/PID/stat's 22nd field,
+    ``starttime``); None when it is gone, or dead and not yet reaped (a zombie, whose
+    pid is still taken but which runs no more). Any other failure to read it (EMFILE
+    under a low ``ulimit -n``, ENFILE, EACCES) says nothing of the process and raises
+    the OSError: taken for "gone", it would free a live worker's slot for a second batch. Two processes that had the same pid
+    one after the other do not have the same start time: it counts clock ticks (10 ms
+    at USER_HZ 100), and the kernel hands out pids in a cycle, so a pid comes back
+    only after every other free one up to pid_max (32768 or 4194304) was handed out,
+    far more forks than one tick holds; unless a tool asks for that pid
+    (/proc/sys/kernel/ns_last_pid, clone3's set_tid: checkpoint/restore)."""
+    try:
+        with open(f"/proc/{process}/stat", "rb") as stat:
+            line = stat.read()
+    except OSError as error:
+        if error.errno in _GONE:
+            return None
+        raise
+    # The command name, in parentheses, may hold spaces and parentheses: the fields
+    # start after the last ')'. The third field, the state, comes first there.
+    fields = line.rpartition(b")")[2].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
+        return None
+    return int(fields[19])
+
+
+def started() -> int:
+    """This process's start time (see :func:`start_time`), read once per process."""
+    global _started
+    if _started is None:
+        here = start_time("self")
+        if here is None:
+            raise OSError(f"cannot read /proc/self/stat in process {os.getpid()}: is /proc mounted?")
+        _started = here
+    return _started

@@ -1,0 +1,98 @@
+"""Process-wide state has one home, numafast/_process.py, and a forked child one reset:
+what it inherits and what it forgets is checked here in a real child forked from a
+process with loaders, pools, a budget reservation and a persistent iterator, and by
+the content of the parent's batches before and after."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import numafast
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import numafast.torch  # noqa: E402
+from numafast import _process  # noqa: E402
+
+PACKAGE = Path(numafast.__file__).parent
+SEMANTICS = pytest.mark.host_only("what a forked child keeps, the same on any kernel; workers cost seconds under TCG")
+
+
+class Tagged(Dataset):  # type: ignore[type-arg]
+    """Sample i: (a tensor full of i, i)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return torch.full((512,), float(index)), index
+
+
+def at_fork_hooks() -> dict[str, list[str]]:
+    """Every ``os.register_at_fork`` call in numafast's sources: file -> its keywords."""
+    found: dict[str, list[str]] = {}
+    for source in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "os.register_at_fork":
+                found.setdefault(str(source.relative_to(PACKAGE)), []).extend(k.arg or "" for k in node.keywords)
+    return found
+
+
+def test_a_forked_child_is_reset_in_one_place() -> None:
+    hooks = at_fork_hooks()
+    in_child = [path for path, keywords in hooks.items() if "after_in_child" in keywords]
+    assert in_child == ["_process.py"], hooks
+
+
+def epoch(loader: Any) -> list[int]:
+    """The samples of one epoch, each batch checked by content (values == index)."""
+    seen = []
+    for values, indices in loader:
+        assert torch.equal(values, indices.to(values.dtype)[:, None].expand_as(values))
+        seen.extend(indices.tolist())
+    return seen
+
+
+@SEMANTICS
+def test_a_forked_child_keeps_and_forgets_what_process_py_says() -> None:
+    persistent = numafast.torch.NumaLoader(DataLoader(Tagged(), batch_size=8, num_workers=2, persistent_workers=True))
+    assert sorted(epoch(persistent)) == list(range(64))
+    dropped = numafast.torch.NumaLoader(DataLoader(Tagged(), batch_size=8, num_workers=1))
+    assert sorted(epoch(dropped)) == list(range(64))
+    del dropped
+    gc.collect()  # its pools go idle, kept for the next loader on their node
+    assert _process.idle_pools and _process.reserved > 0 and len(_process.loader_iterators) == 1
+    inherited = list(_process.loader_iterators)
+    _process.first_time("said in the parent")
+    said = sorted(_process.done_once)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            child_said = {
+                "pid": _process.pid == os.getpid(), "reserved": _process.reserved,
+                "idle": len(_process.idle_pools), "iterators": len(_process.loader_iterators),
+                "shut": [getattr(iterator, "_shutdown", None) for iterator in inherited],
+                "pools": len(_process.live_pools) > 0, "tokens": sorted(_process.open_tokens),
+                "once": sorted(_process.done_once),
+            }
+            os.write(write, json.dumps(child_said).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        reported = json.loads(pipe.read())
+    assert os.waitpid(child, 0)[1] == 0
+    assert reported == {"pid": True, "reserved": 0, "idle": 0, "iterators": 0, "shut": [True], "pools": True,
+                        "tokens": [], "once": said}
+    # The parent's own state is untouched, and its persistent workers serve the next epoch.
+    assert _process.idle_pools and _process.reserved > 0 and len(_process.loader_iterators) == 1
+    assert sorted(epoch(persistent)) == list(range(64))
