@@ -6,12 +6,12 @@ machine, or in a QEMU guest, whose own libnuma is hidden or deleted. These check
 prove, in the process that runs them, that the package under test is the installed
 one and that the libnuma it runs on is the copy the wheel bundles. Elsewhere they skip.
 
-In the guests, where a pytest start costs tens of seconds of TCG, the same checks run
-as a script, one interpreter in all, followed by `numafast show`:
+The same checks also run as a script, one interpreter in all (in the QEMU guests a
+pytest start costs tens of seconds of TCG), followed by `numafast show`:
 
     NUMAFAST_WHEEL_CHECK=FOLDER python -P tests/test_installed_wheel.py NODES
 
-which also asserts that numafast sees NODES NUMA nodes (the guest's topology).
+which also asserts that numafast sees NODES NUMA nodes (the machine's or guest's).
 """
 
 from __future__ import annotations
