@@ -309,8 +309,8 @@ class PoolView:
 def fault_in(memory: memoryview) -> None:
     """Enter every page of ``memory`` (a slot) in this process's page tables in one call,
     faulting in (zeroing, on the pool's node) any page never touched. Page tables are
-    per process: otherwise each takes a minor fault per 4 KiB page at its first write
-    of a slot (~2,400 per 9 MiB slot), which slowed the epoch after the first by half.
+    per process: otherwise each takes a minor fault per page at its first write of a
+    slot (~2,400 per 9 MiB slot of 4 KiB pages), which slowed the epoch after the first by half.
     MADV_POPULATE_WRITE needs Linux 5.14: an older kernel refuses it, mapping each page
     as it is written."""
     try:
