@@ -385,7 +385,8 @@ def test_a_slot_in_a_reference_cycle_comes_back_and_never_reads_a_cleared_pool()
 import gc
 from numafast import _libnuma
 box = {}
-slots = _libnuma.SlotPool(_libnuma.mmap_anonymous(4096 * 4), 4096, 2, None, box.get)
+page = _libnuma.pagesize()
+slots = _libnuma.SlotPool(_libnuma.mmap_anonymous(page * 4), page, 2, None, box.get)
 box["slot"] = slots.acquire(10)
 del slots, box
 gc.collect()
