@@ -234,14 +234,14 @@ class PoolView:
 def fault_in(memory: memoryview, *, filled: bool = False) -> None:
     """Enter every page of ``memory`` (a slot) in this process's page tables in one call,
     faulting in (zeroing, on the pool's node) any page never touched. Page tables are
-    per process: otherwise each takes a minor fault per 4 KiB page at its first write
-    of a slot (~2,400 per 9 MiB slot), which slowed the epoch after the first by half.
+    per process: otherwise each takes a minor fault per page at its first write of a
+    slot (~2,400 per 9 MiB slot of 4 KiB pages), which slowed the epoch after the first by half.
     MADV_POPULATE_WRITE and _READ need Linux 5.14: an older kernel refuses them, mapping
     each page as it is touched.
 
     ``filled``: another process (a worker) wrote every page already. Then they are
-    read-populated: a read fault maps the file's pages around it too (fault-around, 16
-    a fault), where a write fault maps one; ~2.3x faster (1.5 against 3.4 ms for a
+    read-populated: a read fault maps the file's pages around it too (fault-around,
+    64 KiB a fault), where a write fault maps one; ~2.3x faster (1.5 against 3.4 ms for a
     36.75 MiB slot, the owner's first adoption of it, in the consumer's thread). A
     read-faulted page of a shared memfd mapping is mapped writable all the same (shmem
     tracks no dirty pages), so a later write takes no fault either."""

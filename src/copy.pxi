@@ -5,8 +5,11 @@
 
 from libc.string cimport memcpy
 
-# Each thread's share starts on a page boundary of the concatenated sources: no two
-# threads write the same cache line or page.
+# Each thread's share of the concatenated sources is a multiple of this copy grain:
+# a multiple of every cache line (64-256 bytes), so two threads never write one line
+# of a target that starts on one, and a share below 4 KiB is not worth a thread. It
+# is not a page (4, 16 or 64 KiB, by kernel): every thread runs on the target's node,
+# so a page written by two of them lands where it would with one.
 cdef size_t _COPY_GRAIN = 4096
 
 

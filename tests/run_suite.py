@@ -17,7 +17,10 @@ guest's own python3 (3.11) and no torch (importing it under TCG takes minutes):
   slow ones that test nothing of the architecture (AARCH64_SLOW);
 * ``aarch64-grace``: Grace-like, 2 nodes of 2 CPUs and 2 CPU-less nodes with
   memory (a GPU's HBM on Grace); the tests of those files marked
-  ``numa(memory_only=True)``.
+  ``numa(memory_only=True)``;
+* ``aarch64-16k``: the 4-node topology on Debian's arm64-16k kernel (16 KiB pages,
+  checked in the guest first): numafast built natively there from its sdist with
+  pip and gcc (aarch64_vm.NATIVE_BUILD), then ``aarch64``'s tests on that build.
 
 Tests marked ``@pytest.mark.numa`` skip on a one-node host and must run in a
 guest that meets their needs (tests/conftest.py fails them otherwise). Each run
@@ -49,10 +52,13 @@ GUESTS: dict[str, GuestTopology] = {
     "memory-only": MEMORY_ONLY,
     "aarch64": aarch64_vm.AARCH64_FOUR_NODES,
     "aarch64-grace": aarch64_vm.AARCH64_GRACE,
+    "aarch64-16k": aarch64_vm.AARCH64_FOUR_NODES,
 }
 # The guests run when none is named: the x86-64 ones (the aarch64 lane is .ci/aarch64).
 DEFAULT_GUESTS = ["4-nodes", "memory-only"]
-AARCH64_GUESTS = {"aarch64", "aarch64-grace"}
+AARCH64_GUESTS = {"aarch64", "aarch64-grace", "aarch64-16k"}
+# Each aarch64 guest's kernel, by page size in KiB.
+AARCH64_PAGE_KIB = {"aarch64": 4, "aarch64-grace": 4, "aarch64-16k": 16}
 # What the aarch64 guests test: topology, placement, memory, pools and the board.
 AARCH64_TESTS = sorted(
     {f"tests/{name}" for name in ("test_topology_live.py", "test_binding_live.py", "test_memory_live.py",
@@ -73,6 +79,7 @@ GUEST_ARGS: dict[str, list[str]] = {
     "aarch64": [*AARCH64_TESTS, "-k", AARCH64_SLOW],
     "aarch64-grace": [*(t for t in AARCH64_TESTS if "memory_only=True" in (REPO / t).read_text()),
                       "-k", AARCH64_SLOW, "-m", "numa(memory_only=True)"],
+    "aarch64-16k": [*AARCH64_TESTS, "-k", AARCH64_SLOW],
 }
 GUEST_TIMEOUT_S = 1500
 
@@ -132,6 +139,13 @@ def run_host(extra: list[str]) -> RunResult:
     return _collect(RunResult("host", code, time.monotonic() - start))
 
 
+def _aarch64_package() -> Path:
+    """What pip installs in the 16 KiB-page guest: the tree's sdist, built here, or the
+    file $NUMAFAST_AARCH64_16K_PACKAGE names (a cp311 aarch64 wheel, to test it there)."""
+    named = os.environ.get("NUMAFAST_AARCH64_16K_PACKAGE")
+    return Path(named).resolve() if named else aarch64_vm.sdist(RESULTS / "sdist")
+
+
 def run_guest(name: str, extra: list[str]) -> RunResult:
     topology = GUESTS[name]
     print(f"==== guest {name}: {topology.describe()}: pytest", flush=True)
@@ -148,7 +162,14 @@ def run_guest(name: str, extra: list[str]) -> RunResult:
     if name in AARCH64_GUESTS:
         # The guest's own python3, on the root made (and the extension cross-built) by main().
         command = _pytest_command(name, [*GUEST_ARGS[name], *extra], python="python3")
-        code = run_in_guest(command, topology, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_S, root=aarch64_vm.root_dir())
+        page_kib = AARCH64_PAGE_KIB[name]
+        shared: list[Path] = []
+        if page_kib != 4:  # pytest on numafast as pip builds it there from the sdist
+            package = _aarch64_package()
+            shared = [] if package.is_relative_to(REPO) else [package.parent]  # the tree is shared already
+            command = ["bash", "-c", aarch64_vm.NATIVE_BUILD, name, str(package), str(page_kib * 1024), *command]
+        code = run_in_guest(command, topology, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_S, root=aarch64_vm.root_dir(),
+                            kernel=aarch64_vm.kernel(page_kib), rw=shared)  # fmt: skip
     else:
         command = _pytest_command(name, [*GUEST_ARGS[name], *extra])
         code = run_in_guest(command, topology, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_S)

@@ -22,6 +22,7 @@ import pytest
 
 import numafast
 from sysfs_truth import (
+    PAGE_SIZE,
     cpuless_nodes_with_memory,
     nearest_cpu_nodes,
     node_cpus,
@@ -49,7 +50,7 @@ def fresh_buffers() -> tuple[np.ndarray, mmap.mmap]:
     """A NumPy array and a plain buffer, each 1 MiB over a new mapping (not a bytearray:
     calloc too may reuse a free heap chunk whose pages stay where they were), touched."""
     raw = mmap.mmap(-1, MIB)
-    raw[::4096] = b"\x01" * len(range(0, MIB, 4096))  # a new mapping's pages are not there until touched
+    raw[::PAGE_SIZE] = b"\x01" * (MIB // PAGE_SIZE)  # a new mapping's pages are not there until touched
     return fresh_array(), raw
 
 
@@ -72,7 +73,7 @@ def test_numa_local_puts_pages_and_thread_on_the_node_then_restores(node: int, s
     cpus_before, policy_before = os.sched_getaffinity(0), thread_policy()
     with numafast.numa_local(node, strict=strict):
         array, raw = fresh_buffers()
-        assert set(page_nodes(array)) == {node} and len(page_nodes(array)) >= MIB // 4096 - 1
+        assert set(page_nodes(array)) == {node} and len(page_nodes(array)) >= MIB // PAGE_SIZE - 1
         assert set(page_nodes(raw)) == {node}
         assert os.sched_getaffinity(0) == expected_cpus(node)
         mode = numafast._libnuma.MPOL_BIND if strict else numafast._libnuma.MPOL_PREFERRED
@@ -98,7 +99,7 @@ def test_interleave_spreads_pages_round_robin(count: int) -> None:
     nodes = online_nodes()[:count]
     pages = 64 * count
     with numafast.interleave(nodes):
-        array = fresh_array(pages * 4096)
+        array = fresh_array(pages * PAGE_SIZE)
     per_node = Counter(page_nodes(array))
     assert set(per_node) == set(nodes)
     for node in nodes:

@@ -10,7 +10,7 @@ import pytest
 
 import numafast
 from numafast import _libnuma
-from sysfs_truth import online_nodes, pagemap_nodes
+from sysfs_truth import PAGE_SIZE, online_nodes, pagemap_nodes
 
 NODES = online_nodes()
 
@@ -58,5 +58,6 @@ def test_placement_of_a_nested_batch_matches_the_kernel() -> None:
     remote = sum(n for node, n in expected.items() if node != home)
     assert report.remote_pages == remote
     assert report.remote_share == pytest.approx(remote / sum(expected.values()))
-    assert report.leaves[".labels[0]"] == numafast.PageNodes({away: 16})
-    assert report.leaves[".extra['boxes'][0]"] == numafast.PageNodes({far: 16})
+    pages = (64 << 10) // PAGE_SIZE  # each of these arrays is 64 KiB
+    assert report.leaves[".labels[0]"] == numafast.PageNodes({away: pages})
+    assert report.leaves[".extra['boxes'][0]"] == numafast.PageNodes({far: pages})

@@ -168,11 +168,12 @@ def parse_numa_maps(text: str) -> list[NumaMapsLine]:
         if match is None:
             continue
         words = dict(word.partition("=")[::2] for word in match["rest"].split() if "=" in word)
-        # N<node>= counts pages of the mapping's own size: 4 KiB (THP counted in base
-        # pages) or a hugetlb page.
-        page_bytes = int(words.get("kernelpagesize_kB", "4")) * 1024
-        node_bytes = {int(key[1:]): int(value) * page_bytes for key, value in words.items()
-                      if key[:1] == "N" and key[1:].isdigit()}  # fmt: skip
+        # N<node>= counts pages of the mapping's own size, kernelpagesize_kB: the base
+        # page (4, 16 or 64 KiB; THP counted in base pages) or a hugetlb page. The
+        # kernel writes it on every line with a count.
+        counts = {int(key[1:]): int(value) for key, value in words.items() if key[:1] == "N" and key[1:].isdigit()}
+        page_bytes = int(words["kernelpagesize_kB"]) * 1024 if counts else 0
+        node_bytes = {node: count * page_bytes for node, count in counts.items()}
         path = unescape(match["path"]) if match["path"] else None
         lines.append(NumaMapsLine(int(match["start"], 16), match["policy"], path, node_bytes))
     return lines
