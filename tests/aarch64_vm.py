@@ -286,7 +286,8 @@ def kernel(page_kib: int = 4, root: Path | None = None) -> str:
 # The native build, in the guest (bash -c NATIVE_BUILD guest SDIST PAGE_BYTES CMD...):
 # the page size checked first (a run on the wrong kernel fails, not passes quietly),
 # then pip builds the sdist as a user with no wheel for their Python would (isolated
-# build environment from WHEELS, gcc -O2; --no-deps: the root's numpy is the one)
+# build environment from WHEELS, gcc -O2; --no-deps: the root's numpy is the one;
+# CFLAGS=-g0 only drops the debug information, a quarter of gcc's time under TCG)
 # into /tmp/site, whose numafast/ is then bind-mounted over the tree's: pytest, and
 # every test's subprocess whatever its PYTHONPATH, imports that build. CMD runs on it.
 # SDIST may be a cp311 aarch64 wheel instead: pip installs it, and CMD tests that.
@@ -299,7 +300,7 @@ if [ "$(getconf PAGESIZE)" != "$page" ]; then
     exit 1
 fi
 start=$(date +%s)
-python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-index --no-deps \
+CFLAGS=-g0 python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-index --no-deps \
     --find-links WHEELS --target /tmp/site "$sdist"
 echo "aarch64 native build: $(basename "$sdist") installed by pip (built, if an sdist) in $(($(date +%s) - start)) s" \
     "on $(getconf PAGESIZE)-byte pages"
