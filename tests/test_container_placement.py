@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from test_launch_live import snapshot_with_gpus
-from test_no_numa import NO_NUMA
 from sysfs_truth import online_nodes
+from test_launch_live import snapshot_with_gpus
+from test_no_numa import NO_NUMA, POOLS
 from test_policy_seccomp import ENV, under_seccomp  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.host_only("seccomp refusals: the same whatever the nodes")
@@ -205,24 +205,10 @@ def test_strict_numaloader_in_docker_raises_instead_of_running_unplaced(under_se
     assert "refused with EPERM" in result.stdout and "--cap-add SYS_NICE" in result.stdout, result.stdout
 
 
-POOL = """
-import warnings
-import numpy as np
-import numafast, numafast.errors
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    pools = [numafast.PinnedPool(0, 1 << 16, 4, lock="off") for _ in range(2)]
-    slots = [pool.acquire(1 << 16) for pool in pools for _ in range(4)]
-for index, slot in enumerate(slots):
-    np.asarray(slot)[:] = index
-print(all((np.asarray(slot) == index).all() for index, slot in enumerate(slots)))
-for warning in caught:
-    print(warning.category.__name__, warning.filename, warning.lineno, warning.message)
-"""
 
 
 def test_pinned_pools_run_unplaced_in_docker_with_one_warning(under_seccomp) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
-    result = under_seccomp(DOCKER, POOL)
+    result = under_seccomp(DOCKER, POOLS)
     assert result.returncode == 0, result.stderr
     same, *said = result.stdout.splitlines()
     assert same == "True"
