@@ -15,12 +15,13 @@ Idle pools outlive their loader for the next one on the node
 (:mod:`numafast.torch.owner_process_pools`).
 
 NOTE: who changes these pools. The receiving thread (the consumer's, or PyTorch's pin
-thread) makes, resizes and publishes them; the user's thread may shrink them (stats(),
-iter()) and closes them; lifecycle calls (a gone loader's let_go, close_idle_pools) act
-only on pools no loader uses any more, so with no receiving thread. Every change of the
-lists is under ``_mutex``; making a pool is under ``_making`` too (two loaders sharing
-pools receive in two threads). No worker waits on the owner, and no thread of
-numafast's own changes them.
+thread) makes, resizes and publishes them; besides it only the user's thread does:
+shrinking them (stats(), iter(), and every SHRINK_EVERY batches of any loader of the
+process, in that loader's receiving thread: shrink_all) and closing them. Lifecycle
+calls (a gone loader's let_go, close_idle_pools) act only on pools no loader uses any
+more, so with no receiving thread. Every change of the lists is under ``_mutex``;
+making a pool is under ``_making`` too (two loaders sharing pools receive in two
+threads). No worker waits on the owner, and no thread of numafast's own changes them.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class NodePools:
         self.largest_landed = 0  # the largest batch landed in a worker: what an added pool is sized by
         self.fallbacks: Counter[str] = Counter()
         self.warned: set[str] = set()
-        self.refused = ""  # why the last request for more room was refused
+        self.refused = ""  # why make_room last refused more room
         self._kept_grew = False  # pools were added because the consumer keeps every slot
         # A pool's MemlockWarning, held back to be said at the next batch (_warn_unlocked_pool),
         # and whether that pool was one added for kept batches.
@@ -248,7 +249,35 @@ class NodePools:
             raise
         self._warn_unpinned(message.unpinned)
         self._after_batch()
+        if self.grown:  # the consumer kept batches in this loader's life: it may go on
+            self._grow_ahead(message.nbytes)
         return unpack(message.payload, slot)
+
+    def _grow_ahead(self, nbytes: int) -> None:
+        """Add a pool before the workers run out of free slots, where the consumer keeps
+        batches (it holds two slots or more) and fewer slots are free than the batches in
+        flight: else each pool added for kept batches would be one the owner's copy of a
+        batch that found none free adds, the batches in flight then copied too (~5% of
+        an epoch of kept batches, halving its speed, as bench_loader measured). Never
+        waits for another thread making a pool; an error making it is met again by the
+        copy of a batch that then finds no free slot. (A gone worker's leases, not
+        reclaimed here for a look per batch, count as held: at worst a pool early.)"""
+        fitting = [pool for pool in self.pools if pool.slot_bytes >= nbytes]
+        in_use = sum(pool.in_use for pool in fitting)
+        # Cheap first (no look at each slot): the free slots are at least those neither
+        # held nor leased by the batches in flight.
+        if in_use - self.in_flight < 2 or sum(pool.slots for pool in fitting) - in_use >= 2 * self.in_flight:
+            return
+        counted = self._counted(nbytes)
+        if sum(stats.free for _, stats in counted) >= self.in_flight or self._held(s for _, s in counted) < 2:
+            return
+        if not self._making.acquire(blocking=False):
+            return
+        try:
+            with contextlib.suppress(Exception):
+                self._make_room(nbytes, True, ahead=True)
+        finally:
+            self._making.release()
 
     def _after_batch(self) -> None:
         """In the receiving thread (where the user's warning filters apply): the warning
@@ -346,15 +375,15 @@ class NodePools:
         with self._making:
             return self._make_room(nbytes, more)
 
-    def _make_room(self, nbytes: int, more: bool) -> bool:
-        """make_room, under ``_making``."""
-        if more:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
+    def _make_room(self, nbytes: int, more: bool, *, ahead: bool = False) -> bool:
+        """make_room, under ``_making`` (``ahead``: see :meth:`_grow_ahead`)."""
+        if more and not ahead:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
             for pool in self.pools:
                 pool.reap(wait=True)
         self._reclaim()
         room = self._room()  # read outside the mutex: /proc says which processes live
         with self._mutex:
-            wanted = self._wanted(nbytes, more, room)
+            wanted = self._wanted(nbytes, more, room, ahead=ahead)
             if not isinstance(wanted, tuple):
                 return wanted
         slot_bytes, count, resize = wanted
@@ -393,9 +422,10 @@ class NodePools:
         self._settle_retired()
         return True
 
-    def _wanted(self, nbytes: int, more: bool, room: int) -> tuple[int, int, bool] | bool:
+    def _wanted(self, nbytes: int, more: bool, room: int, *, ahead: bool = False) -> tuple[int, int, bool] | bool:
         """The pool make_room would add, ``(slot_bytes, slots, resize)``, as many slots as fit
-        in ``room`` (0: none), or its answer without one (True: room already). Under the mutex."""
+        in ``room`` (0: none), or its answer without one (True: room already; ``ahead``:
+        another pool though slots are free). Under the mutex."""
         if self.closed:
             return False
         resize = not self.pools or nbytes > self.pools[0].slot_bytes
@@ -403,7 +433,7 @@ class NodePools:
         if resize:
             slot_bytes, wanted = slot_bytes_for(nbytes), self.slots
         # A slot only in flight (a GPU copy still reads it) is free soon: waited for.
-        elif not more or any(stats.free or stats.in_flight for _, stats in self._counted(nbytes)):
+        elif not more or (not ahead and any(stats.free or stats.in_flight for _, stats in self._counted(nbytes))):
             return True
         elif len(self.pools) >= BOARD_ENTRIES:
             return self._refuse(
