@@ -281,6 +281,40 @@ def test_persistent_workers_give_the_same_batches_every_epoch_and_land_them_all(
 
 
 @SEMANTICS
+def test_two_loaders_on_one_node_iterated_together_each_grow_their_own_pools() -> None:
+    """Two loaders on one node, their batches taken in turn: each owner's copy of its own
+    first batches makes its own pools (each loader's board lists only its own), at most
+    prefetch_factor x num_workers first batches each arrive copied, and the second epoch
+    lands; every batch is the stock one."""
+    gc.collect()
+    numafast.torch.close_idle_pools()  # new pools, not a gone loader's taken over (sized by its batches)
+    first_data, second_data = Numbers(24), Numbers(24, size=8192)
+    options = {"batch_size": 2, "num_workers": 2, "shuffle": False}
+    stocks = [list(make_loader(data, **options)) for data in (first_data, second_data)]
+    loaders = [numafast.torch.NumaLoader(make_loader(data, **options, persistent_workers=True), node=NODES[0])
+               for data in (first_data, second_data)]  # fmt: skip
+    assert loaders[0].pools is not loaders[1].pools
+    copied = []
+    for _epoch in range(2):
+        count = 0
+        for count, (one, two) in enumerate(zip(*loaders), 1):  # each checked, then let go
+            assert same(stocks[0][count - 1], one) and same(stocks[1][count - 1], two)
+            assert loaders[0].pools.holds(one["values"].data_ptr()) and loaders[1].pools.holds(two["values"].data_ptr())
+        del one, two
+        assert count == 12
+        copied.append([loader.stats().copied for loader in loaders])
+    # A copy past the first batches: a worker found the 6 slots held (4 in flight, and the
+    # consumer's batch and the one before it, still bound while zip takes the next).
+    for loader, first, second in zip(loaders, *copied):
+        stats = loader.stats()
+        assert set(stats.fallbacks) <= {"first batches", "no free slot"} and stats.unpinned == 0, stats
+        assert 0 < stats.fallbacks["first batches"] <= 2 * 2 and second - first <= 2 * 2, (copied, stats)
+        assert stats.landed + stats.copied == 24 and stats.landed >= 12, stats
+    files = [{pool.share().inode for pool in loader.pools.pools} for loader in loaders]
+    assert files[0] and files[1] and not files[0] & files[1]
+
+
+@SEMANTICS
 def test_in_order_false_gives_the_same_batches() -> None:
     dataset = Numbers(30)
     stock = list(make_loader(dataset, in_order=False, shuffle=False))
@@ -1031,7 +1065,9 @@ def test_a_loader_a_framework_makes_again_from_the_users_arguments_counts_on_the
     batches = list(made)
     assert [batch["index"].tolist() for batch in batches] == [[1, 3, 5, 7], [9, 11, 13, 15]]
     assert made.pools is own.pools and evaluate.pools is not own.pools
-    assert own.stats().batches == made.stats().batches == 2 and own.stats().landed > 0
+    del batches  # the first epoch's batches were copied in, making the pool; the second's land
+    assert [batch["index"].tolist() for batch in made] == [[1, 3, 5, 7], [9, 11, 13, 15]]
+    assert own.stats().batches == made.stats().batches == 4 and own.stats().landed > 0
     again = data._update_dataloader(evaluate, sampler)
     assert again.pools is evaluate.pools and [batch["index"].tolist() for batch in again] == [[1, 3, 5, 7], [9, 11, 13, 15]]
-    assert own.stats().batches == 2 and evaluate.stats().batches == 2
+    assert own.stats().batches == 4 and evaluate.stats().batches == 2
