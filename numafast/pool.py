@@ -624,6 +624,11 @@ class PinnedPool:
         return self._slots.table.count
 
     @property
+    def in_use(self) -> int:
+        """Slots held now (as :attr:`PoolStats.in_use`), without the cost of :meth:`stats`."""
+        return int(self._slots.in_use)
+
+    @property
     def cpus(self) -> tuple[int, ...]:
         """The allowed CPUs nearest the pool's memory: where copies into it should run."""
         return self._cpus

@@ -26,24 +26,15 @@ __all__ = ["BoardHandle", "BoardReader", "PoolHandle", "PoolView", "fault_in", "
 # A board lists at most this many pools (a loader's pools of one slot size, and the
 # ones it is retiring); each entry is a PoolHandle's six fields. The file is a seqlock
 # (src/pool.pxi): its version (odd while the owner writes), then the payload: the
-# number of entries (and, above bit 32, REFUSED), then the entries.
+# number of entries, then the entries.
 BOARD_ENTRIES = 16
 _ENTRY = struct.Struct("6q")
 _COUNT = struct.Struct("q")
 _PAYLOAD_BYTES = _COUNT.size + BOARD_ENTRIES * _ENTRY.size
-# Set beside the count where the owner answered a request for room by refusing it; an
-# answer without it (the same pools) says a slot is free or soon free: look again.
-REFUSED = 1 << 32
 BOARD_BYTES = 8 + _PAYLOAD_BYTES
 # How long a reader waits for a board that the owner is writing at each look: only an
 # owner stopped in the middle of a write (SIGSTOP, a debugger) takes more than microseconds.
 _BOARD_WAIT_S = 5.0
-ASK_AGAIN_S = 30.0  # see BoardReader.unanswered
-# A worker's request for room: the bytes of slot its batch needs, and 1 where it asks for
-# more slots (every one is held); (0, 0) tells the owner's thread the board closed. One
-# write of 16 bytes is atomic on a pipe (under PIPE_BUF): requests never interleave.
-_REQUEST = struct.Struct("2q")
-_CLOSED = _REQUEST.pack(0, 0)
 # madvise(2) advice of Linux 5.14 (uapi asm-generic/mman-common.h, every architecture's
 # value), which the extension does not publish: see fault_in.
 MADV_POPULATE_READ = 22
@@ -65,13 +56,11 @@ class PoolHandle:
 @dataclass(frozen=True)
 class BoardHandle:
     """Where another process finds a :class:`~numafast.pool_owner.PoolBoard` (as :class:`PoolHandle` does a
-    pool): its file, and the pipe that takes the workers' requests for room."""
+    pool): its file."""
 
     owner_pid: int
     fd: int
     inode: int
-    request_fd: int
-    request_inode: int
 
 
 def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
@@ -104,46 +93,10 @@ class BoardReader:
         self.handle = handle
         self.version = -1
         self.views: list[PoolView] = []
-        self.refused = False  # the owner's last answer was a refusal (see REFUSED)
-        self._requests = -1  # the pipe's write end, opened at the first request
-        self._quiet_until = 0.0
-        self._quiet_version = -1  # the board's version when a request went unanswered
 
-    def unanswered(self) -> None:
-        """A request went unanswered (the owner failed to make the pool, or held its GIL):
-        ask again only once the owner publishes, or after ASK_AGAIN_S, so a failing owner
-        costs a wait now and then, not one per batch, and a slow one none once it answers."""
-        self._quiet_until = time.monotonic() + ASK_AGAIN_S
-        self._quiet_version = self.version
-
-    def ask(self, nbytes: int, *, more: bool = False) -> bool:
-        """Ask the owner for slots of ``nbytes`` or more (``more`` of them: every one is
-        held), without blocking (a full pipe holds requests enough). False when not
-        asked: one went unanswered lately, or the pipe cannot be opened here."""
-        if time.monotonic() < self._quiet_until:
-            try:
-                if self._read(self._quiet_version)[0] == self._quiet_version:
-                    return False  # not answered since
-            except OSError:
-                return False
-        try:
-            if self._requests < 0:
-                handle = self.handle
-                self._requests = open_shared_file(handle.owner_pid, handle.request_fd, handle.request_inode,
-                                                  "a loader's request pipe")  # fmt: skip
-                os.set_blocking(self._requests, False)
-            os.write(self._requests, _REQUEST.pack(max(nbytes, 1), int(more)))
-        except BlockingIOError:
-            pass
-        except OSError:
-            self._quiet_until = float("inf")
-            return False
-        return True
-
-    def _read(self, known: int | None = None) -> tuple[int, list[PoolHandle] | None, bool]:
-        """The board's version, its entries (None while the version is still ``known``,
-        default: this reader's) and whether it answers with a refusal; OSError when the
-        owner stays mid-write _BOARD_WAIT_S."""
+    def _read(self, known: int | None = None) -> tuple[int, list[PoolHandle] | None]:
+        """The board's version and its entries (None while the version is still ``known``,
+        default: this reader's); OSError when the owner stays mid-write _BOARD_WAIT_S."""
         known = self.version if known is None else known
         deadline = None
         while True:
@@ -158,17 +111,16 @@ class BoardReader:
                 time.sleep(0.0001)
                 continue
             if payload is None:
-                return version, None, self.refused
-            word = _COUNT.unpack_from(payload)[0]
-            count = min(word & (REFUSED - 1), BOARD_ENTRIES)
+                return version, None
+            count = min(_COUNT.unpack_from(payload)[0], BOARD_ENTRIES)
             entries = [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
-            return version, entries, bool(word & REFUSED)
+            return version, entries
 
     def pools(self) -> list[PoolView]:
         """The pools listed now, each mapped once and let go once delisted; OSError when one
         cannot be mapped here (unless the owner let it go and published since: read again)."""
         while True:
-            version, entries, refused = self._read()
+            version, entries = self._read()
             if entries is None:
                 return self.views
             known = {view.handle: view for view in self.views}
@@ -182,7 +134,7 @@ class BoardReader:
             for handle, view in known.items():
                 if handle not in entries:
                     view.close()
-            self.version, self.refused = version, refused
+            self.version = version
             return views
 
 
@@ -207,7 +159,7 @@ class PoolView:
 
     def lease(self) -> tuple[int, int] | None:
         """A free slot leased to this process, ``(index, generation)``; None when every one
-        is taken (never waits: see :meth:`BoardReader.ask`)."""
+        is taken (never waits: the batch then goes the copying way, and the owner makes room)."""
         return self.table.claim(_process.started())
 
     def slot(self, index: int) -> memoryview:

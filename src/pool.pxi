@@ -292,7 +292,7 @@ cdef class SlotTable:
     def claim(self, uint64_t started):
         """Lease a free slot to this process (a worker started at ``started``, in clock
         ticks after boot): ``(index, generation)``, or None when none is free. Never
-        waits: the worker asks its owner for more (BoardReader.ask)."""
+        waits: the worker sends its batch the copying way, and the owner makes room."""
         cdef uint64_t generation = 0
         cdef Py_ssize_t index
         if self._unmapped():
@@ -718,7 +718,7 @@ cdef int _settle_pending(void *pool) noexcept with gil:
 
 # ---------------------------------------------------------------- a seqlock in shared memory
 #
-# The pool board (numafast.pool_share), a shared file its owner rewrites and workers
+# The pool board (numafast.pool_owner), a shared file its owner rewrites and workers
 # read at every batch: word 0 a sequence number, the payload after it. A reader must
 # never take a half-written payload, nor the new sequence with old words: a weakly
 # ordered CPU (Arm) may make plain stores visible to another CPU in any order, and

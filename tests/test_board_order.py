@@ -77,7 +77,7 @@ def read_board(reader: BoardReader, seconds: float) -> tuple[int, int, int]:
     fresh = wrong = backwards = 0
     start = time.monotonic()
     while (now := time.monotonic()) < start + seconds or fresh < FRESH and now < start + LIMIT_S:
-        version, entries, _refused = reader._read()
+        version, entries = reader._read()
         if version == reader.version:
             continue
         fresh += 1

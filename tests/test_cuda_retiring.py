@@ -54,33 +54,27 @@ def one_by_one(batches: Iterator[Any]) -> Iterator[tuple[int, Any]]:
         number += 1
 
 
-def wait_for(condition: Callable[[], bool], seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time given"
-        time.sleep(0.01)
-
-
 @SEMANTICS
 def test_batches_of_a_pool_retired_by_a_larger_batch_are_named_to_the_copy_stream() -> None:
     """The loader with ``device=`` calls record_stream for every batch it copies. A batch
-    3x the first retires the pool while the batches before it are still queued: each of
-    those must be accepted (here the pools are not registered, so nothing is recorded)."""
+    3x the first retires the pool (the owner resizes it as it copies that batch in) while
+    a batch of that pool is still held: it must be accepted (here the pools are not
+    registered, so nothing is recorded)."""
     loader = numafast.torch.NumaLoader(Varying(), batch_size=BATCH, num_workers=2, lock="off")
     no_stream = object()  # what the loader passes is its side stream; unregistered pools never use it
-    batches = iter(loader)
-    from_retired = 0
-    for number, batch in one_by_one(batches):
-        if number == 0:  # the workers go on to the large batches meanwhile
-            wait_for(lambda: loader.pools.resized >= 1)
-        pool = numafast.pool.pool_of(batch.data_ptr())
-        from_retired += pool is not None and pool.closed
-        assert numafast.torch.record_stream(batch, no_stream) == 0  # old code: PoolClosedError
+    held = None
+    for number, batch in one_by_one(iter(loader)):
         assert batch[:, 0].tolist() == expected(number)
         assert all(bool((row == row[0]).all()) for row in batch)
-        del batch, pool
-    assert from_retired >= 1, "no batch came from a retired pool: the case was not met"
-    assert loader.stats().batches == 12
+        assert numafast.torch.record_stream(batch, no_stream) == 0
+        if number == LARGE_FROM - 1:
+            held = batch  # the last small batch, held past the first large one
+    assert loader.pools.resized >= 1 and held is not None and loader.stats().batches == 12
+    pool = numafast.pool.pool_of(held.data_ptr())
+    assert pool is not None and pool.closed, "the held batch's pool was not retired: the case was not met"
+    assert numafast.torch.record_stream(held, no_stream) == 0  # old code: PoolClosedError
+    assert held[:, 0].tolist() == expected(LARGE_FROM - 1)
+    del held, pool
 
 
 @SEMANTICS
@@ -98,8 +92,6 @@ def test_a_closed_pool_takes_record_stream_for_its_slots_until_released() -> Non
 def test_with_a_device_batches_of_varying_size_all_arrive_on_it() -> None:
     loader = numafast.torch.NumaLoader(Varying(), batch_size=BATCH, num_workers=2, device="cuda")
     for number, batch in one_by_one(iter(loader)):
-        if number == 0:
-            wait_for(lambda: loader.pools.resized >= 1)
         assert batch.device.type == "cuda"
         assert batch[:, 0].tolist() == expected(number)
         assert bool((batch == batch[:, :1]).all())

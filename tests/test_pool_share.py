@@ -13,6 +13,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -315,85 +316,61 @@ def test_the_board_tells_running_processes_about_new_pools() -> None:
     board.close()
 
 
-def test_workers_ask_for_room_and_the_owners_thread_answers_until_the_board_closes() -> None:
-    """Forked workers ask for slots of different sizes through the board's pipe; the
-    owner's serving thread is called with each request and publishes a pool that
-    fits, which the workers see. A forked child's close leaves the owner's thread
-    serving; the owner's close ends it and closes the read end."""
+def test_the_board_is_one_file_only_its_owner_writes_and_a_worker_with_no_free_slot_never_waits() -> None:
+    """The board is the only channel between owner and workers (its handle names one
+    file, no pipe), and no thread of numafast's serves it. A forked worker sees the pools
+    the owner publishes (none, then one, then a larger one: what copying its batches in
+    made) at its next read; with every slot leased, its lease returns None at once, not
+    after a wait. A child's close leaves the owner's board open; the owner's closes it."""
+    threads = {thread.name for thread in threading.enumerate()}
     board = PoolBoard()
-    asked: list[tuple[int, bool]] = []
-    pools: list[numafast.PinnedPool] = []
+    assert list(vars(board.handle())) == ["owner_pid", "fd", "inode"]
+    assert {thread.name for thread in threading.enumerate()} == threads
+    with numafast.PinnedPool(NODES[0], MIB, 1) as small, numafast.PinnedPool(NODES[0], 2 * MIB, 1) as large:
+        answer_read, answer_write = os.pipe()
+        go_read, go_write = os.pipe()
 
-    def make_room(nbytes: int, more: bool) -> None:
-        asked.append((nbytes, more))
-        pools.append(numafast.PinnedPool(NODES[0], nbytes, 1, prefault=False))
-        board.publish([pool.share() for pool in pools])
+        def worker() -> int:
+            reader = BoardReader(board.handle())
+            seen = [[view.handle.slot_bytes for view in reader.pools()]]
+            os.write(answer_write, b"x")
+            os.read(go_read, 1)  # the owner publishes one pool
+            views = reader.pools()
+            seen.append([view.handle.slot_bytes for view in views])
+            start = time.monotonic()
+            leases = [views[0].lease(), views[0].lease()]
+            waited = time.monotonic() - start
+            os.write(answer_write, b"x")
+            os.read(go_read, 1)  # the owner resizes: the larger pool replaces it
+            seen.append([view.handle.slot_bytes for view in reader.pools()])
+            with pytest.raises(RuntimeError, match="a forked child cannot publish"):
+                board.publish([])
+            board.close()  # the child's copy only
+            ok = leases[0] is not None and leases[1] is None and waited < 0.1
+            return 0 if ok and seen == [[], [MIB], [2 * MIB]] else 1
 
-    server = board.serve_requests(make_room, "test server")
-
-    def worker(nbytes: int, more: bool = False) -> int:
-        reader = BoardReader(board.handle())
-        reader.ask(nbytes, more=more)
-        for _ in range(5000):
-            if any(view.handle.slot_bytes >= nbytes for view in reader.pools()):
-                return 0
-            time.sleep(0.001)
-        return 1
-
-    assert in_child(lambda: worker(MIB)) == 0
-    assert in_child(lambda: worker(3 * MIB)) == 0
-    assert in_child(lambda: board.close() or 0) == 0  # a child's copy: closes its own descriptors only
-    assert in_child(lambda: worker(3 * MIB, more=True)) == 0  # answered at once: a pool fits already
-    deadline = time.monotonic() + 5
-    while len(asked) < 3 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert asked == [(MIB, False), (3 * MIB, False), (3 * MIB, True)] and server.is_alive()  # the owner still reads requests
-    requests = board.requests
-    board.close()
-    server.join(5)
-    assert not server.is_alive()
-    with pytest.raises(OSError):
-        os.fstat(requests)
-    for pool in pools:
-        pool.close()
-
-
-def test_an_unanswered_worker_asks_again_once_the_owner_publishes_and_tells_refusal_from_room() -> None:
-    """A request the owner answered late quiets the worker only until the owner publishes
-    (not ASK_AGAIN_S, 30 s, of batches copied by the main process); and the board tells a
-    refusal from "a slot is free or soon free" (the same pools either way)."""
-    board = PoolBoard()
-    with numafast.PinnedPool(NODES[0], MIB, 1) as pool:
-        board.publish([pool.share()])
-        reader = BoardReader(board.handle())
-        assert [view.handle for view in reader.pools()] == [pool.share()]
-        assert reader.ask(MIB, more=True)  # nobody serves: unanswered
-        reader.unanswered()
-        assert not reader.ask(MIB, more=True)  # quiet, the board unchanged
-        board.publish([pool.share()])  # the owner's (late) answer
-        assert reader.ask(MIB, more=True)
-        reader.pools()
-        assert not reader.refused
-        board.publish([pool.share()], refused=True)
-        assert [view.handle for view in reader.pools()] == [pool.share()] and reader.refused
-        reader.views.clear()
-    board.close()
-
-
-def test_a_board_closed_before_its_serving_thread_runs_leaves_no_descriptor_to_it() -> None:
-    """The thread owns the read end from the moment it is asked for: a board closed at
-    once (before the thread has read anything) ends it with the closing request, and
-    no descriptor of the board is left open, nor closed twice."""
-    for _ in range(20):
-        board = PoolBoard()
-        fds = [board.fd, board.request_fd, board.requests]
-        server = board.serve_requests(lambda nbytes, more: None, "test server")
+        pid = os.fork()
+        if pid == 0:
+            code = 70
+            try:
+                code = worker()
+            finally:
+                os._exit(code)
+        os.read(answer_read, 1)
+        board.publish([small.share()])
+        os.write(go_write, b"x")
+        os.read(answer_read, 1)
+        board.publish([large.share()])
+        os.write(go_write, b"x")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        fd = board.fd
+        os.fstat(fd)  # still open here after the child's close
         board.close()
-        server.join(5)
-        assert not server.is_alive()
-        for fd in fds:
-            with pytest.raises(OSError):
-                os.fstat(fd)
+        with pytest.raises(OSError):
+            os.fstat(fd)
+        for end in (answer_read, answer_write, go_read, go_write):
+            os.close(end)
 
 
 @pytest.mark.numa(nodes=4)

@@ -237,13 +237,13 @@ def test_once_cuda_is_initialised_the_current_device_wins_over_local_rank_with_a
 
 @SEMANTICS
 @STAND_IN_DEVICE_1
-def test_pools_no_loader_iteration_settled_take_the_receiving_threads_device_never_the_serving_threads(
+def test_pools_no_loader_iteration_settled_take_the_receiving_threads_device(
     monkeypatch: pytest.MonkeyPatch, no_launcher: None
 ) -> None:
     """A framework's DataLoader over numafast's collate function (no NumaLoader.__iter__ to
-    settle the device): the workers ask the serving thread for a pool first, whose current
-    device is 0 whatever the rank uses. The device is settled in the thread that receives
-    the batches, the current one there (here 1), and every batch arrives."""
+    settle the device): pools are made only in the thread that receives the batches (no
+    other thread, whose current device would be 0 whatever the rank uses), so the device
+    is settled there, the current one (here 1), and every batch arrives."""
     state = standing_in(monkeypatch, CudaState(2, initialized=True, current=1))
     own = numafast.torch.NumaLoader(Samples(), batch_size=2, num_workers=2)
     made = torch.utils.data.DataLoader(own.dataset, batch_size=2, num_workers=2, collate_fn=own.collate_fn)

@@ -199,10 +199,13 @@ def test_yields_the_stock_loaders_batches_in_order_landed_on_the_node(workers: i
     assert held_in_pools(loader, ours)
     assert all(pages_mlocked(batch["values"].data_ptr(), batch["values"].nbytes) for batch in ours)
     stats = loader.stats()
-    # Every batch, the first ones too (their worker asked for a pool that fits them), was
-    # collated in a slot by the process that made it, or copied when the consumer held every slot.
+    # Every batch was collated in a slot by the process that made it, or copied: the first
+    # ones (no pool yet: at most the prefetch_factor x num_workers the DataLoader has in
+    # flight before the owner copied the first in and made the pool), and those that found
+    # every slot held while the consumer kept them (copying them in grew the pools).
     assert stats.batches == 14 and stats.landed + stats.copied == 14 and stats.landed > 0
-    assert set(stats.fallbacks) <= {"no free slot"}, stats
+    assert set(stats.fallbacks) <= {"first batches", "no free slot"}, stats
+    assert stats.fallbacks.get("first batches", 0) <= 2 * workers, stats
     del ours
     gc.collect()
     assert sum(pool.in_use + pool.leased for pool in loader.stats().pools) == 0
@@ -212,10 +215,12 @@ def test_yields_the_stock_loaders_batches_in_order_landed_on_the_node(workers: i
 def test_landed_batches_copy_nothing_and_make_no_shared_memory_files() -> None:
     dataset = Numbers(48, size=16384)
     loader = numafast.torch.NumaLoader(make_loader(dataset, batch_size=4, num_workers=2), node=NODES[0], slots=16)
-    list(loader)  # the first epoch maps the pool in the workers
+    list(loader)  # the first epoch: its first batches, copied in, make the pool
+    first = loader.stats()
+    assert set(first.fallbacks) == {"first batches"} and 0 < first.copied <= 2 * 2, first  # prefetch x workers
     before = set(shared_memory_mappings())
     ours = list(loader)
-    assert loader.stats().bytes_copied == loader.stats().copied == 0  # the first batches too
+    assert loader.stats().bytes_copied == first.bytes_copied and loader.stats().copied == first.copied  # all landed
     assert held_in_pools(loader, ours) and set(shared_memory_mappings()) <= before
     stock_loader = make_loader(dataset, batch_size=4, num_workers=2)
     list(stock_loader)
@@ -260,11 +265,53 @@ def test_persistent_workers_give_the_same_batches_every_epoch_and_land_them_all(
     stock = DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True)
     loader = numafast.torch.NumaLoader(DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True))
     expected = list(stock)
+    copied = []
     for _epoch in range(3):
-        assert all(map(same, expected, list(loader)))
+        count = 0
+        for count, batch in enumerate(loader, 1):  # each checked, then let go, as a training loop does
+            assert same(expected[count - 1], batch)
+        del batch
+        assert count == len(expected)
+        copied.append(loader.stats().copied)
     stats = loader.stats()
-    # The workers started before any pool existed; the pool reached them without a restart.
-    assert stats.landed >= 2 * len(expected), stats
+    # The workers started before any pool existed; the pool the owner made as it copied in
+    # their first batches (at most prefetch_factor x num_workers) reached them without a restart.
+    assert 0 < copied[0] <= 2 * 2 and copied[0] == copied[2] == stats.copied, (copied, stats)
+    assert set(stats.fallbacks) == {"first batches"} and stats.landed == 3 * len(expected) - copied[0], stats
+
+
+@SEMANTICS
+def test_two_loaders_on_one_node_iterated_together_each_grow_their_own_pools() -> None:
+    """Two loaders on one node, their batches taken in turn: each owner's copy of its own
+    first batches makes its own pools (each loader's board lists only its own), at most
+    prefetch_factor x num_workers first batches each arrive copied, and the second epoch
+    lands; every batch is the stock one."""
+    gc.collect()
+    numafast.torch.close_idle_pools()  # new pools, not a gone loader's taken over (sized by its batches)
+    first_data, second_data = Numbers(24), Numbers(24, size=8192)
+    options = {"batch_size": 2, "num_workers": 2, "shuffle": False}
+    stocks = [list(make_loader(data, **options)) for data in (first_data, second_data)]
+    loaders = [numafast.torch.NumaLoader(make_loader(data, **options, persistent_workers=True), node=NODES[0])
+               for data in (first_data, second_data)]  # fmt: skip
+    assert loaders[0].pools is not loaders[1].pools
+    copied = []
+    for _epoch in range(2):
+        count = 0
+        for count, (one, two) in enumerate(zip(*loaders), 1):  # each checked, then let go
+            assert same(stocks[0][count - 1], one) and same(stocks[1][count - 1], two)
+            assert loaders[0].pools.holds(one["values"].data_ptr()) and loaders[1].pools.holds(two["values"].data_ptr())
+        del one, two
+        assert count == 12
+        copied.append([loader.stats().copied for loader in loaders])
+    # A copy past the first batches: a worker found the 6 slots held (4 in flight, and the
+    # consumer's batch and the one before it, still bound while zip takes the next).
+    for loader, first, second in zip(loaders, *copied):
+        stats = loader.stats()
+        assert set(stats.fallbacks) <= {"first batches", "no free slot"} and stats.unpinned == 0, stats
+        assert 0 < stats.fallbacks["first batches"] <= 2 * 2 and second - first <= 2 * 2, (copied, stats)
+        assert stats.landed + stats.copied == 24 and stats.landed >= 12, stats
+    files = [{pool.share().inode for pool in loader.pools.pools} for loader in loaders]
+    assert files[0] and files[1] and not files[0] & files[1]
 
 
 @SEMANTICS
@@ -285,10 +332,17 @@ def test_spawned_workers_map_the_pool_and_land_batches(context: str) -> None:
     options = {"batch_size": 2, "num_workers": 1, "multiprocessing_context": context, "persistent_workers": True}
     stock = list(DataLoader(dataset, **options))
     loader = numafast.torch.NumaLoader(DataLoader(dataset, **options))
+    copied = []
     for _epoch in range(2):
-        assert all(map(same, stock, list(loader)))
-    stats = loader.stats()  # the pool and its request pipe reached through /proc/PID/fd of this process
-    assert stats.landed >= len(stock) and "first batches" not in stats.fallbacks, stats
+        count = 0
+        for count, batch in enumerate(loader, 1):  # each checked, then let go
+            assert same(stock[count - 1], batch)
+        del batch
+        assert count == len(stock)
+        copied.append(loader.stats().copied)
+    stats = loader.stats()  # the pool reached through /proc/PID/fd of this process, once made by the owner
+    assert 0 < copied[0] <= 2 and copied[1] == copied[0], (copied, stats)  # prefetch_factor x num_workers
+    assert set(stats.fallbacks) == {"first batches"} and stats.landed == 2 * len(stock) - copied[0], stats
 
 
 def failing_init(worker_id: int) -> None:
@@ -380,8 +434,11 @@ def test_a_consumer_keeping_more_batches_than_slots_never_hangs() -> None:
         warnings.simplefilter("always")
         ours = list(loader)
     assert all(map(same, stock, ours))
-    stats = loader.stats()  # a worker that found every slot held asked for more: a pool was added
-    assert stats.copied == 0 and loader.pools.grown > 0 and all(loader.pools.holds(b["values"].data_ptr()) for b in ours)
+    # A worker that found every slot held sent its batch the copying way; copying it in added a pool.
+    stats = loader.stats()
+    assert set(stats.fallbacks) <= {"first batches", "no free slot"} and stats.unpinned == 0, stats
+    assert stats.landed > stats.copied and loader.pools.grown > 0, stats
+    assert all(loader.pools.holds(b["values"].data_ptr()) for b in ours)
     ours_said = [str(warning.message) for warning in caught if "numafast" in str(warning.message)]
     assert len(ours_said) == 1 and "keeps tensors of" in ours_said[0] and ".clone()" in ours_said[0], ours_said
 
@@ -483,7 +540,9 @@ def stack_collate(samples: list[Any]) -> Any:
 
 @SEMANTICS
 @pytest.mark.parametrize("collate_fn", [None, stack_collate])
-def test_batches_that_outgrow_the_slots_land_in_larger_ones_with_nothing_copied(collate_fn: Any) -> None:
+def test_batches_that_outgrow_the_slots_of_a_first_epoch_reach_the_consumer_whole(collate_fn: Any) -> None:
+    """Every batch larger than all before it, every one in flight before the first
+    arrives: each is copied in (no pool yet, or too small), the owner resizing the pool."""
     options = {"batch_size": 3, "num_workers": 2, "collate_fn": collate_fn}
     stock = list(DataLoader(Growing(), **options))
     loader = numafast.torch.NumaLoader(DataLoader(Growing(), **options), slots=8)
@@ -491,8 +550,58 @@ def test_batches_that_outgrow_the_slots_land_in_larger_ones_with_nothing_copied(
         warnings.simplefilter("always")
         ours = list(loader)
     assert all(map(same, stock, ours)) and all(loader.pools.holds(batch.data_ptr()) for batch in ours)
-    stats = loader.stats()  # each worker asked for larger slots before it collated
-    assert stats.landed == 4 and stats.copied == 0 and loader.pools.resized >= 1, stats
+    stats = loader.stats()
+    assert stats.landed + stats.copied == 4 and stats.unpinned == 0 and loader.pools.resized >= 1, stats
+    assert set(stats.fallbacks) <= {"first batches", "batch larger than a slot"}, stats
+    assert not [warning for warning in caught if "numafast" in str(warning.message)]
+
+
+class Resized(torch.utils.data.Sampler):  # type: ignore[type-arg]
+    """Batches of 8 indices, then, from batch 12 on, of ``8 x factor``: the batch size grows mid-epoch."""
+
+    def __init__(self, factor: float) -> None:
+        self.later = round(8 * factor)
+
+    def __iter__(self) -> Any:
+        start = 0
+        for number in range(24):
+            size = 8 if number < 12 else self.later
+            yield list(range(start, start + size))
+            start += size
+
+    def __len__(self) -> int:
+        return 24
+
+
+@SEMANTICS
+@pytest.mark.parametrize("collate_fn", [None, stack_collate])
+@pytest.mark.parametrize("factor", [1.25, 3])
+def test_a_batch_size_growing_mid_epoch_lands_once_the_owner_resized_the_pools(factor: float, collate_fn: Any) -> None:
+    """The batch size grows 1.25x (within a slot's headroom: it may land as it is) or 3x
+    (the slots are too small: copied in, the owner resizes the pool) mid-epoch: every
+    batch reaches the consumer whole, in a slot; only those in flight when the size grew
+    (prefetch_factor x num_workers) are copied, without a word; every later one lands."""
+    dataset = [torch.full((2048,), float(index)) for index in range(12 * 8 + 12 * round(8 * factor))]
+    options = {"batch_sampler": Resized(factor), "num_workers": 2, "collate_fn": collate_fn}
+    loader = numafast.torch.NumaLoader(DataLoader(dataset, **options), slots=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        count, start, copied_before = 0, 0, 0
+        for count, batch in enumerate(loader, 1):  # each checked by content, then let go
+            size = 8 if count <= 12 else round(8 * factor)
+            expected = torch.arange(start, start + size, dtype=torch.float32)
+            assert batch.shape == (size, 2048) and torch.equal(batch[:, 0], expected) and torch.equal(batch[:, -1], expected)
+            assert loader.pools.holds(batch.data_ptr())
+            start += size
+            if count == 12:
+                copied_before = loader.stats().copied
+        del batch
+    stats = loader.stats()
+    assert count == 24 and stats.batches == 24 and stats.unpinned == 0, stats
+    assert set(stats.fallbacks) <= {"first batches", "batch larger than a slot"}, stats
+    assert stats.fallbacks.get("first batches", 0) <= 2 * 2 and stats.copied - copied_before <= 2 * 2, stats
+    if factor == 3:
+        assert loader.pools.resized >= 1 and stats.fallbacks.get("batch larger than a slot", 0) >= 1, stats
     assert not [warning for warning in caught if "numafast" in str(warning.message)]
 
 
@@ -892,9 +1001,11 @@ def check_placement(node: int, *, workers: int) -> None:
     mine = os.sched_getaffinity(0)
     loader = DataLoader(Numbers(12, size=4096), batch_size=2, num_workers=workers, worker_init_fn=set_marker)
     wrapped = numafast.torch.NumaLoader(loader, node=node, lock="best-effort")  # locked (auto: only with a GPU)
-    for _batch in wrapped:  # the first epoch sizes the pool
+    for _batch in wrapped:  # the first epoch: its first batches, copied in, size the pool
         pass
     del _batch
+    first = wrapped.stats().copied
+    assert 0 < first <= 2 * workers  # at most the batches in flight before the first arrived
     before = set(shared_memory_mappings())
     count = 0
     for batch in wrapped:  # each checked, then let go, as a training loop does
@@ -912,7 +1023,7 @@ def check_placement(node: int, *, workers: int) -> None:
     assert os.sched_getaffinity(0) == mine  # iter() forked the workers inside the node's scope, then left it
     assert count == 6 and loader.worker_init_fn is set_marker  # put back once the workers started
     stats = wrapped.stats()
-    assert stats.batches == 12 and stats.copied == 0, stats  # the first batches too: their workers asked for the pool
+    assert stats.batches == 12 and stats.copied == first, stats  # the second epoch's every batch landed
 
 
 def _per_sample(collated_cpus: Any) -> list[list[int]]:
@@ -954,7 +1065,9 @@ def test_a_loader_a_framework_makes_again_from_the_users_arguments_counts_on_the
     batches = list(made)
     assert [batch["index"].tolist() for batch in batches] == [[1, 3, 5, 7], [9, 11, 13, 15]]
     assert made.pools is own.pools and evaluate.pools is not own.pools
-    assert own.stats().batches == made.stats().batches == 2 and own.stats().landed > 0
+    del batches  # the first epoch's batches were copied in, making the pool; the second's land
+    assert [batch["index"].tolist() for batch in made] == [[1, 3, 5, 7], [9, 11, 13, 15]]
+    assert own.stats().batches == made.stats().batches == 4 and own.stats().landed > 0
     again = data._update_dataloader(evaluate, sampler)
     assert again.pools is evaluate.pools and [batch["index"].tolist() for batch in again] == [[1, 3, 5, 7], [9, 11, 13, 15]]
-    assert own.stats().batches == 2 and evaluate.stats().batches == 2
+    assert own.stats().batches == 4 and evaluate.stats().batches == 2

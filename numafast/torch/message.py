@@ -52,20 +52,18 @@ class FallbackReason(str, Enum):
     """Why a batch did not land in a slot in its worker and was copied by the main process."""
 
     FIRST_BATCHES = "first batches"
-    """No pool yet, and none came in time for the worker that asked for one, or the
-    batch has no bytes to lay out (no warning)."""
+    """No pool yet: the owner's copy of the batch makes the first one (no warning)."""
     NO_FREE_SLOT = "no free slot"
     """Every slot was held (by batches the consumer keeps, queued ones, copies to the
-    GPU), and no more came in time for the worker that asked for them."""
+    GPU): the owner's copy of the batch adds a pool (no warning of its own)."""
     TOO_LARGE = "batch larger than a slot"
-    """No larger slots came in time for the worker that asked: the main process resizes
-    the pool to the batch."""
+    """The batch fits no slot: the owner's copy of it resizes the pool (no warning)."""
     CANNOT_MAP = "worker cannot map the pool"
     """The worker could not open the pool's file (another user's process, a sandbox)."""
     NO_ROOM = "no room for more pinned slots"
-    """Every slot was held and the owner refused more: past ``max_pinned_bytes``, or the
-    board lists as many pools as it can. The batch reaches the consumer as the
-    DataLoader made it, unpinned (counted in ``unpinned``, not copied)."""
+    """Not sent by workers: what the owner's warning about batches handed over unpinned
+    is said under (past ``max_pinned_bytes``, or the board lists as many pools as it
+    can), counted in ``unpinned``, not copied."""
     BYPASSED = "collate bypassed"
     """The batch came from a loader whose workers do not run numafast's collate (its
     settings live where numafast cannot reach them)."""

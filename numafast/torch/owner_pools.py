@@ -3,13 +3,25 @@ It makes room for the workers' batches, turns each worker's message into its bat
 over the slot, and copies in the batches that did not land.
 
 Neither a batch's size nor how many batches the consumer keeps is known before the
-first batch, so workers ask for room (:meth:`NodePools.make_room`, on a thread serving
-the board): the first batch sizes the first pool, a larger batch gets a pool of larger
-slots, and when the consumer keeps every slot another pool is added at once rather
-than waiting for a slot that would never come back; all within the node's pinned budget
-that every numafast process there shares, and ``max_pinned_bytes`` where given, past
-which batches arrive unpinned. Idle pools outlive their loader for the next one
-on the node (:mod:`numafast.torch.owner_process_pools`).
+first batch, so the pools grow as batches arrive, and only here, in the thread that
+receives them (:meth:`NodePools.make_room`): a worker whose batch finds no free slot
+that fits sends it the copying way, and copying it in makes the room. The first batch
+sizes the first pool, a larger batch gets a pool of larger slots, and when the
+consumer keeps every slot another pool is added at once rather than waiting for a slot
+that would never come back; all within the node's pinned budget that every numafast
+process there shares, and ``max_pinned_bytes`` where given, past which batches arrive
+unpinned. The board publishes each change; workers see it at their next batch.
+Idle pools outlive their loader for the next one on the node
+(:mod:`numafast.torch.owner_process_pools`).
+
+NOTE: who changes these pools. The receiving thread (the consumer's, or PyTorch's pin
+thread) makes, resizes and publishes them; besides it only the user's thread does:
+shrinking them (stats(), iter(), and every SHRINK_EVERY batches of any loader of the
+process, in that loader's receiving thread: shrink_all) and closing them. Lifecycle
+calls (a gone loader's let_go, close_idle_pools) act only on pools no loader uses any
+more, so with no receiving thread. Every change of the lists is under ``_mutex``;
+making a pool is under ``_making`` too (two loaders sharing pools receive in two
+threads). No worker waits on the owner, and no thread of numafast's own changes them.
 """
 
 from __future__ import annotations
@@ -60,9 +72,6 @@ Batch = TypeVar("Batch")
 # a multiple of this (every loader's pools: see owner_process_pools.shrink_all), and at
 # stats(), iter() and when its loader is gone: a look at each pool's counters.
 SHRINK_EVERY = 8
-# How long a copy in the receiving thread waits for a pool another thread is making (a
-# registered one is faulted in whole, seconds per GiB) before its batch goes unpinned.
-MAKING_WAIT_S = 1.0
 # How often a copy in this process tries for a slot when the new ones it made room for
 # are taken by workers first.
 _ACQUIRE_ATTEMPTS = 4
@@ -70,13 +79,12 @@ _ACQUIRE_ATTEMPTS = 4
 _owner_ids = itertools.count(1)
 POOL_FILE = f"/memfd:{MEMFD_PREFIX}"  # how /proc/PID/maps names a pool's file
 
+# The copies said once, each with its fix. The others are how the pools grow, counted
+# only: the first batches (no pool yet), a batch that fits no slot (the copy resizes
+# the pool), one that found every slot held (the copy adds a pool; the kept-batches
+# warning, or the unpinned one past max_pinned_bytes, says why where something is
+# wrong), or a gone iterator's (iter() called again with batches unread).
 _FIXES = {
-    FallbackReason.NO_FREE_SLOT: "every slot was held and none came free for the worker: the loader's pool thread "
-    "answered that one was free or soon free (another worker took it first, or a GPU copy still read it), or did not "
-    "answer within a second (the main process held the interpreter lock that long, or making the pool failed: the "
-    "copy here meets that error)",
-    FallbackReason.TOO_LARGE: "the batch was larger than a slot ({slot_bytes} bytes); the pool was resized to "
-    "fit it. If batch sizes vary, the first batches should be the largest",
     FallbackReason.CANNOT_MAP: "{detail}. Its batches are copied by the main process instead; use the fork "
     "start method, or let the workers read the main process's /proc/PID/fd",
     FallbackReason.BYPASSED: "{detail}",
@@ -108,8 +116,7 @@ class LoaderStats:
     """The counters of the pools in use now (retiring ones not included)."""
     unpinned: int = 0
     """Batches handed over as the DataLoader made them: no room for more pinned slots
-    (``max_pinned_bytes``, the node's budget, or the board's limit on pools), or none yet
-    (a pool another thread was making for a second, registering it with CUDA)."""
+    (``max_pinned_bytes``, the node's budget, or the board's limit on pools)."""
     held: int = 0
     """Slots whose batches the consumer holds now (``targets.append(y)`` keeps ``y``'s
     whole slot): the slots in use beyond those of the batches the DataLoader may hold
@@ -163,10 +170,9 @@ class NodePools:
         self._by_inode: dict[int, PinnedPool] = {}
         self._inodes_made: set[int] = set()  # of every pool made here, for mapped_by_workers
         self._senders: set[int] = set()  # the pids of the workers whose batches landed
-        self._server: threading.Thread | None = None  # makes the pools workers ask for
-        self._server_mutex = threading.Lock()
         # Taken by the receive of every batch: held for bookkeeping only, never while a
-        # pool is faulted in, registered or released. _making: one pool is made at a time.
+        # pool is faulted in, registered or released. _making: one pool is made at a time
+        # (two loaders sharing these pools receive in two threads).
         self._mutex = _Mutex()
         self._making = threading.Lock()
         receivers[self.owner_id] = self
@@ -182,7 +188,7 @@ class NodePools:
         self.largest_landed = 0  # the largest batch landed in a worker: what an added pool is sized by
         self.fallbacks: Counter[str] = Counter()
         self.warned: set[str] = set()
-        self.refused = ""  # why the last request for more room was refused
+        self.refused = ""  # why make_room last refused more room
         self._kept_grew = False  # pools were added because the consumer keeps every slot
         # A pool's MemlockWarning, held back to be said at the next batch (_warn_unlocked_pool),
         # and whether that pool was one added for kept batches.
@@ -204,12 +210,6 @@ class NodePools:
         """``user`` (a loader's collate function) lands its batches here: the pools stay
         while it lives, and go idle once none is left."""
         owner_process_pools.use(self)
-        # Not under owner_process_pools' mutex: Thread.start() waits for the new thread, in which
-        # the garbage collector may run a gone loader's let_go, which takes that mutex.
-        with self._server_mutex:
-            if self._server is None:
-                make_room = functools.partial(_make_room_in, weakref.ref(self))
-                self._server = self.board.serve_requests(make_room, f"numafast pools, node {self.node}")
         # Not at interpreter exit: the pools close then anyway, and modules are going away.
         weakref.finalize(user, owner_process_pools.let_go, self).atexit = False
 
@@ -249,7 +249,35 @@ class NodePools:
             raise
         self._warn_unpinned(message.unpinned)
         self._after_batch()
+        if self.grown:  # the consumer kept batches in this loader's life: it may go on
+            self._grow_ahead(message.nbytes)
         return unpack(message.payload, slot)
+
+    def _grow_ahead(self, nbytes: int) -> None:
+        """Add a pool before the workers run out of free slots, where the consumer keeps
+        batches (it holds two slots or more) and fewer slots are free than the batches in
+        flight: else each pool added for kept batches would be one the owner's copy of a
+        batch that found none free adds, the batches in flight then copied too (~5% of
+        an epoch of kept batches, halving its speed, as bench_loader measured). Never
+        waits for another thread making a pool; an error making it is met again by the
+        copy of a batch that then finds no free slot. (A gone worker's leases, not
+        reclaimed here for a look per batch, count as held: at worst a pool early.)"""
+        fitting = [pool for pool in self.pools if pool.slot_bytes >= nbytes]
+        in_use = sum(pool.in_use for pool in fitting)
+        # Cheap first (no look at each slot): the free slots are at least those neither
+        # held nor leased by the batches in flight.
+        if in_use - self.in_flight < 2 or sum(pool.slots for pool in fitting) - in_use >= 2 * self.in_flight:
+            return
+        counted = self._counted(nbytes)
+        if sum(stats.free for _, stats in counted) >= self.in_flight or self._held(s for _, s in counted) < 2:
+            return
+        if not self._making.acquire(blocking=False):
+            return
+        try:
+            with contextlib.suppress(Exception):
+                self._make_room(nbytes, True, ahead=True)
+        finally:
+            self._making.release()
 
     def _after_batch(self) -> None:
         """In the receiving thread (where the user's warning filters apply): the warning
@@ -265,24 +293,15 @@ class NodePools:
     def copy_in(self, fallback: Fallback) -> Any:
         """A batch that came the copying way, copied into a slot here."""
         self.before_receive()
-        if fallback.reason is FallbackReason.NO_ROOM:  # refused by make_room: no slot to copy into either
-            return self._unpinned(fallback.batch)
-        # A shortage that has passed (a slot is free now) was an iterator that is gone
-        # (iter() called again with batches unread: its workers' leases, its queued
-        # batches), not the consumer holding batches: counted, but no warning.
-        self._reclaim()
-        passed = fallback.reason is FallbackReason.NO_FREE_SLOT and any(stats.free for _, stats in self._counted())
-        return self._copy(fallback.batch, fallback.reason, fallback.detail, warn=not passed)
+        return self._copy(fallback.batch, fallback.reason, fallback.detail)
 
-    def _unpinned(self, batch: Batch, *, warn: bool = True) -> Batch:
-        """``batch`` handed over as it is, no room for more pinned slots: counted, warned once
-        (not for a pool still being made: that passes)."""
+    def _unpinned(self, batch: Batch) -> Batch:
+        """``batch`` handed over as it is, no room for more pinned slots: counted, warned once."""
         with self._mutex:
             self.unpinned += 1
             why = self.refused or "no room for more pinned slots"
-        if warn:
-            self._warn_once(FallbackReason.NO_ROOM.value, f"a batch reached the consumer unpinned, as the DataLoader "
-                            f"made it: {why}")  # fmt: skip
+        self._warn_once(FallbackReason.NO_ROOM.value, f"a batch reached the consumer unpinned, as the DataLoader "
+                        f"made it: {why}")  # fmt: skip
         self._after_batch()
         return batch
 
@@ -307,8 +326,8 @@ class NodePools:
             return self._copy(collate_fn(samples), first)
         try:
             slot = self._acquire(needed or self.pools[0].slot_bytes)[0]
-        except _NoRoom as no_room:
-            return self._unpinned(collate_fn(samples), warn=not no_room.transient)
+        except _NoRoom:
+            return self._unpinned(collate_fn(samples))
         packer = SlotPacker(memoryview(slot))
         del slot  # the batch's tensors hold the slot now: it comes back when the last of them goes
         try:
@@ -321,20 +340,19 @@ class NodePools:
         self._after_batch()
         return batch
 
-    def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "", *, warn: bool = True) -> Any:
+    def _copy(self, batch: Any, reason: FallbackReason | None, detail: str = "") -> Any:
         """``batch`` copied into a slot here, counted by ``reason`` (None: no fallback) and
-        warned once; unpinned when there is no room."""
+        warned once where something is wrong (_FIXES); unpinned when there is no room."""
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
         try:
             pinned = self.pin(batch)
-        except _NoRoom as no_room:
-            return self._unpinned(batch, warn=not no_room.transient)
+        except _NoRoom:
+            return self._unpinned(batch)
         if reason is not None:
             self.fallbacks[reason.value] += 1
-            if warn and reason is not FallbackReason.FIRST_BATCHES:
-                slot_bytes = self.pools[0].slot_bytes if self.pools else 0
-                fix = _FIXES[reason].format(slot_bytes=slot_bytes, detail=detail)
+            if reason in _FIXES:
+                fix = _FIXES[reason].format(detail=detail)
                 self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
         self.copied += 1
         self._after_batch()
@@ -342,38 +360,30 @@ class NodePools:
 
     # ------------------------------------------------------------ room for batches
 
-    def make_room(self, nbytes: int, more: bool, *, wait_s: float | None = None) -> bool:
+    def make_room(self, nbytes: int, more: bool) -> bool:
         """Room for a batch of ``nbytes``: a pool of larger slots when it fits none, and with
         ``more`` (no slot came free) another pool of as many slots as all before it, within
-        ``max_pinned_bytes``. True when there is room (now or soon); False when refused.
+        ``max_pinned_bytes``, published on the board. True when there is room (now or
+        soon); False when refused.
 
         The pool is made outside the mutex every receive takes (a registered pool is
         faulted in whole: seconds per GiB), under ``_making``, taken before deciding:
-        another thread may have made room meanwhile. Its bytes are reserved first, on
-        the node's budget that every numafast process there shares (see
-        :mod:`numafast.node_budget`), and given back once its memory is released. Room
-        that exists already is said on the board too, the answer a worker waits for.
-        ``wait_s`` bounds the wait for another thread making a pool (_NoRoom after it): the
-        receiving thread must not stall behind a registration (seconds per GiB)."""
-        if not self._making.acquire(timeout=-1 if wait_s is None else wait_s):
-            raise _NoRoom(f"another thread was still making a pool on node {self.node} after {wait_s:g} s",
-                          transient=True)  # fmt: skip
-        try:
+        another receiving thread may have made room meanwhile (it holds ``_making`` only
+        while it makes one pool). Its bytes are reserved first, on the node's budget that
+        every numafast process there shares (see :mod:`numafast.node_budget`), and given
+        back once its memory is released."""
+        with self._making:
             return self._make_room(nbytes, more)
-        finally:
-            self._making.release()
 
-    def _make_room(self, nbytes: int, more: bool) -> bool:
-        """make_room, under ``_making``."""
-        if more:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
+    def _make_room(self, nbytes: int, more: bool, *, ahead: bool = False) -> bool:
+        """make_room, under ``_making`` (``ahead``: see :meth:`_grow_ahead`)."""
+        if more and not ahead:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
             for pool in self.pools:
                 pool.reap(wait=True)
         self._reclaim()
         room = self._room()  # read outside the mutex: /proc says which processes live
         with self._mutex:
-            wanted = self._wanted(nbytes, more, room)
-            if wanted is True:
-                self._publish(self.pools)  # room already: the waiting worker looks again, or copies
+            wanted = self._wanted(nbytes, more, room, ahead=ahead)
             if not isinstance(wanted, tuple):
                 return wanted
         slot_bytes, count, resize = wanted
@@ -386,13 +396,9 @@ class NodePools:
         try:
             with memlock_warning_held() as held:  # said at the next batch, at the user's line (_after_batch)
                 pool = self._new_pool(slot_bytes, count)
-        except BaseException as error:
+        except BaseException:
             reservation.release()
-            if not isinstance(error, _DeviceUnsettled):
-                raise
-            with self._mutex:  # answered at once: the worker's batch goes the copying way
-                self._publish(self.pools)
-            return False
+            raise
         pool.release_with(reservation)
         if held:
             self._unlocked = (held[0], not resize)
@@ -416,9 +422,10 @@ class NodePools:
         self._settle_retired()
         return True
 
-    def _wanted(self, nbytes: int, more: bool, room: int) -> tuple[int, int, bool] | bool:
+    def _wanted(self, nbytes: int, more: bool, room: int, *, ahead: bool = False) -> tuple[int, int, bool] | bool:
         """The pool make_room would add, ``(slot_bytes, slots, resize)``, as many slots as fit
-        in ``room`` (0: none), or its answer without one (True: room already). Under the mutex."""
+        in ``room`` (0: none), or its answer without one (True: room already; ``ahead``:
+        another pool though slots are free). Under the mutex."""
         if self.closed:
             return False
         resize = not self.pools or nbytes > self.pools[0].slot_bytes
@@ -426,7 +433,7 @@ class NodePools:
         if resize:
             slot_bytes, wanted = slot_bytes_for(nbytes), self.slots
         # A slot only in flight (a GPU copy still reads it) is free soon: waited for.
-        elif not more or any(stats.free or stats.in_flight for _, stats in self._counted(nbytes)):
+        elif not more or (not ahead and any(stats.free or stats.in_flight for _, stats in self._counted(nbytes))):
             return True
         elif len(self.pools) >= BOARD_ENTRIES:
             return self._refuse(
@@ -462,15 +469,13 @@ class NodePools:
         )
 
     def _refuse(self, why: str) -> bool:
-        """Refuse a request for room: say why (warned as batches arrive unpinned) and
-        republish the board unchanged, marked refused: the waiting worker's answer. Under the mutex."""
+        """Refuse room: say why (warned as batches arrive unpinned). Under the mutex."""
         self.refused = (
             f"{why}. Pinned memory stays within max_pinned_bytes (NumaLoader(..., max_pinned_bytes=...), for this "
             f"process) and within the node's budget for every numafast process there (a quarter of the node's memory, "
             f"or of the cgroup's memory limit where lower); if the consumer keeps batches, .clone() what it keeps "
             f"(targets.append(y.clone())) so that their slots come back"
         )
-        self._publish(self.pools, refused=True)
         return False
 
     def shrink(self) -> int:
@@ -514,17 +519,13 @@ class NodePools:
         """A pool registered through ``self.device``. Where that is not settled yet (pools
         a loader's first iteration did not settle: a framework's DataLoader over numafast's
         collate function, a pin_memory hook), it is settled here, in the thread that
-        receives the batches and copies them on (iteration_gpu). The serving thread never
-        settles it, as its current device is 0 whichever GPU the rank uses: it raises
-        _DeviceUnsettled, and the first batches go the copying way to the receiving thread."""
+        receives the batches and copies them on (iteration_gpu): pools are made only there."""
         # Not faulted in up front: a slot's pages are zeroed by the worker that first fills
         # it, as a stock DataLoader's new shared-memory batch is, so a new loader's first
         # batch does not wait for every slot (~55 ms for 8 x 11 MiB here) and unused
         # slots cost nothing. (A registered pool is faulted in all the same: see PinnedPool.)
         device = self.device
         if device is None and self.register is not RegisterMode.OFF and gpu_usable():
-            if self._server is not None and threading.current_thread() is self._server:
-                raise _DeviceUnsettled
             device = self.device = iteration_gpu(None, stacklevel=_user_level() + 1)
         pool = PinnedPool(
             self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
@@ -533,14 +534,13 @@ class NodePools:
         pool.defer_settle(functools.partial(_settle_later, weakref.ref(self)))
         return pool
 
-    def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = (), refused: bool = False) -> None:
-        """``pools`` in use from now on, on the board (``refused``: the answer to a request
-        for room is no); ``retiring`` to be closed and released by :meth:`_settle_retired`,
-        which the caller runs once out of the mutex. Under the mutex."""
+    def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
+        """``pools`` in use from now on, on the board; ``retiring`` to be closed and released
+        by :meth:`_settle_retired`, which the caller runs once out of the mutex. Under the mutex."""
         self.pools = pools
         # First: a pool the board lists is never one already let go, and no worker leases
         # a slot of a pool the board no longer lists (see _settle_retired).
-        self.board.publish([pool.share() for pool in pools], refused=refused)
+        self.board.publish([pool.share() for pool in pools])
         self.retired.extend(retiring)
 
     def _settle_retired(self) -> None:
@@ -605,7 +605,7 @@ class NodePools:
                 busy = [pool for pool, stats in self._counted(nbytes) if stats.in_flight]
             if busy:
                 return busy[0].acquire(nbytes, None), busy[0]
-            if not self.make_room(nbytes, more=True, wait_s=MAKING_WAIT_S):
+            if not self.make_room(nbytes, more=True):
                 break
         # Refused, or each new slot was taken by a worker before this thread: the batch goes unpinned.
         raise _NoRoom(f"no slot for a {nbytes}-byte batch on node {self.node}: {self.refused or 'none free'}")
@@ -692,7 +692,7 @@ class NodePools:
     def close(self) -> None:
         """Close every pool (each released once its slots are back) and the board; the
         pools outside the mutex (see _settle_retired)."""
-        with self._mutex:  # a pool the serving thread makes from now on is closed by it, unpublished
+        with self._mutex:  # a pool another thread makes from now on is closed by it, unpublished
             self.closed = True
             pools = [*self.pools, *self.retired]
         for pool in pools:
@@ -750,17 +750,8 @@ def _settle_later(pools: weakref.ref[NodePools], settle: Callable[[], object]) -
     return True
 
 
-class _DeviceUnsettled(Exception):
-    """The serving thread was asked for a pool before the CUDA device was settled (see _new_pool)."""
-
-
 class _NoRoom(PoolExhaustedError):
-    """No slot for a copy and no room for another pool (``transient``: not yet, another
-    thread is making one): the batch goes unpinned."""
-
-    def __init__(self, message: str, *, transient: bool = False) -> None:
-        super().__init__(message)
-        self.transient = transient
+    """No slot for a copy and no room for another pool: the batch goes unpinned."""
 
 
 # Where a loader's warnings are said from, not pointed at: numafast, torch (the DataLoader
@@ -781,15 +772,6 @@ def _user_level() -> int:
             return level
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     return 2
-
-
-def _make_room_in(pools: weakref.ref[NodePools], nbytes: int, more: bool) -> None:
-    """``make_room`` for the serving thread, which must neither keep the pools alive nor
-    die of a pool that cannot be made (the copy of the batch meets the error again)."""
-    target = pools()
-    if target is not None:
-        with contextlib.suppress(Exception):  # raised again by the copy in the main process
-            target.make_room(nbytes, more)
 
 
 def node_pools(

@@ -4,13 +4,14 @@ slot of a pool the loader's board lists, collates the batch into it (stacking st
 into the slot under ``default_collate``, else copying the loader's own result in) and
 returns a small :class:`~numafast.torch.message.SlotBatch`.
 
-Where no pool fits the batch or no slot is free, the worker asks the owner for room
-through the board rather than wait for a slot (a full pool means the consumer keeps
-its batches). The owner adds a pool, or refuses (past ``max_pinned_bytes``) by
-publishing the board unchanged, and the batch goes as torch sends it, in a
-:class:`~numafast.torch.message.Fallback`; with no answer within POOL_WAIT_S the main
-process copies it: never a stall. Being a picklable attribute of the loader, it comes
-along when a framework builds a new DataLoader from a NumaLoader's settings.
+Where no pool is listed yet, none fits the batch or no slot is free, the worker never
+waits (a full pool means the consumer keeps its batches): the batch goes as torch
+sends it, in a :class:`~numafast.torch.message.Fallback`, counted with its reason.
+The owner's copy of it is what makes or resizes the pools, in the process that owns
+them (:meth:`~numafast.torch.owner_pools.NodePools.make_room`), and publishes them on
+the board, where every worker finds them at its next batch. Being a picklable
+attribute of the loader, it comes along when a framework builds a new DataLoader from
+a NumaLoader's settings.
 """
 
 from __future__ import annotations
@@ -36,16 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SlotCollate"]
 
-# How often a waiting worker looks at the pools again.
-SLOT_POLL_S = 0.0002
-# How long a worker waits for the owner's answer to a request for room (the owner makes
-# a pool in a thread of its own: ~1 ms, more where CUDA registration faults it in; a
-# refusal is answered at once) before it sends its batch the copying way.
-POOL_WAIT_S = 1.0
-# A worker whose request for more slots was refused (past max_pinned_bytes) sends the
-# batches that find no free slot the copying way at once, without asking again, for
-# this long or until the owner's pools change.
-REFUSAL_KEPT_S = 1.0
 # A batch not made yet: the collate function is torch's default, which collates into the slot.
 _UNMADE: Any = object()
 
@@ -70,13 +61,10 @@ class SlotCollate:
         self._batch = (0, -1, 0)
         """In a worker: its pid, its worker id, the number of the batch it collates now
         (1 for its first): what its messages say, for an error met on their arrival."""
-        self._refused = (0, -1, 0.0)
-        """In a worker: its pid, the board's version when the owner refused more slots,
-        and until when that refusal stands (see REFUSAL_KEPT_S)."""
         pools.attach(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        # _batch and _refused name the worker process they were set in: stale elsewhere.
+        # _batch names the worker process it was set in: stale elsewhere.
         return {**vars(self), "pools": None, "_packer": None}
 
     def __call__(self, samples: Any) -> Any:
@@ -110,37 +98,28 @@ class SlotCollate:
             reader = _readers.get(self.board)
             if reader is None:
                 reader = _readers[self.board] = BoardReader(self.board)
-            first = not reader.pools()
+            views = reader.pools()
         except OSError as error:
             return self._copying(samples, _UNMADE, FallbackReason.CANNOT_MAP, str(error))
         made = _UNMADE if self.direct else self.collate_fn(samples)
-        needed = 0  # any listed pool fits, until a batch says otherwise
-        if first:  # the loader's first batches: ask for a pool sized by this one
-            needed = self._measured(samples, made)
-            if not needed or not reader.ask(needed):
-                return self._copying(samples, made, FallbackReason.FIRST_BATCHES)
-        landed = self._land(reader, needed, samples, made, FallbackReason.FIRST_BATCHES if first else None)
-        if landed is None:  # larger than a slot: ask for larger ones
-            needed = self._measured(samples, made)
-            if reader.ask(needed):
-                landed = self._land(reader, needed, samples, made, FallbackReason.TOO_LARGE)
+        if not views:  # the loader's first batches: the owner's copy of this one makes the first pool
+            return self._copying(samples, made, FallbackReason.FIRST_BATCHES)
+        landed = self._land(views, 0, samples, made)
+        if landed is None:  # larger than that slot: a larger one listed may fit
+            landed = self._land(views, self._measured(samples, made), samples, made)
         return self._copying(samples, made, FallbackReason.TOO_LARGE) if landed is None else landed
 
-    def _land(self, reader: BoardReader, needed: int, samples: Any, made: Any,
-              reason: FallbackReason | None) -> SlotBatch | Fallback | None:  # fmt: skip
+    def _land(self, views: list[PoolView], needed: int, samples: Any, made: Any) -> SlotBatch | Fallback | None:
         """The batch collated (or ``made`` packed) into a free slot of ``needed`` bytes or
-        more, asking for more slots when every one is held; a Fallback (``reason``, else
-        why) when none came, None when the batch does not fit the slot."""
+        more; a Fallback when every such slot is held (the consumer keeps batches: the
+        owner's copy adds a pool), None when the batch does not fit the slot."""
         try:
-            lease = _free_slot(reader.pools(), needed)
+            lease = _free_slot(views, needed)
         except OSError:  # a pool listed cannot be mapped here: the next batch's look at the board says why
             lease = None
-        refused = False
-        if lease is None:  # the consumer keeps more batches than there are slots
-            lease, refused = self._more_slots(reader, needed)
         if lease is None:
-            why = FallbackReason.NO_ROOM if refused else FallbackReason.NO_FREE_SLOT
-            return self._copying(samples, made, reason or why)
+            fits = any(view.handle.slot_bytes >= needed for view in views)
+            return self._copying(samples, made, FallbackReason.NO_FREE_SLOT) if fits else None
         view, index, generation = lease
         try:
             memory, kept = view.slot(index), view.made[index]
@@ -155,42 +134,6 @@ class SlotCollate:
         unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
         return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
                          unpinned, self._batch[1], self._batch[2], _process.pid)  # fmt: skip
-
-    def _more_slots(self, reader: BoardReader, needed: int) -> tuple[tuple[PoolView, int, int] | None, bool]:
-        """Ask the owner for more slots and lease one once published: ``(lease, False)``;
-        ``(None, True)`` when it refused, now or lately with the board unchanged since;
-        ``(None, False)`` when it answered that a slot is free or soon free and none was
-        free here, or gave no answer within POOL_WAIT_S."""
-        pid, version, until = self._refused
-        if pid == _process.pid and version == reader.version and time.monotonic() < until:
-            return None, True
-        version, before = reader.version, [view.handle for view in reader.views]
-        if not reader.ask(needed, more=True):
-            return None, False
-        deadline = time.monotonic() + POOL_WAIT_S
-        try:
-            while True:
-                views = reader.pools()
-                lease = _free_slot(views, needed)
-                if lease is not None:
-                    return lease, False
-                if reader.version != version:
-                    now = [view.handle for view in views]
-                    if now == before and reader.refused:  # the owner's answer: no more room
-                        self._refused = (_process.pid, reader.version, time.monotonic() + REFUSAL_KEPT_S)
-                        return None, True
-                    if now == before:  # its answer: a slot is free or soon free, taken by a sibling first
-                        return None, False  # the owner copies this batch, making room if it must
-                    # New pools, whose free slots other workers took first: ask again.
-                    version, before = reader.version, now
-                    if not reader.ask(needed, more=True):
-                        return None, False
-                if time.monotonic() >= deadline:
-                    reader.unanswered()
-                    return None, False
-                time.sleep(SLOT_POLL_S)
-        except OSError:  # a pool listed cannot be mapped here: the next batch's look says why
-            return None, False
 
     def _measured(self, samples: Any, made: Any) -> int:
         """The bytes of slot the batch needs."""
