@@ -85,8 +85,8 @@ def capturing() -> bool:
 
 def current_index() -> int:
     """The calling thread's current CUDA device. CUDA keeps it per thread: a thread
-    that never chose one (a serving thread, PyTorch's pin thread before it sets
-    one) is on device 0. Initialises torch's CUDA state, which a loader does only
+    that never chose one (PyTorch's pin thread before it sets one) is on
+    device 0. Initialises torch's CUDA state, which a loader does only
     once it iterates (the user picks the rank's device after building it)."""
     return int(torch.cuda.current_device())
 
@@ -140,7 +140,7 @@ class Registration:
 
     Every call runs with ``device`` current: the runtime registers through the current
     device's context and creates it if the thread has none, so a thread that never
-    chose a device (the pools' serving thread, one dropping the last tensor of a closed
+    chose a device (PyTorch's pin thread, one dropping the last tensor of a closed
     pool) would make a context on device 0, hundreds of MiB of GPU memory, in every
     rank of a multi-GPU job. A refusal raises :class:`RegistrationFailed` and leaves no
     CUDA error behind (:func:`clear_last_error`).

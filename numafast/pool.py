@@ -765,8 +765,8 @@ def _gpu_usable() -> bool:
 def memlock_warning_held() -> Iterator[list[str]]:
     """Pools made in this block, in this thread, do not say their MemlockWarning: its
     text goes into the list yielded, for the caller to say with :func:`warn_unlocked`
-    where the user sees it (a loader makes its pools on a serving thread, which points
-    at no line of the user's, and says the warning at the next batch)."""
+    where the user sees it (a loader makes its pools deep inside torch's iterator, and
+    says the warning after the batch, in order: the cause of a shortfall first)."""
     held: list[str] = []
     before = getattr(_held_warnings, "messages", None)
     _held_warnings.messages = held

@@ -284,7 +284,7 @@ def test_an_open_pool_frees_a_fenced_slot_for_workers_once_its_fence_is_done() -
     slots.adopt(*slots.table.claim(started), PAGE_SIZE)  # a worker's batch, adopted and dropped: fenced again
     slots.settle()  # its fence recorded (by the pending call the drop queued, or here)
     threading.Timer(0.1, fences[1].done.set).start()
-    slots.reap(True)  # the serving thread, asked for more slots: waits for the oldest copy
+    slots.reap(True)  # the owner, making room for a copy: waits for the oldest copy
     assert slots.table.claim(started) is not None and len(fences) == 2 and fences[1].done.is_set()
     slots.close()
 

@@ -255,7 +255,7 @@ def test_a_pool_made_in_another_thread_registers_through_the_device_it_names() -
 
 
 def test_batches_keep_arriving_while_a_registered_pool_is_made() -> None:
-    """A resize to 512 MiB slots faults in and registers a GiB on the serving thread's side,
+    """A resize to 512 MiB slots faults in and registers a GiB in the thread making it,
     outside the mutex every batch takes: copies into the current pool go on meanwhile,
     each taking far less than the making does."""
     pools = numafast.torch.owner_pools.NodePools(NODE, 2)

@@ -132,7 +132,7 @@ def test_building_and_pickling_a_loader_never_asks_for_the_current_device(
     state.current = 1  # the user picks the rank's device after building the loader
     batches = list(loader)
     assert state.asked == ["current_index"]
-    assert loader.pools.device == 1  # the pools register through the rank's device, not the serving thread's 0
+    assert loader.pools.device == 1  # the pools register through the rank's device, not a fresh thread's 0
     assert [batch.tolist() for batch in batches] == [[[i] * 4 for i in range(4)], [[i] * 4 for i in range(4, 8)]]
     list(loader)
     assert state.asked == ["current_index"]  # once: the device is the loader's from then on
