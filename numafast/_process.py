@@ -10,7 +10,7 @@ module imports nothing of numafast's but the names of ``private.py`` (which impo
 nothing), so that every layer can use it. Kept elsewhere: per-iterator state of the
 fork watch (with each iterator, weakly: a child's inherited iterators are shut down
 here, ``loader_iterators``), caches that describe no process (placements, struct
-formats, layouts), per-thread bindings, and memory.py's one warning flag.
+formats, layouts) and per-thread bindings.
 
 The pid is cached for the checks made per batch (is this the pools' owner? a worker
 forked since?) without a system call each: glibc no longer caches ``getpid()``. A
@@ -39,7 +39,8 @@ _started: int | None = None  # this process's start time, read at the first call
 done_once: set[str] = set()
 """What this process did once and never again, by key: the warnings said once (an
 unlocked pool, an unregistered one, an unshared budget ledger, a replaced worker, each
-LoaderHint, a loader collated in another process), the pools' exit hook (see :func:`first_time`)."""
+LoaderHint, a loader collated in another process, memory placement refused), the pools'
+exit hook (see :func:`first_time`)."""
 workers_replaced = 0
 """Workers of this process's loaders replaced because they never started (torch/fork_watch.py)."""
 
