@@ -386,27 +386,25 @@ def test_other_dataloader_setups_give_the_stock_outcomes(setup: str, workers: in
 def test_a_custom_collate_fns_tensors_arrays_and_classes_land_in_the_slot_too() -> None:
     import numpy as np
 
-    def run(loader: Any) -> list[Any]:
-        out = []
-        for batch in loader:
-            out.append(batch)
-            if len(out) > 2:
-                out.pop(0)  # keep a few: slots come back
-        return out
-
     dataset = Numbers(40, size=256)
-    stock = run(make_loader(dataset, batch_size=4, collate_fn=custom_collate))
+    stock = list(make_loader(dataset, batch_size=4, collate_fn=custom_collate))
     loader = numafast.torch.NumaLoader(make_loader(dataset, batch_size=4, collate_fn=custom_collate), node=NODES[0])
-    ours = run(loader)
-    for left, right in zip(stock, ours):
-        assert torch.equal(left["columns"], right["columns"]) and np.array_equal(left["array"], right["array"])
-        assert torch.equal(left["boxed"].tensor, right["boxed"].tensor) and left["names"] == right["names"]
-        assert isinstance(right["boxed"], Boxed) and right["array"].dtype == np.float64
-        pools = loader.pools.pools
-        for address in (right["columns"].data_ptr(), right["array"].__array_interface__["data"][0],
-                        right["boxed"].tensor.data_ptr()):
-            assert any(pool.contains(address) for pool in pools)
-    assert loader.stats().landed > 0
+    kept: list[Any] = []
+    landed = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for left, right in zip(stock, loader, strict=True):  # each checked as it arrives
+            assert torch.equal(left["columns"], right["columns"]) and np.array_equal(left["array"], right["array"])
+            assert torch.equal(left["boxed"].tensor, right["boxed"].tensor) and left["names"] == right["names"]
+            assert isinstance(right["boxed"], Boxed) and right["array"].dtype == np.float64
+            in_slot = [loader.pools.holds(address) for address in (
+                right["columns"].data_ptr(), right["array"].__array_interface__["data"][0], right["boxed"].tensor.data_ptr())]
+            assert in_slot[:2] == [True, True]  # landed, or copied in (the first batches)
+            landed += all(in_slot)  # the class's tensor too: a worker packed it into the slot
+            kept = [*kept[-1:], right]  # keep a few: slots come back
+    assert landed == loader.stats().landed > 0 and loader.stats().unpinned == 0
+    # The first batches, copied in, leave Boxed's tensor where it was, and every later one lands: no word.
+    assert not [warning for warning in caught if "numafast" in str(warning.message)]
 
 
 @SEMANTICS
@@ -598,7 +596,8 @@ def test_a_batch_size_growing_mid_epoch_lands_once_the_owner_resized_the_pools(f
         del batch
     stats = loader.stats()
     assert count == 24 and stats.batches == 24 and stats.unpinned == 0, stats
-    assert set(stats.fallbacks) <= {"first batches", "batch larger than a slot"}, stats
+    # A slot of the new size may still be held when a worker looks (a loaded machine): copied, as bounded.
+    assert set(stats.fallbacks) <= {"first batches", "batch larger than a slot", "no free slot"}, stats
     assert stats.fallbacks.get("first batches", 0) <= 2 * 2 and stats.copied - copied_before <= 2 * 2, stats
     if factor == 3:
         assert loader.pools.resized >= 1 and stats.fallbacks.get("batch larger than a slot", 0) >= 1, stats

@@ -345,8 +345,8 @@ class NodePools:
         warned once where something is wrong (_FIXES); unpinned when there is no room."""
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
-        try:
-            pinned = self.pin(batch)
+        try:  # a copy standing in for a batch that lands next time says nothing of its leaves
+            pinned = self.pin(batch, quiet=reason is not None and reason not in _FIXES)
         except _NoRoom:
             return self._unpinned(batch)
         if reason is not None:
@@ -567,9 +567,10 @@ class NodePools:
 
     # ------------------------------------------------------------ copying
 
-    def pin(self, batch: Batch) -> Batch:
+    def pin(self, batch: Batch, quiet: bool = False) -> Batch:
         """``batch`` copied into a slot on this node (see :func:`numafast.torch.pin`);
-        PoolExhaustedError, saying why, when no slot is free and no room may be made."""
+        PoolExhaustedError, saying why, when no slot is free and no room may be made.
+        Leaves left unpinned are warned about once, unless ``quiet``."""
         unpinned: set[str] = set()
 
         def keep(leaf: Any) -> bool:
@@ -585,10 +586,15 @@ class NodePools:
             self.bytes_copied += nbytes
             return slot, pool.cpus
 
+        def opaque(types: Iterable[str]) -> None:
+            if not quiet:
+                self._warn_unpinned(sorted(types), _OPAQUE)
+
         try:
-            return place(batch, acquire, lambda opaque: self._warn_unpinned(sorted(opaque), _OPAQUE), keep)
+            return place(batch, acquire, opaque, keep)
         finally:
-            self._warn_unpinned(sorted(unpinned))
+            if not quiet:
+                self._warn_unpinned(sorted(unpinned))
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
         """A slot of ``nbytes`` for a copy here: a free one, else one in flight to the GPU
