@@ -10,6 +10,7 @@ for explicitly raises an exception naming the refused call, the cause and the fi
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from test_no_numa import NO_NUMA, POOLS
 from test_policy_seccomp import ENV, under_seccomp  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.host_only("seccomp refusals: the same whatever the nodes")
+NEEDS_TORCH = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="NumaLoader needs torch (numafast[torch])")
 
 # Docker's default seccomp profile (moby/profiles seccomp/default.json) without CAP_SYS_NICE.
 DOCKER = "get_mempolicy,set_mempolicy,mbind,set_mempolicy_home_node,move_pages,migrate_pages"
@@ -84,6 +86,7 @@ def _loaders_ran(result) -> list[str]:  # type: ignore[no-untyped-def]
     return lines[6:]
 
 
+@NEEDS_TORCH
 def test_numaloader_runs_unplaced_in_docker_with_one_warning_naming_the_fix(under_seccomp) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     said = _loaders_ran(under_seccomp(DOCKER, LOADERS))
     assert len(said) == 1, said  # six loaders, workers and pools: one warning
@@ -95,6 +98,7 @@ def test_numaloader_runs_unplaced_in_docker_with_one_warning_naming_the_fix(unde
     assert "securityContext.capabilities.add" in message  # the Kubernetes user's fix too
 
 
+@NEEDS_TORCH
 def test_numaloader_runs_unplaced_on_a_kernel_without_numa_with_one_warning(under_seccomp) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     said = _loaders_ran(under_seccomp(NO_NUMA, LOADERS))
     assert len(said) == 1, said
@@ -103,6 +107,7 @@ def test_numaloader_runs_unplaced_on_a_kernel_without_numa_with_one_warning(unde
     assert "this kernel has no NUMA support (ENOSYS)" in message and "Nothing to do" in message
 
 
+@NEEDS_TORCH
 def test_numaloader_where_placement_works_says_nothing(under_seccomp) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     # The same filter program with nothing refused but an unrelated call, as a baseline.
     assert _loaders_ran(under_seccomp("set_mempolicy_home_node", LOADERS)) == []
@@ -202,6 +207,7 @@ except numafast.PolicyNotPermitted as error:
 """
 
 
+@NEEDS_TORCH
 def test_strict_numaloader_in_docker_raises_instead_of_running_unplaced(under_seccomp) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     result = under_seccomp(DOCKER, STRICT)
     assert result.returncode == 0, result.stderr
