@@ -345,8 +345,8 @@ class NodePools:
         warned once where something is wrong (_FIXES); unpinned when there is no room."""
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
-        try:  # a copy standing in for a batch that lands next time says nothing of its leaves
-            pinned = self.pin(batch, quiet=reason is not None and reason not in _FIXES)
+        try:  # a copy standing in for batches that land next time: their workers pack other classes' tensors
+            pinned = self.pin(batch, classes_land_later=reason is not None and reason not in _FIXES)
         except _NoRoom:
             return self._unpinned(batch)
         if reason is not None:
@@ -567,10 +567,11 @@ class NodePools:
 
     # ------------------------------------------------------------ copying
 
-    def pin(self, batch: Batch, quiet: bool = False) -> Batch:
+    def pin(self, batch: Batch, classes_land_later: bool = False) -> Batch:
         """``batch`` copied into a slot on this node (see :func:`numafast.torch.pin`);
         PoolExhaustedError, saying why, when no slot is free and no room may be made.
-        Leaves left unpinned are warned about once, unless ``quiet``."""
+        Leaves left unpinned are warned about once; leaves of classes the copy cannot see
+        into not where ``classes_land_later`` (a worker's packer places them)."""
         unpinned: set[str] = set()
 
         def keep(leaf: Any) -> bool:
@@ -587,14 +588,13 @@ class NodePools:
             return slot, pool.cpus
 
         def opaque(types: Iterable[str]) -> None:
-            if not quiet:
+            if not classes_land_later:
                 self._warn_unpinned(sorted(types), _OPAQUE)
 
         try:
             return place(batch, acquire, opaque, keep)
         finally:
-            if not quiet:
-                self._warn_unpinned(sorted(unpinned))
+            self._warn_unpinned(sorted(unpinned))
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
         """A slot of ``nbytes`` for a copy here: a free one, else one in flight to the GPU
