@@ -121,7 +121,10 @@ def test_the_owner_maps_a_slot_a_worker_filled_with_a_fault_per_many_pages_and_a
 
         first = filled_by_a_worker(1)
         faults = faults_to_receive_and_read(1, *first)
-        assert faults < pages // 4, f"{faults} faults to map and read {pages} pages a worker filled"
+        # The kernel's fault-around maps 64 KiB a read fault: 16 pages of 4 KiB, 4 of 16 KiB (and
+        # on 64 KiB pages one, where there is nothing to gain); slack for the test's own pages.
+        per_fault = max(1, (64 << 10) // page)
+        assert faults <= pages // per_fault + pages // 8, f"{faults} faults to map and read {pages} pages a worker filled"
         again = filled_by_a_worker(2)
         assert again[0] == first[0]  # the lowest free slot: the same one, refilled
         faults = faults_to_receive_and_read(2, *again)
