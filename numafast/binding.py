@@ -26,11 +26,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from numafast import _libnuma
-from numafast._validate import allowed_nodes, check_cpus, cpus_near, id_list, integer
-# Where a seccomp profile refuses get_mempolicy, the allowed nodes come from /proc/self/status:
-# the refusal is met, and explained, on entering a block.
+from numafast._validate import allowed_nodes, check_cpus, cpus_near, format_ids, id_list, integer, parse_ids
 from numafast._validate import check_nodes as _check_nodes
-from numafast._validate import format_ids, parse_ids
 from numafast.capabilities import capabilities, memory_placement_refused
 from numafast.errors import (
     InvalidCpuSetError,

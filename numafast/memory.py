@@ -21,7 +21,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from pathlib import Path

@@ -10,8 +10,7 @@ pool accepts, and which lock is held while a pool is released. The end-to-end ru
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest

@@ -6,7 +6,6 @@ unharmed. Every sample carries its index; every batch is checked by content."""
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading

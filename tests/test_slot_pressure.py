@@ -7,7 +7,6 @@ counters."""
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 import threading
@@ -24,7 +23,6 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
 from numafast.torch import owner_pools as node_pools_module  # noqa: E402
-from sysfs_truth import online_nodes  # noqa: E402
 
 SEMANTICS = pytest.mark.host_only("loader semantics, the same on any kernel; worker processes cost seconds under TCG")
 ROOT = Path(__file__).resolve().parent.parent

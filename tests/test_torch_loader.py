@@ -31,9 +31,7 @@ from sysfs_truth import (
     online_nodes,
     pagemap_nodes,
     pages_mlocked,
-    parse_list,
     smaps_of,
-    task_status,
     thread_policy,
 )
 
