@@ -60,10 +60,6 @@ class FallbackReason(str, Enum):
     """The batch fits no slot: the owner's copy of it resizes the pool (no warning)."""
     CANNOT_MAP = "worker cannot map the pool"
     """The worker could not open the pool's file (another user's process, a sandbox)."""
-    NO_ROOM = "no room for more pinned slots"
-    """Not sent by workers: what the owner's warning about batches handed over unpinned
-    is said under (past ``max_pinned_bytes``, or the board lists as many pools as it
-    can), counted in ``unpinned``, not copied."""
     BYPASSED = "collate bypassed"
     """The batch came from a loader whose workers do not run numafast's collate (its
     settings live where numafast cannot reach them)."""

@@ -300,7 +300,7 @@ class NodePools:
         with self._mutex:
             self.unpinned += 1
             why = self.refused or "no room for more pinned slots"
-        self._warn_once(FallbackReason.NO_ROOM.value, f"a batch reached the consumer unpinned, as the DataLoader "
+        self._warn_once("unpinned", f"a batch reached the consumer unpinned, as the DataLoader "
                         f"made it: {why}")  # fmt: skip
         self._after_batch()
         return batch
