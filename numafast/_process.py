@@ -34,6 +34,8 @@ from numafast.private import ITERATOR_SHUTDOWN
 # ------------------------------------------------------------ this process
 
 pid: int = os.getpid()
+"""This process's id, set anew in a forked child: what is compared with a pool's or a
+board's maker before anything only that process may do (a forked child has a copy)."""
 _started: int | None = None  # this process's start time, read at the first call of started()
 
 done_once: set[str] = set()
@@ -85,7 +87,7 @@ receivers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 # ------------------------------------------------------------ a DataLoader worker (numafast/torch/worker_collate.py)
 
 board_readers: dict[Any, Any] = {}
-"""In a worker: the board of each loader it serves, mapped once."""
+"""In a worker: the board of each loader it serves, mapped once, by (owner pid, inode)."""
 idle_watch_pid = 0
 """The worker process whose idle look runs (a child of it has none: it compares its pid)."""
 iterating: tuple[int, int] = (0, 0)
@@ -220,12 +222,6 @@ os.register_at_fork(after_in_child=_forked)
 
 # What opening /proc/PID/stat fails with once the process is gone (ESRCH: reaped while read).
 _GONE = (errno.ENOENT, errno.ESRCH)
-
-
-def owns(owner_pid: int) -> bool:
-    """Whether this process is ``owner_pid``: the check made before anything that only
-    the process which made a pool or a board may do (a forked child has a copy)."""
-    return owner_pid == pid
 
 
 def start_time(process: int | str = "self") -> int | None:

@@ -279,7 +279,7 @@ class Reservation:
     released: bool = False
 
     def release(self) -> None:
-        if self.released or not _process.owns(self.owner_pid):
+        if self.released or self.owner_pid != _process.pid:
             return
         self.released = True
         self.book.release(self.nbytes)

@@ -219,7 +219,7 @@ class _Resources:
     def unpin(self) -> None:
         """Unregister and unlock (the memory stays mapped and valid); nothing in a
         forked child, which inherited neither the lock nor the registration."""
-        if not _process.owns(self.owner_pid):
+        if self.owner_pid != _process.pid:
             return
         with self.lock:
             registration, self.registration = self.registration, None
@@ -465,7 +465,7 @@ class PinnedPool:
     def reclaim_orphans(self) -> int:
         """End every lease whose worker process is gone (killed, or exited with a batch
         never sent): those slots are free again. Returns how many."""
-        if not _process.owns(self._resources.owner_pid):
+        if self._resources.owner_pid != _process.pid:
             return 0
         freed = 0
         for index, generation, pid, started in self._slots.table.leases():
@@ -486,7 +486,7 @@ class PinnedPool:
         """End process ``pid``'s lease of slot ``index`` in ``generation`` whose batch this
         process will not take over (it failed on arrival): the slot is free again. False
         when that lease had ended already (adopted, reclaimed)."""
-        if not _process.owns(self._resources.owner_pid):
+        if self._resources.owner_pid != _process.pid:
             return False
         return bool(self._slots.reclaim(index, generation, pid))
 
@@ -541,7 +541,7 @@ class PinnedPool:
     def _check(self, *, closed_ok: bool = False) -> None:
         """PoolForkedError in a forked child (its copy of the pool is a private view);
         PoolClosedError once the pool is closed, unless ``closed_ok``."""
-        if not _process.owns(self._resources.owner_pid):
+        if self._resources.owner_pid != _process.pid:
             raise PoolForkedError(
                 f"this pool was made by process {self._resources.owner_pid}; the forked child {_process.pid} only "
                 "reads the slots it inherited (a private view: locking and CUDA registration are not "

@@ -38,7 +38,7 @@ class PoolBoard:
     def publish(self, pools: Sequence[PoolHandle]) -> None:
         """Make the first BOARD_ENTRIES of ``pools`` what workers see, a new version; only
         the board's maker may (a forked child's copy maps the same file)."""
-        if not _process.owns(self.owner_pid):
+        if self.owner_pid != _process.pid:
             raise RuntimeError(f"this pool board belongs to process {self.owner_pid}: a forked child "
                                "cannot publish on it")  # fmt: skip
         pools = list(pools)[:BOARD_ENTRIES]

@@ -17,11 +17,12 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from numafast import _libnuma, _process
 
-__all__ = ["BoardHandle", "BoardReader", "PoolHandle", "PoolView", "fault_in", "open_shared_file"]
+__all__ = ["BoardHandle", "BoardReader", "Lease", "LeaseMiss", "PoolHandle", "PoolView", "fault_in", "open_shared_file"]
 
 # A board lists at most this many pools (a loader's pools of one slot size, and the
 # ones it is retiring); each entry is a PoolHandle's six fields. The file is a seqlock
@@ -137,6 +138,48 @@ class BoardReader:
             self.version = version
             return views
 
+    def lease(self, needed: int) -> Lease | LeaseMiss:
+        """A free slot of ``needed`` bytes or more (0: any) in a pool listed now, leased to
+        this process with its memory, in one call per batch; else why there is none. Never
+        waits (the batch then goes the copying way, and the owner makes room). OSError as
+        :meth:`pools`."""
+        views = self.pools()
+        if not views:
+            return LeaseMiss.NO_POOL
+        fits = False
+        for view in views:
+            if view.handle.slot_bytes >= needed:
+                fits = True
+                claimed = view.lease()
+                if claimed is not None:
+                    index, generation = claimed
+                    return Lease(view, index, generation, view.slot(index), view.made[index])
+        return LeaseMiss.ALL_HELD if fits else LeaseMiss.TOO_SMALL
+
+
+class LeaseMiss(Enum):
+    """Why :meth:`BoardReader.lease` leased no slot."""
+
+    NO_POOL = "no pool is listed yet"
+    TOO_SMALL = "no pool listed has slots that large"
+    ALL_HELD = "every slot large enough is held"
+
+
+@dataclass(slots=True)
+class Lease:
+    """Slot ``index`` of ``view``'s pool, leased in ``generation``: its writable ``memory``
+    and what a filler ``kept`` over it from earlier batches (see :attr:`PoolView.made`)."""
+
+    view: PoolView
+    index: int
+    generation: int
+    memory: memoryview
+    kept: dict[Any, Any]
+
+    def give_up(self) -> None:
+        """End the lease of a slot this process will not send (its batch failed, or did not fit)."""
+        self.view.give_up(self.index, self.generation)
+
 
 class PoolView:
     """``handle``'s pool mapped shared here, to lease and fill slots; OSError when it
@@ -156,11 +199,15 @@ class PoolView:
         self.made: list[dict[Any, Any]] = [{} for _ in range(self.table.count)]
         """Per slot, what a filler keeps over its memory from batch to batch (tensors to
         collate into), as long as this mapping lives."""
+        self._started = (0, 0)  # (pid, its start time): what a lease records of its holder
 
     def lease(self) -> tuple[int, int] | None:
         """A free slot leased to this process, ``(index, generation)``; None when every one
-        is taken (never waits: the batch then goes the copying way, and the owner makes room)."""
-        return self.table.claim(_process.started())
+        is taken. OSError when /proc cannot tell this process's start time."""
+        pid, started = self._started
+        if pid != _process.pid:  # read once per process (a forked child's view is its own lease holder)
+            pid, started = self._started = (_process.pid, _process.started())
+        return self.table.claim(started)
 
     def slot(self, index: int) -> memoryview:
         """The writable memory of slot ``index`` (the same memoryview at every lease)."""

@@ -7,7 +7,7 @@ fails that test, not a training job. The use sites import these names instead of
 spelling them. Importing this module imports no torch: the torch-side accessors import
 it when called, and those that read torch's modules only find them loaded already.
 
-Spelled elsewhere, each with its reason: ``numafast/torch/packing.py`` imports
+Spelled elsewhere, each with its reason: ``numafast/torch/slot.py`` imports
 :data:`TORCH_COLLATE_NAMES` from :data:`TORCH_COLLATE_MODULE` directly (typed names a
 module-level import keeps typed); ``numafast/memory.py`` walks frames with
 ``sys._getframe`` (:data:`getframe`) for its ``stacklevel``; ``numafast/cli`` annotates
@@ -148,7 +148,7 @@ how torch/message.py ``in_pin_thread`` knows it (torch/hook.py binds it)."""
 TORCH_COLLATE_MODULE = "torch.utils.data._utils.collate"
 TORCH_COLLATE_NAMES = ("collate", "collate_tensor_fn", "default_collate_fn_map")
 """torch's collate with a map of functions per type, its tensor stacking, and the
-default map: numafast's collate into a slot extends them (torch/packing.py)."""
+default map: numafast's collate into a slot extends them (torch/slot.py)."""
 
 CUDART_CALLS = ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString")
 """What numafast calls on ``torch.cuda.cudart()`` (``torch._C._cudart`` in CUDA builds):

@@ -16,7 +16,7 @@ from sysfs_truth import online_nodes
 torch = pytest.importorskip("torch")
 
 import numafast  # noqa: E402
-from numafast.torch import packing  # noqa: E402
+from numafast.torch import slot as slot_engine  # noqa: E402
 from numafast.torch.batch import flatten  # noqa: E402
 from numafast.torch.slot import CACHE_ENTRIES, recall, remember  # noqa: E402
 
@@ -27,7 +27,7 @@ Pair = namedtuple("Pair", "image label")
 def packed(pool: numafast.PinnedPool, batch: Any) -> tuple[Any, bytes]:
     """A slot of ``pool`` holding ``batch`` (packed as a worker packs it), and its payload."""
     slot = pool.acquire()
-    return slot, packing.SlotPacker(memoryview(slot)).pack(batch)
+    return slot, slot_engine.SlotPacker(memoryview(slot)).pack(batch)
 
 
 def in_slot(value: Any, slot: Any) -> bool:
@@ -37,7 +37,7 @@ def in_slot(value: Any, slot: Any) -> bool:
 
 
 def test_a_layout_seen_before_is_rebuilt_as_unpickling_makes_it() -> None:
-    packing._templates.clear()
+    slot_engine._templates.clear()
     with numafast.PinnedPool(NODE, 1 << 20, 4, register="off") as pool:
         shared = torch.arange(6, dtype=torch.float32).reshape(2, 3)
         batch = {"image": shared, "again": shared, "rows": [torch.ones(4, dtype=torch.int64), (np.arange(3),)],
@@ -45,9 +45,9 @@ def test_a_layout_seen_before_is_rebuilt_as_unpickling_makes_it() -> None:
         first_slot, payload = packed(pool, batch)
         second_slot, second_payload = packed(pool, batch)
         assert payload == second_payload  # slot-relative: the same bytes for the same layout
-        first = packing.unpack(payload, first_slot)
-        assert payload in packing._templates and packing._templates[payload] is not None
-        second = packing.unpack(payload, second_slot)  # from the template
+        first = slot_engine.unpack(payload, first_slot)
+        assert payload in slot_engine._templates and slot_engine._templates[payload] is not None
+        second = slot_engine.unpack(payload, second_slot)  # from the template
         for made, slot in ((first, first_slot), (second, second_slot)):
             assert type(made) is dict and list(made) == ["image", "again", "rows", "mask"]
             assert made["image"] is made["again"]  # one object per reference, as unpickled
@@ -66,33 +66,33 @@ def test_a_layout_seen_before_is_rebuilt_as_unpickling_makes_it() -> None:
 
 
 def test_a_template_keeps_bfloat16_and_tensors_that_need_grad() -> None:
-    packing._templates.clear()
+    slot_engine._templates.clear()
     with numafast.PinnedPool(NODE, 1 << 20, 2, register="off") as pool:
         batch = [torch.ones(3, dtype=torch.bfloat16), torch.zeros(2, requires_grad=True)]
         slots_and_payloads = [packed(pool, batch) for _ in range(2)]
         for slot, payload in slots_and_payloads:
-            half, weights = packing.unpack(payload, slot)
+            half, weights = slot_engine.unpack(payload, slot)
             assert half.dtype == torch.bfloat16 and half.tolist() == [1.0, 1.0, 1.0] and in_slot(half, slot)
             assert weights.requires_grad and weights.tolist() == [0.0, 0.0]
         del half, weights, slots_and_payloads
 
 
 def test_batches_with_other_objects_are_unpickled_each_time_sharing_nothing() -> None:
-    packing._templates.clear()
+    slot_engine._templates.clear()
     with numafast.PinnedPool(NODE, 1 << 20, 4, register="off") as pool:
         batch = Pair(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), ["a.jpg", "b.jpg"])  # a user's own collate's
-        made = [packing.unpack(payload, slot) for slot, payload in (packed(pool, batch) for _ in range(2))]
+        made = [slot_engine.unpack(payload, slot) for slot, payload in (packed(pool, batch) for _ in range(2))]
         assert all(type(pair) is Pair and pair.label == ["a.jpg", "b.jpg"] for pair in made)
         assert made[0].label is not made[1].label  # a consumer may change one batch's list
         assert torch.equal(made[1].image, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
-        assert set(packing._templates.values()) == {None}
+        assert set(slot_engine._templates.values()) == {None}
         del made
 
 
 def test_a_packer_reuses_a_payload_only_for_the_same_layout_of_slot_tensors() -> None:
     with numafast.PinnedPool(NODE, 1 << 20, 2, register="off") as pool:
         slot = pool.acquire()
-        packer = packing.SlotPacker(memoryview(slot))
+        packer = slot_engine.SlotPacker(memoryview(slot))
 
         def pack(shape: tuple[int, ...], name: str | None = None) -> tuple[bytes, Any]:
             packer.reset(memoryview(slot))
@@ -100,7 +100,7 @@ def test_a_packer_reuses_a_payload_only_for_the_same_layout_of_slot_tensors() ->
             images.fill_(1.0)
             batch: Any = [images, packer.tensor(torch.int64, shape[:1])] if name is None else {"x": images, "name": name}
             payload = packer.pack(batch)
-            return payload, packing.unpack(payload, slot)
+            return payload, slot_engine.unpack(payload, slot)
 
         first, _ = pack((4, 2))
         again, made = pack((4, 2))
@@ -171,10 +171,10 @@ def test_collating_into_a_slot_gives_default_collates_batch(kind: str) -> None:
     samples = COLLATED_SAMPLES[kind]
     expected = torch.utils.data.default_collate(samples)
     memory = bytearray(1 << 16)
-    packer = packing.SlotPacker(memoryview(memory))
+    packer = slot_engine.SlotPacker(memoryview(memory))
     made = packer.collate(samples)
     _same(made, expected)
-    assert packing.SlotMeasure().collated(samples) == packer.end
+    assert slot_engine.SlotMeasure().collated(samples) == packer.end
     tensors, _rebuild = flatten(made)
     assert all(in_slot(tensor, memory) for tensor in tensors if tensor.numel())
 
@@ -185,7 +185,7 @@ def test_collating_into_a_slot_fails_as_default_collate_does(kind: str) -> None:
     with pytest.raises(Exception) as expected:
         torch.utils.data.default_collate(samples)
     with pytest.raises(expected.type) as made:
-        packing.SlotPacker(memoryview(bytearray(1 << 16))).collate(samples)
+        slot_engine.SlotPacker(memoryview(bytearray(1 << 16))).collate(samples)
     assert str(made.value) == str(expected.value)
 
 
@@ -195,14 +195,14 @@ def test_a_packer_keeping_its_tensors_fills_them_anew_for_each_batch() -> None:
     default_collate makes it, in the slot, and so does the owner's unpacked view."""
     memory = memoryview(bytearray(1 << 16))
     kept: dict[Any, Any] = {}
-    packer = packing.SlotPacker(memory, kept)
+    packer = slot_engine.SlotPacker(memory, kept)
     batches = [[(_image(i + start), i + start) for i in range(count)] for start, count in ((0, 4), (10, 4), (20, 3), (30, 4))]
     made = []
     for samples in batches:
         collated = packer.reset(memory, kept).collate(samples)
         expected = torch.utils.data.default_collate(samples)
         _same(collated, expected)
-        _same(packing.unpack(packer.pack(collated), memory), expected)
+        _same(slot_engine.unpack(packer.pack(collated), memory), expected)
         assert all(in_slot(tensor, memory) for tensor in collated)
         made.append(collated)
     assert made[1][0] is made[0][0] and made[1][1] is made[0][1]  # the same layout: the same tensors, filled again

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from numafast._validate import positive_int
 from numafast.errors import SlotTooSmallError
 from numafast.pool import PinnedPool, Slot, pool_of
 from numafast.torch.slot import ALIGNMENT, fill, plain_array
@@ -132,6 +133,8 @@ def pin(batch: Batch, pool: PinnedPool, *, threads: int | None = None, timeout: 
             f"pin() copies into a numafast.PinnedPool, not a {type(pool).__name__}: make one with "
             "numafast.PinnedPool(node, slot_bytes, slots)"
         )
+    threads = None if threads is None else positive_int(threads, "threads")
+
     def warn(opaque: set[str]) -> None:
         warnings.warn(
             f"pin() leaves {', '.join(sorted(opaque))} where they are: it places tensors and NumPy arrays inside "

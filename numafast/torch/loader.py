@@ -342,7 +342,7 @@ class NumaLoader(DataLoader[T_co]):
             settings_loader(self._through).collate_fn = self.collate_fn
 
     def __iter__(self) -> Any:
-        if not _process.owns(self.pools.owner_pid):
+        if self.pools.owner_pid != _process.pid:
             self._own_pools()
         self._before_first_iteration()
         if refused := memory_placement_refused():  # a container's seccomp profile, a kernel without NUMA
@@ -366,7 +366,7 @@ class NumaLoader(DataLoader[T_co]):
     def stats(self) -> LoaderStats:
         """How the batches arrived, and the counters of the pinned pools in use (in a forked
         child not iterated yet: nothing arrived)."""
-        if not _process.owns(self.pools.owner_pid):
+        if self.pools.owner_pid != _process.pid:
             self._own_pools()
         return self.pools.stats()
 
@@ -473,7 +473,7 @@ def loader_stats(loader: object) -> LoaderStats | None:
         attributes = vars(current) if hasattr(current, "__dict__") else {}
         collate = attributes.get("collate_fn")
         if isinstance(collate, SlotCollate) and collate.pools is not None:
-            pools = collate.pools if _process.owns(collate.pools.owner_pid) else owner_process_pools.replacing.get(collate.pools)
+            pools = collate.pools if collate.pools.owner_pid == _process.pid else owner_process_pools.replacing.get(collate.pools)
             return None if pools is None else cast("NodePools", pools).stats()
         pending.extend(attributes[name] for name in _INNER_LOADER_ATTRIBUTES if attributes.get(name) is not None)
     return None

@@ -57,12 +57,11 @@ from numafast.torch import owner_process_pools
 from numafast.torch.batch import place
 from numafast.torch.device import gpu_usable, iteration_gpu
 from numafast.torch.message import Fallback, FallbackReason, SenderDied, SlotBatch, receivers
-from numafast.torch.packing import SlotMeasure, SlotPacker, unpack
 from numafast.torch.owner_process_pools import pinned_bytes
 from numafast.torch.owner_sizing import (
     check_max_pinned_bytes, default_max_pinned_bytes, grown_slot_bytes, slot_bytes_for, slots_within,
 )
-from numafast.torch.slot import SlotFull, placeable, tensor_kind
+from numafast.torch.slot import UNMADE, SlotFull, SlotPacker, bytes_needed, placeable, tensor_kind, unpack
 
 __all__ = ["LoaderStats", "NodePools", "default_max_pinned_bytes", "node_pools", "pinned_bytes"]
 
@@ -321,7 +320,7 @@ class NodePools:
         """Collate in this process (no workers): into a slot when ``collate_fn`` is torch's
         default (``direct``; the first batch, measured, sizes the pool), else a copy."""
         first = None if self.pools else FallbackReason.FIRST_BATCHES
-        needed = SlotMeasure().collated(samples) if first and direct else 0
+        needed = bytes_needed(samples, UNMADE) if first and direct else 0
         if not direct or (first and not needed):  # another collate function, or no bytes to lay out
             return self._copy(collate_fn(samples), first)
         try:

@@ -27,19 +27,14 @@ from torch.utils.data import default_collate, get_worker_info
 
 from numafast import _process
 from numafast.binding import bind_if_permitted
-from numafast.pool_worker import BoardHandle, BoardReader, PoolView
+from numafast.pool_worker import BoardHandle, BoardReader, Lease, LeaseMiss
 from numafast.torch.message import Fallback, FallbackReason, SlotBatch
-from numafast.torch.packing import SlotMeasure, SlotPacker
-from numafast.torch.slot import SlotFull
+from numafast.torch.slot import UNMADE, SlotPacker, bytes_needed
 
 if TYPE_CHECKING:
     from numafast.torch.owner_pools import NodePools
 
 __all__ = ["SlotCollate"]
-
-# A batch not made yet: the collate function is torch's default, which collates into the slot.
-_UNMADE: Any = object()
-
 
 class SlotCollate:
     """The loader's ``collate_fn``, collating into a slot of ``pools``. Picklable (for
@@ -53,6 +48,7 @@ class SlotCollate:
         self.owner_id = pools.owner_id
         self.owner_pid = _process.pid
         self.board: BoardHandle = pools.board.handle()
+        self._board_key = (self.board.owner_pid, self.board.inode)  # hashed in C, per batch
         self.node = pools.node if bind_workers else None
         """The node each worker binds itself to at its first batch (None: stay where it is)."""
         self.strict = strict
@@ -84,8 +80,6 @@ class SlotCollate:
             self._batch = (_process.pid, info.id, number + 1 if pid == _process.pid else 1)
             with _making_batch:
                 batch = self._in_worker(samples)
-                if self._packer is not None:
-                    self._packer.reset(b"")  # between batches it keeps no slot (see _let_go_while_idle)
             _watch_while_idle()
             return batch
         if self.pools is not None and _process.pid == self.owner_pid:
@@ -94,60 +88,55 @@ class SlotCollate:
         return self.collate_fn(samples)
 
     def _in_worker(self, samples: Any) -> SlotBatch | Fallback:
+        made = UNMADE if self.direct else self.collate_fn(samples)
         try:
-            reader = _readers.get(self.board)
+            reader = _readers.get(self._board_key)
             if reader is None:
-                reader = _readers[self.board] = BoardReader(self.board)
-            views = reader.pools()
-        except OSError as error:
-            return self._copying(samples, _UNMADE, FallbackReason.CANNOT_MAP, str(error))
-        made = _UNMADE if self.direct else self.collate_fn(samples)
-        if not views:  # the loader's first batches: the owner's copy of this one makes the first pool
-            return self._copying(samples, made, FallbackReason.FIRST_BATCHES)
-        landed = self._land(views, 0, samples, made)
-        if landed is None:  # larger than that slot: a larger one listed may fit
-            landed = self._land(views, self._measured(samples, made), samples, made)
-        return self._copying(samples, made, FallbackReason.TOO_LARGE) if landed is None else landed
+                reader = _readers[self._board_key] = BoardReader(self.board)
+            lease = reader.lease(0)
+            if isinstance(lease, Lease):
+                landed = self._land(lease, samples, made)
+                if landed is not None:
+                    return landed
+                # Larger than that slot: a larger one listed may fit.
+                lease = reader.lease(bytes_needed(samples, made))
+                landed = self._land(lease, samples, made) if isinstance(lease, Lease) else None
+                if landed is not None:
+                    return landed
+        except OSError as error:  # the board or a pool it lists cannot be mapped here
+            return self._copying(samples, made, FallbackReason.CANNOT_MAP, str(error))
+        return self._copying(samples, made, _MISSES[lease] if isinstance(lease, LeaseMiss) else FallbackReason.TOO_LARGE)
 
-    def _land(self, views: list[PoolView], needed: int, samples: Any, made: Any) -> SlotBatch | Fallback | None:
-        """The batch collated (or ``made`` packed) into a free slot of ``needed`` bytes or
-        more; a Fallback when every such slot is held (the consumer keeps batches: the
-        owner's copy adds a pool), None when the batch does not fit the slot."""
+    def _land(self, lease: Lease, samples: Any, made: Any) -> SlotBatch | None:
+        """The batch collated (or ``made`` packed) into the leased slot; None (the lease
+        given up) when it does not fit."""
+        packer = self._packer = self._packer or SlotPacker(b"")
         try:
-            lease = _free_slot(views, needed)
-        except OSError:  # a pool listed cannot be mapped here: the next batch's look at the board says why
-            lease = None
-        if lease is None:
-            fits = any(view.handle.slot_bytes >= needed for view in views)
-            return self._copying(samples, made, FallbackReason.NO_FREE_SLOT) if fits else None
-        view, index, generation = lease
-        try:
-            memory, kept = view.slot(index), view.made[index]
-            packer = self._packer.reset(memory, kept) if self._packer else SlotPacker(memory, kept)
-            self._packer = packer
-            payload = packer.pack(packer.collate(samples) if made is _UNMADE else made)
-        except BaseException as error:
-            view.give_up(index, generation)
-            if isinstance(error, SlotFull):
-                return None
+            packed = packer.pack_into(lease.memory, lease.kept, samples, made)
+        except BaseException:
+            lease.give_up()
             raise
-        unpinned = tuple(sorted(packer.unpinned)) if packer.unpinned else ()
-        return SlotBatch(self.owner_pid, self.owner_id, view.handle.inode, index, generation, packer.end, payload,
-                         unpinned, self._batch[1], self._batch[2], _process.pid)  # fmt: skip
-
-    def _measured(self, samples: Any, made: Any) -> int:
-        """The bytes of slot the batch needs."""
-        measure = SlotMeasure()
-        return measure.collated(samples) if made is _UNMADE else measure.packed(made)
+        if packed is None:
+            lease.give_up()
+            return None
+        payload, nbytes, unpinned = packed
+        return SlotBatch(self.owner_pid, self.owner_id, lease.view.handle.inode, lease.index, lease.generation, nbytes,
+                         payload, unpinned, self._batch[1], self._batch[2], _process.pid)  # fmt: skip
 
     def _copying(self, samples: Any, made: Any, reason: FallbackReason, detail: str = "") -> Fallback:
         """The batch as torch would send it, for the main process to copy into a slot."""
-        batch = self.collate_fn(samples) if made is _UNMADE else made
+        batch = self.collate_fn(samples) if made is UNMADE else made
         return Fallback(self.owner_pid, self.owner_id, batch, reason, detail, self._batch[1], self._batch[2])
 
 
+# Why a batch was sent to be copied, by why no slot was leased for it.
+_MISSES = {
+    LeaseMiss.NO_POOL: FallbackReason.FIRST_BATCHES,  # the owner's copy of this one makes the first pool
+    LeaseMiss.ALL_HELD: FallbackReason.NO_FREE_SLOT,
+    LeaseMiss.TOO_SMALL: FallbackReason.TOO_LARGE,
+}
 # In a worker: the board of each loader it serves, mapped once (kept in numafast/_process.py).
-_readers = cast("dict[BoardHandle, BoardReader]", _process.board_readers)
+_readers = cast("dict[tuple[int, int], BoardReader]", _process.board_readers)
 # How often an idle worker looks for pools the owner let go (a look is a read of the board).
 IDLE_LOOK_S = 1.0
 _making_batch = threading.Lock()  # held by a worker's collate: the idle look waits its turn
@@ -178,16 +167,6 @@ def _let_go_while_idle() -> None:
                     pass  # the next batch's look says why
         finally:
             _making_batch.release()
-
-
-def _free_slot(views: list[PoolView], needed: int) -> tuple[PoolView, int, int] | None:
-    """A free slot of ``needed`` bytes or more, leased now, in one of ``views``."""
-    for view in views:
-        if view.handle.slot_bytes >= needed:
-            lease = view.lease()
-            if lease is not None:
-                return view, lease[0], lease[1]
-    return None
 
 
 def _iterating_process() -> int:
