@@ -120,7 +120,8 @@ def _forked() -> None:
     - ``pid`` and its start time: its own, read anew.
     - ``done_once``: kept. The child does not repeat a warning its parent said, and it
       inherits its parent's exit hooks (``atexit`` is copied by the fork).
-      ``workers_replaced``: kept, its parent's count.
+    - ``workers_replaced``: 0. It counts the workers of this process's own loaders
+      replaced; those its parent replaced are not the child's.
     - The pools (``live_pools``, ``pool_files``, ``released_later``): inherited, and
       still its parent's; each file's mappings are made private here, so that the child
       only reads the slots it inherited (workers that fill slots map the file again,
@@ -146,9 +147,10 @@ def _forked() -> None:
       where the parent condemned it already (only slow, it must not race the worker
       forked in its place).
     """
-    global pid, _started, ledgers_mutex, reserved, reserved_mutex, idle_mutex
+    global pid, _started, workers_replaced, ledgers_mutex, reserved, reserved_mutex, idle_mutex
     pid = os.getpid()
     _started = None
+    workers_replaced = 0
     _pools_made_private()
     ledgers_mutex, reserved_mutex, idle_mutex = threading.Lock(), threading.Lock(), threading.Lock()
     reserved = 0

@@ -1,9 +1,12 @@
-"""The ``numafast`` command as a whole: a bare ``numafast``, --help, and node and CPU
-lists in numactl's syntax (``numafast run`` checked by what the child's kernel reports)."""
+"""The ``numafast`` command as a whole: a bare ``numafast``, --help, node and CPU lists
+in numactl's syntax (``numafast run`` checked by what the child's kernel reports), and
+what ``numafast show`` says this process may do (under a real seccomp filter for a
+refusal: tests/seccomp_exec.c)."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -13,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from numafast import topology
+from numafast import capabilities, topology
 from numafast._validate import parse_list
 from numafast.cli import SUBCOMMANDS, main
 from sysfs_truth import node_cpus, online_nodes
+from test_policy_seccomp import under_seccomp  # noqa: F401  (the fixture)
 
 TESTS = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": f"{TESTS.parent}:{TESTS}"}
@@ -200,3 +204,64 @@ def test_every_option_of_every_command_is_explained_in_its_help() -> None:
             for option in action.option_strings:
                 assert option in text, f"numafast {name} --help lacks {option}"
                 assert action.help, f"numafast {name} {option} has no help text"
+
+
+# ---------------------------------------------------------------- show: what this process may do
+
+PERMITS = "placement this process may do (numafast.capabilities(), kernel "
+EVERY_FEATURE = "numa, set_mempolicy, preferred_many, weighted_interleave, cpu_affinity, mbind, move_pages"
+
+
+def capability_block(text: str) -> list[str]:
+    """The lines of ``numafast show``'s output from its capabilities block on."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(PERMITS)]
+    assert len(starts) == 1, text
+    return lines[starts[0]:]
+
+
+@pytest.mark.host_only("the host permits every placement call; a guest's older kernel may lack a policy mode")
+def test_show_says_this_process_may_do_all_placement(capsys: pytest.CaptureFixture[str]) -> None:
+    found = capabilities()
+    if not all(getattr(found, name).available for name in EVERY_FEATURE.split(", ")):
+        pytest.skip(f"this machine refuses some placement, so show cannot say all of it:\n{found}")
+    assert main(["show"]) == 0
+    kernel = os.uname().release
+    assert capability_block(capsys.readouterr().out) == [PERMITS + f"{kernel}):", "  all of it: " + EVERY_FEATURE]
+    assert main(["show", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["capabilities"]
+    assert shown.pop("kernel") == kernel and list(shown) == EVERY_FEATURE.split(", ")
+    assert all(item == {"available": True, "reason": "", "errno": 0} for item in shown.values()), shown
+    # A snapshot is another machine's: nothing of this process is said with it.
+    snapshot = str(TESTS / "fixtures" / "dgx-h100")
+    assert main(["show", "--sysfs", snapshot]) == 0 and PERMITS not in capsys.readouterr().out
+    assert main(["show", "--sysfs", snapshot, "--json"]) == 0
+    assert "capabilities" not in json.loads(capsys.readouterr().out)
+
+
+# `python3 -m numafast ARGS` as a program for the seccomp filter's python3 -c: run as -m runs it.
+AS_M = ("import runpy, sys; sys.argv = ['numafast', *{args!r}]; "
+        "runpy.run_module('numafast', run_name='__main__', alter_sys=True)")  # fmt: skip
+
+
+@pytest.mark.host_only("seccomp refusals: the same whatever the nodes")
+def test_show_names_what_a_seccomp_filter_refuses_and_the_fix(under_seccomp) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    # Docker's default profile without CAP_SYS_NICE refuses these two, and more (test_container_placement.py).
+    result = under_seccomp("set_mempolicy,mbind", AS_M.format(args=["show"]))
+    assert result.returncode == 0, result.stderr
+    block = capability_block(result.stdout)
+    assert block[1] == "  yes: numa, cpu_affinity, move_pages", block
+    assert block[2] == "  no: set_mempolicy, preferred_many, weighted_interleave, mbind", block
+    why = block[3].strip()
+    assert why.startswith("set_mempolicy, mbind refused with EPERM; a container's seccomp profile"), why
+    assert "(seccomp: filter active, no CAP_SYS_NICE)" in why and "run with --cap-add SYS_NICE" in why, why
+    assert block[4].startswith("  so NumaLoader's workers and pinned pools run unplaced: "), block
+    assert len(block) == 5, block
+    result = under_seccomp("set_mempolicy,mbind", AS_M.format(args=["show", "--json"]))
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)["capabilities"]
+    assert [name for name in EVERY_FEATURE.split(", ") if not shown[name]["available"]] == [
+        "set_mempolicy", "preferred_many", "weighted_interleave", "mbind"
+    ]  # fmt: skip
+    mbind = shown["mbind"]
+    assert mbind["errno"] == errno.EPERM and mbind["reason"].startswith("mbind refused with EPERM; "), mbind

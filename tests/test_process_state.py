@@ -9,6 +9,7 @@ import ast
 import gc
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import numafast.torch  # noqa: E402
 from numafast import _process  # noqa: E402
+from numafast.torch import fork_watch  # noqa: E402
 
 PACKAGE = Path(numafast.__file__).parent
 SEMANTICS = pytest.mark.host_only("what a forked child keeps, the same on any kernel; workers cost seconds under TCG")
@@ -61,6 +63,22 @@ def epoch(loader: Any) -> list[int]:
     return seen
 
 
+def in_a_forked_child(report: Callable[[], Any]) -> Any:
+    """``report()`` as a real ``os.fork()`` child of this process returns it (JSON)."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.write(write, json.dumps(report()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        reported = json.loads(pipe.read())
+    assert os.waitpid(child, 0)[1] == 0
+    return reported
+
+
 @SEMANTICS
 def test_a_forked_child_keeps_and_forgets_what_process_py_says() -> None:
     persistent = numafast.torch.NumaLoader(DataLoader(Tagged(), batch_size=8, num_workers=2, persistent_workers=True))
@@ -73,26 +91,24 @@ def test_a_forked_child_keeps_and_forgets_what_process_py_says() -> None:
     inherited = list(_process.loader_iterators)
     _process.first_time("said in the parent")
     said = sorted(_process.done_once)
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child reports through the pipe
-        try:
-            child_said = {
-                "pid": _process.pid == os.getpid(), "reserved": _process.reserved,
-                "idle": len(_process.idle_pools), "iterators": len(_process.loader_iterators),
-                "shut": [getattr(iterator, "_shutdown", None) for iterator in inherited],
-                "pools": len(_process.live_pools) > 0, "tokens": sorted(_process.open_tokens),
-                "once": sorted(_process.done_once),
-            }
-            os.write(write, json.dumps(child_said).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        reported = json.loads(pipe.read())
-    assert os.waitpid(child, 0)[1] == 0
+    reported = in_a_forked_child(lambda: {
+        "pid": _process.pid == os.getpid(), "reserved": _process.reserved,
+        "idle": len(_process.idle_pools), "iterators": len(_process.loader_iterators),
+        "shut": [getattr(iterator, "_shutdown", None) for iterator in inherited],
+        "pools": len(_process.live_pools) > 0, "tokens": sorted(_process.open_tokens),
+        "once": sorted(_process.done_once),
+    })  # fmt: skip
     assert reported == {"pid": True, "reserved": 0, "idle": 0, "iterators": 0, "shut": [True], "pools": True,
                         "tokens": [], "once": said}
     # The parent's own state is untouched, and its persistent workers serve the next epoch.
     assert _process.idle_pools and _process.reserved > 0 and len(_process.loader_iterators) == 1
     assert sorted(epoch(persistent)) == list(range(64))
+
+
+@SEMANTICS
+def test_a_forked_child_counts_no_replaced_worker_of_its_parent(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the fork watch counts a worker forked in the place of one stuck (no stuck worker needed).
+    monkeypatch.setattr(_process, "workers_replaced", _process.workers_replaced + 2)
+    assert fork_watch.replaced_workers() >= 2
+    assert in_a_forked_child(lambda: [fork_watch.replaced_workers(), _process.workers_replaced]) == [0, 0]
+    assert fork_watch.replaced_workers() >= 2  # the parent's count is untouched

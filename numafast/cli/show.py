@@ -1,19 +1,33 @@
 """``numafast show``: nodes, distances, GPUs and NICs per node and the allowed sets,
-laid out like ``numactl -H`` followed by ``nvidia-smi topo -m``."""
+laid out like ``numactl -H`` followed by ``nvidia-smi topo -m``; then, on the live
+machine, what placement this process may do (:func:`numafast.capabilities`), each
+refusal with its cause and fix: where a user whose NumaLoader runs unplaced looks."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
+import json
 from collections.abc import Iterator
+from typing import Any
 
 from numafast._validate import format_ids
+from numafast.capabilities import Capabilities, Capability, capabilities, memory_placement_refused
+from numafast.policy import seccomp_hint
 from numafast.topo import PciDevice, Topology, topology
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("show", help="print the NUMA topology, GPUs and NICs")
+    parser = subparsers.add_parser(
+        "show", help="print the NUMA topology, GPUs and NICs, and what placement this process may do"
+    )
     add_topology_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print Topology.to_dict() as JSON")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print Topology.to_dict() as JSON, with "capabilities" (numafast.capabilities()) on the live machine',
+    )
     parser.set_defaults(run=run)
 
 
@@ -39,11 +53,21 @@ def load_topology(args: argparse.Namespace) -> Topology:
 
 def run(args: argparse.Namespace) -> int:
     machine = load_topology(args)
-    print(machine.to_json() if args.json else "\n".join(render(machine)))
+    # A snapshot is another machine's (or another time's): what this process may do says nothing of it.
+    found = capabilities() if args.sysfs is None else None
+    print(json.dumps(to_dict(machine, found), indent=1) if args.json else "\n".join(render(machine, found)))
     return 0
 
 
-def render(machine: Topology) -> Iterator[str]:
+def to_dict(machine: Topology, found: Capabilities | None) -> dict[str, Any]:
+    """What ``numafast show --json`` prints: the topology, and ``found`` (when given) as "capabilities"."""
+    shown = machine.to_dict()
+    if found is not None:
+        shown["capabilities"] = dataclasses.asdict(found)
+    return shown
+
+
+def render(machine: Topology, found: Capabilities | None = None) -> Iterator[str]:
     """The text of ``numafast show``."""
     yield from render_nodes(machine)
     yield ""
@@ -51,6 +75,57 @@ def render(machine: Topology) -> Iterator[str]:
     yield ""
     yield f"allowed cpus: {format_ids(machine.allowed_cpus)}"
     yield f"allowed nodes: {format_ids(machine.allowed_nodes)}"
+    if found is not None:
+        yield ""
+        yield from render_capabilities(found)
+
+
+# The system call each capability's probe makes, where its name is not that call.
+_CALLS = {"numa": "get_mempolicy", "preferred_many": "set_mempolicy", "weighted_interleave": "set_mempolicy",
+          "cpu_affinity": "sched_setaffinity"}  # fmt: skip
+
+
+def render_capabilities(found: Capabilities) -> Iterator[str]:
+    """What this process may do: the features that work on one line, then those that do
+    not, grouped by cause, each cause (with its fix) on the line below; and whether
+    NumaLoader and pinned pools run unplaced for it, as they warn."""
+    works, refused = _grouped(found)
+    yield f"placement this process may do (numafast.capabilities(), kernel {found.kernel}):"
+    if not refused:
+        yield f"  all of it: {', '.join(works)}"
+        return
+    yield f"  yes: {', '.join(works) or 'none'}"
+    for reason, names in refused.items():
+        yield f"  no: {', '.join(names)}"
+        yield f"      {reason}"
+    if memory_placement_refused():
+        yield ("  so NumaLoader's workers and pinned pools run unplaced: their memory goes where the kernel puts it "
+               "(CPU binding still applies)")  # fmt: skip
+
+
+# The system call each capability's probe makes, where its name is not that call.
+_CALLS = {"numa": "get_mempolicy", "preferred_many": "set_mempolicy", "weighted_interleave": "set_mempolicy",
+          "cpu_affinity": "sched_setaffinity"}  # fmt: skip
+
+
+def _grouped(found: Capabilities) -> tuple[list[str], dict[str, list[str]]]:
+    """(the features that work, those that do not by their reason). The refusals with
+    EPERM share one reason, their calls named together with one cause and fix: a
+    container's seccomp profile refuses them at once, and the fix said per feature
+    would be said up to six times."""
+    works: list[str] = []
+    refused: dict[str, list[str]] = {}  # "" gathers every EPERM
+    for item in dataclasses.fields(found):
+        value = getattr(found, item.name)
+        if isinstance(value, Capability):
+            if value.available:
+                works.append(item.name)
+            else:
+                refused.setdefault("" if value.errno == errno.EPERM else value.reason, []).append(item.name)
+    if "" in refused:
+        calls = list(dict.fromkeys(_CALLS.get(name, name) for name in refused[""]))
+        refused[f"{', '.join(calls)} refused with EPERM; {seccomp_hint(*calls)}"] = refused.pop("")
+    return works, refused
 
 
 def _megabytes(value: int | None) -> str:
