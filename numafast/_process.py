@@ -88,6 +88,9 @@ receivers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 board_readers: dict[Any, Any] = {}
 """In a worker: the board of each loader it serves, mapped once, by (owner pid, inode)."""
+making_batch = threading.Lock()
+"""Held by a worker's collate while it makes a batch, and by its idle look at the board
+between batches (numafast/torch/worker_collate.py): the idle look waits its turn."""
 idle_watch_pid = 0
 """The worker process whose idle look runs (a child of it has none: it compares its pid)."""
 iterating: tuple[int, int] = (0, 0)
@@ -140,19 +143,22 @@ def _forked() -> None:
       its end), ending the parent's epoch; marked, it ends with nothing done.
       ``receivers`` stay: messages name their owner's pid, which is not this one.
     - A worker's boards (``board_readers``): inherited, the same shared mappings;
-      ``idle_watch_pid`` and ``iterating`` are keyed by pid, so stale here by design.
+      ``idle_watch_pid`` and ``iterating`` are keyed by pid, so stale here by design;
+      ``making_batch`` is made anew (the parent's idle look may have held it at the fork:
+      a worker of a loader iterated in this child would wait for it forever).
     - The fork watch: this child's own forks are not watched; it claims its start token
       (a watched worker), closes its copies of the parent's tokens, freezes what it
       inherited for the collector and turns the collector back on, and exits at once
       where the parent condemned it already (only slow, it must not race the worker
       forked in its place).
     """
-    global pid, _started, workers_replaced, ledgers_mutex, reserved, reserved_mutex, idle_mutex
+    global pid, _started, workers_replaced, ledgers_mutex, reserved, reserved_mutex, idle_mutex, making_batch
     pid = os.getpid()
     _started = None
     workers_replaced = 0
     _pools_made_private()
     ledgers_mutex, reserved_mutex, idle_mutex = threading.Lock(), threading.Lock(), threading.Lock()
+    making_batch = threading.Lock()
     reserved = 0
     for book in ledgers.values():
         book._claiming = threading.Lock()

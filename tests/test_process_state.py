@@ -112,3 +112,11 @@ def test_a_forked_child_counts_no_replaced_worker_of_its_parent(monkeypatch: pyt
     assert fork_watch.replaced_workers() >= 2
     assert in_a_forked_child(lambda: [fork_watch.replaced_workers(), _process.workers_replaced]) == [0, 0]
     assert fork_watch.replaced_workers() >= 2  # the parent's count is untouched
+
+
+@SEMANTICS
+def test_a_forked_child_of_a_worker_can_make_batches_while_its_idle_look_held_the_lock() -> None:
+    # A worker's idle look holds the lock while it reads the board; a child forked then
+    # (a loader iterated inside a worker) must not find it held forever.
+    with _process.making_batch:
+        assert in_a_forked_child(lambda: _process.making_batch.acquire(timeout=1.0)) is True

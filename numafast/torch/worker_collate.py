@@ -78,7 +78,7 @@ class SlotCollate:
                 self._bound_pid = _process.pid
             pid, _worker, number = self._batch
             self._batch = (_process.pid, info.id, number + 1 if pid == _process.pid else 1)
-            with _making_batch:
+            with _process.making_batch:
                 batch = self._in_worker(samples)
             _watch_while_idle()
             return batch
@@ -139,7 +139,6 @@ _MISSES = {
 _readers = cast("dict[tuple[int, int], BoardReader]", _process.board_readers)
 # How often an idle worker looks for pools the owner let go (a look is a read of the board).
 IDLE_LOOK_S = 1.0
-_making_batch = threading.Lock()  # held by a worker's collate: the idle look waits its turn
 
 
 def _watch_while_idle() -> None:
@@ -157,7 +156,8 @@ def _let_go_while_idle() -> None:
     the board now and then, and unmaps what is no longer listed."""
     while True:
         time.sleep(IDLE_LOOK_S)
-        if not _making_batch.acquire(blocking=False):
+        making_batch = _process.making_batch
+        if not making_batch.acquire(blocking=False):
             continue  # a batch is being made: it looks at the board itself
         try:
             for reader in list(_readers.values()):
@@ -166,7 +166,7 @@ def _let_go_while_idle() -> None:
                 except OSError:
                     pass  # the next batch's look says why
         finally:
-            _making_batch.release()
+            making_batch.release()
 
 
 def _iterating_process() -> int:
