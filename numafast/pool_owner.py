@@ -8,10 +8,9 @@ import mmap
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import astuple
 
 from numafast import _libnuma, _process
-from numafast.pool_worker import _COUNT, _ENTRY, BOARD_BYTES, BOARD_ENTRIES, BoardHandle, PoolHandle
+from numafast.pool_worker import BOARD_BYTES, BoardHandle, PoolHandle, board_payload
 
 __all__ = ["PoolBoard"]
 
@@ -41,9 +40,7 @@ class PoolBoard:
         if self.owner_pid != _process.pid:
             raise RuntimeError(f"this pool board belongs to process {self.owner_pid}: a forked child "
                                "cannot publish on it")  # fmt: skip
-        pools = list(pools)[:BOARD_ENTRIES]
-        payload = _COUNT.pack(len(pools)) + b"".join(_ENTRY.pack(*astuple(pool)) for pool in pools)
-        self.version = _libnuma.seqlock_write(self.memory, payload)
+        self.version = _libnuma.seqlock_write(self.memory, board_payload(pools))
 
     def close(self) -> None:
         """Unmap and close the file (also when collected); in a forked child, its own copies."""

@@ -16,13 +16,17 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 from enum import Enum
 from typing import Any
 
 from numafast import _libnuma, _process
 
-__all__ = ["BoardHandle", "BoardReader", "Lease", "LeaseMiss", "PoolHandle", "PoolView", "fault_in", "open_shared_file"]
+__all__ = [
+    "BoardHandle", "BoardReader", "Lease", "LeaseMiss", "PoolHandle", "PoolView", "board_entries", "board_payload", "fault_in",
+    "open_shared_file",
+]  # fmt: skip
 
 # A board lists at most this many pools (a loader's pools of one slot size, and the
 # ones it is retiring); each entry is a PoolHandle's six fields. The file is a seqlock
@@ -82,6 +86,18 @@ def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
     )
 
 
+def board_payload(pools: Sequence[PoolHandle]) -> bytes:
+    """What a board says of ``pools`` (the first BOARD_ENTRIES of them)."""
+    pools = list(pools)[:BOARD_ENTRIES]
+    return _COUNT.pack(len(pools)) + b"".join(_ENTRY.pack(*astuple(pool)) for pool in pools)
+
+
+def board_entries(payload: bytes) -> list[PoolHandle]:
+    """The pools a board's ``payload`` lists (see :func:`board_payload`)."""
+    count = min(_COUNT.unpack_from(payload)[0], BOARD_ENTRIES)
+    return [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
+
+
 class BoardReader:
     """A :class:`~numafast.pool_owner.PoolBoard` as a worker reads it: :meth:`pools`, mapped here."""
 
@@ -113,9 +129,7 @@ class BoardReader:
                 continue
             if payload is None:
                 return version, None
-            count = min(_COUNT.unpack_from(payload)[0], BOARD_ENTRIES)
-            entries = [PoolHandle(*fields) for fields in _ENTRY.iter_unpack(payload[_COUNT.size :])][:count]
-            return version, entries
+            return version, board_entries(payload)
 
     def pools(self) -> list[PoolView]:
         """The pools listed now, each mapped once and let go once delisted; OSError when one
