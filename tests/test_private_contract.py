@@ -24,6 +24,10 @@ import pytest
 
 from numafast import private
 
+# The same Python, torch and frameworks in a guest: nothing the kernel's nodes change
+# (its two framework imports alone took 113 s of the 4-node guest's run).
+pytestmark = pytest.mark.host_only("private names of CPython, torch and frameworks: the same on any kernel")
+
 FORK = multiprocessing.get_context("fork")
 WORKERS = 2
 
