@@ -192,6 +192,9 @@ def capabilities() -> Capabilities:
 # (warn_unplaced): training in a default container must work, only less well placed.
 
 _MEMORY_CALLS = ("numa", "set_mempolicy", "mbind")  # get_mempolicy (the numa probe), set_mempolicy, mbind
+PROBE_CALLS = {"numa": "get_mempolicy", "preferred_many": "set_mempolicy", "weighted_interleave": "set_mempolicy",
+               "cpu_affinity": "sched_setaffinity"}  # fmt: skip
+"""The system call each capability's probe makes, where its name is not that call."""
 
 
 def memory_placement_refused() -> list[tuple[str, Capability]]:
@@ -201,7 +204,7 @@ def memory_placement_refused() -> list[tuple[str, Capability]]:
     found = capabilities()
     refused = [(name, getattr(found, name)) for name in _MEMORY_CALLS
                if getattr(found, name).errno in (errno.EPERM, errno.ENOSYS)]  # fmt: skip
-    return [("get_mempolicy" if name == "numa" else name, capability) for name, capability in refused]
+    return [(PROBE_CALLS.get(name, name), capability) for name, capability in refused]
 
 
 def unplaced_text(nodes: list[int], refused: list[tuple[str, Capability]]) -> str:

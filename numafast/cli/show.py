@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from numafast._validate import format_ids
-from numafast.capabilities import Capabilities, Capability, capabilities, memory_placement_refused
+from numafast.capabilities import PROBE_CALLS, Capabilities, Capability, capabilities, memory_placement_refused
 from numafast.policy import seccomp_hint
 from numafast.topo import PciDevice, Topology, topology
 
@@ -80,11 +80,6 @@ def render(machine: Topology, found: Capabilities | None = None) -> Iterator[str
         yield from render_capabilities(found)
 
 
-# The system call each capability's probe makes, where its name is not that call.
-_CALLS = {"numa": "get_mempolicy", "preferred_many": "set_mempolicy", "weighted_interleave": "set_mempolicy",
-          "cpu_affinity": "sched_setaffinity"}  # fmt: skip
-
-
 def render_capabilities(found: Capabilities) -> Iterator[str]:
     """What this process may do: the features that work on one line, then those that do
     not, grouped by cause, each cause (with its fix) on the line below; and whether
@@ -103,11 +98,6 @@ def render_capabilities(found: Capabilities) -> Iterator[str]:
                "(CPU binding still applies)")  # fmt: skip
 
 
-# The system call each capability's probe makes, where its name is not that call.
-_CALLS = {"numa": "get_mempolicy", "preferred_many": "set_mempolicy", "weighted_interleave": "set_mempolicy",
-          "cpu_affinity": "sched_setaffinity"}  # fmt: skip
-
-
 def _grouped(found: Capabilities) -> tuple[list[str], dict[str, list[str]]]:
     """(the features that work, those that do not by their reason). The refusals with
     EPERM share one reason, their calls named together with one cause and fix: a
@@ -123,7 +113,7 @@ def _grouped(found: Capabilities) -> tuple[list[str], dict[str, list[str]]]:
             else:
                 refused.setdefault("" if value.errno == errno.EPERM else value.reason, []).append(item.name)
     if "" in refused:
-        calls = list(dict.fromkeys(_CALLS.get(name, name) for name in refused[""]))
+        calls = list(dict.fromkeys(PROBE_CALLS.get(name, name) for name in refused[""]))
         refused[f"{', '.join(calls)} refused with EPERM; {seccomp_hint(*calls)}"] = refused.pop("")
     return works, refused
 
