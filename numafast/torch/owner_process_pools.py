@@ -1,12 +1,13 @@
 """This process's loader pools as a whole: every :class:`~numafast.torch.owner_pools.NodePools`
-(bounded by ``max_pinned_bytes`` and shrunk together), and the idle ones kept for the
-next loader on their node, which then starts on warm, placed, locked pools: frameworks
-re-create loaders (Lightning's reload every epoch, Accelerate's or Ray's ``prepare``),
-and a validation loader is often made per pass.
+(bounded by ``max_pinned_bytes`` together, shrunk in their user's thread), and the idle
+ones kept for the next loader on their node, which then starts on warm, placed, locked
+pools: frameworks re-create loaders (Lightning's reload every epoch, Accelerate's or
+Ray's ``prepare``), and a validation loader is often made per pass.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Protocol, cast
 
@@ -25,6 +26,7 @@ class LoaderPools(Protocol):
     register: RegisterMode
     owner_pid: int
     users: int
+    user_thread: int
     closed: bool
     pools: list[PinnedPool]
     retired: list[PinnedPool]
@@ -56,12 +58,15 @@ def pinned_bytes() -> int:
     return sum(pool.stats().bytes_mapped for pools in _ours() for pool in [*pools.pools, *pools.retired])
 
 
-def shrink_all() -> None:
-    """Release the grown pools found wholly free in every NodePools of this process:
-    nothing else looks at those of a loader not iterated now (an eval loader whose
-    consumer dropped what it kept, a gone one's idle pools)."""
+def shrink_all(receiving: LoaderPools) -> None:
+    """Release the grown pools found wholly free in ``receiving`` (whose receiving thread
+    calls this every SHRINK_EVERY batches) and in every NodePools of this process whose
+    user is the calling thread: nothing else looks at those of a loader not iterated now
+    (an eval loader whose consumer dropped what it kept, a gone one's idle pools). See
+    the NOTE atop owner_pools."""
+    caller = threading.get_ident()
     for pools in _ours():
-        if len(pools.pools) > 1 and not pools.closed:
+        if (pools is receiving or pools.user_thread == caller) and len(pools.pools) > 1 and not pools.closed:
             pools.shrink()
 
 
@@ -83,6 +88,7 @@ def let_go(pools: LoaderPools) -> None:
         key = (pools.node, pools.lock, pools.register)
         replaced = _idle.get(key)
         _idle[key] = pools
+        pools.user_thread = threading.get_ident()  # whoever lets them go looks after them until a loader takes them
     if replaced is not None and replaced is not pools:
         replaced.close()
     pools.shrink()  # idle with its first pool only, where the consumer let its kept batches go already
