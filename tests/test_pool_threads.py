@@ -183,3 +183,29 @@ def test_idle_pools_are_shrunk_by_the_thread_that_let_them_go() -> None:
     assert checked(training) == 4 * SHRINK_EVERY
     assert len(b_pools.pools) == 1 and {ident for _name, ident in changes} == {threading.get_ident()}, changes
     assert not grown_inodes & mapped_pool_files()
+
+
+@SEMANTICS
+def test_the_pools_of_a_thread_that_ended_are_shrunk_by_the_next_thread_whose_batches_arrive() -> None:
+    """B is made and iterated, its batches kept and dropped, in a thread that then ends: the
+    next thread whose batches arrive (this one, iterating another loader) becomes the
+    user of B's pools and releases the grown ones, with no call on B."""
+    gc.collect()
+    numafast.torch.close_idle_pools()
+    made: list[Any] = []
+
+    def evaluate() -> int:
+        evaluation, grown = grown_then_dropped()
+        made.append(evaluation)
+        return grown
+
+    grown, _ended = in_thread(evaluate)
+    b_pools = made[0].pools
+    grown_inodes = grown_files(b_pools)
+    assert len(b_pools.pools) == grown and grown_inodes <= mapped_pool_files()
+    changes = record_changes(b_pools)
+    training = numafast.torch.NumaLoader(DataLoader(Tagged(BATCH * SHRINK_EVERY), batch_size=BATCH, num_workers=2),
+                                         lock="off")  # fmt: skip
+    assert checked(training) == SHRINK_EVERY
+    assert len(b_pools.pools) == 1 and not grown_inodes & mapped_pool_files(), b_pools.pools
+    assert {ident for _name, ident in changes} == {threading.get_ident()}, changes

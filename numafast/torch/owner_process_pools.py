@@ -26,7 +26,7 @@ class LoaderPools(Protocol):
     register: RegisterMode
     owner_pid: int
     users: int
-    user_thread: int
+    user_thread: threading.Thread
     closed: bool
     pools: list[PinnedPool]
     retired: list[PinnedPool]
@@ -60,14 +60,22 @@ def pinned_bytes() -> int:
 
 def shrink_all(receiving: LoaderPools) -> None:
     """Release the grown pools found wholly free in ``receiving`` (whose receiving thread
-    calls this every SHRINK_EVERY batches) and in every NodePools of this process whose
-    user is the calling thread: nothing else looks at those of a loader not iterated now
-    (an eval loader whose consumer dropped what it kept, a gone one's idle pools). See
-    the NOTE atop owner_pools."""
-    caller = threading.get_ident()
+    calls this every SHRINK_EVERY batches) and in every NodePools of this process used in
+    the calling thread (:func:`_used_in`): nothing else looks at those of a loader not
+    iterated now (an eval loader whose consumer dropped what it kept, a gone one's idle
+    pools). See the NOTE atop owner_pools."""
+    caller = threading.current_thread()
     for pools in _ours():
-        if (pools is receiving or pools.user_thread == caller) and len(pools.pools) > 1 and not pools.closed:
+        if (pools is receiving or _used_in(pools, caller)) and len(pools.pools) > 1 and not pools.closed:
             pools.shrink()
+
+
+def _used_in(pools: LoaderPools, caller: threading.Thread) -> bool:
+    """Whether ``caller`` is the user's thread of ``pools``, which it becomes where that
+    thread ended (one threading did not start, a dummy thread, is alive while it runs)."""
+    if pools.user_thread is not caller and not pools.user_thread.is_alive():
+        pools.user_thread = caller
+    return pools.user_thread is caller
 
 
 def use(pools: LoaderPools) -> None:
@@ -88,7 +96,7 @@ def let_go(pools: LoaderPools) -> None:
         key = (pools.node, pools.lock, pools.register)
         replaced = _idle.get(key)
         _idle[key] = pools
-        pools.user_thread = threading.get_ident()  # whoever lets them go looks after them until a loader takes them
+        pools.user_thread = threading.current_thread()  # who lets them go looks after them until a loader takes them
     if replaced is not None and replaced is not pools:
         replaced.close()
     pools.shrink()  # idle with its first pool only, where the consumer let its kept batches go already
