@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -347,6 +348,7 @@ class NumaLoader(DataLoader[T_co]):
         self._before_first_iteration()
         if refused := memory_placement_refused():  # a container's seccomp profile, a kernel without NUMA
             warn_unplaced([self.node], refused, stacklevel=_user_level())
+        self.pools.user_thread = threading.current_thread()  # see the NOTE atop owner_pools
         self.pools.shrink()  # pools grown for the batches a consumer kept, free again since
         if self._through is not None:
             batches: Iterator[Any] = _through_batches(self, iter(self._through))

@@ -14,14 +14,19 @@ unpinned. The board publishes each change; workers see it at their next batch.
 Idle pools outlive their loader for the next one on the node
 (:mod:`numafast.torch.owner_process_pools`).
 
-NOTE: who changes these pools. The receiving thread (the consumer's, or PyTorch's pin
-thread) makes, resizes and publishes them; besides it only the user's thread does:
-shrinking them (stats(), iter(), and every SHRINK_EVERY batches of any loader of the
-process, in that loader's receiving thread: shrink_all) and closing them. Lifecycle
-calls (a gone loader's let_go, close_idle_pools) act only on pools no loader uses any
-more, so with no receiving thread. Every change of the lists is under ``_mutex``;
-making a pool is under ``_making`` too (two loaders sharing pools receive in two
-threads). No worker waits on the owner, and no thread of numafast's own changes them.
+NOTE: who changes these pools: two threads. The receiving thread (the consumer's, or
+PyTorch's pin thread) makes, resizes and publishes them, and shrinks them every
+SHRINK_EVERY batches. The user's thread (``user_thread``: the one that made or took
+them for a loader, last called a NumaLoader's iter() over them, or let them go idle; a
+pin_memory hook's is the one that installed it; once that thread ends, the next one
+whose batches arrive) shrinks them at stats(), at iter(), and every SHRINK_EVERY
+batches any loader receives in it (owner_process_pools.shrink_all: how the grown pools
+of a loader not iterated now are released), and closes them; no other thread's shrink
+looks at them. Lifecycle calls (a gone loader's let_go, close_idle_pools) act only on
+pools no loader uses any more, so with no receiving thread. Every change of the lists
+is under ``_mutex``; making a pool is under ``_making`` too (two loaders sharing pools
+receive in two threads). No worker waits on the owner, and no thread of numafast's
+own changes them.
 """
 
 from __future__ import annotations
@@ -68,8 +73,8 @@ __all__ = ["LoaderStats", "NodePools", "default_max_pinned_bytes", "node_pools",
 Batch = TypeVar("Batch")
 
 # A grown pool found wholly free is released when the batches a loader received reach
-# a multiple of this (every loader's pools: see owner_process_pools.shrink_all), and at
-# stats(), iter() and when its loader is gone: a look at each pool's counters.
+# a multiple of this (whose pools: see owner_process_pools.shrink_all), and at stats(),
+# iter() and when its loader is gone: a look at each pool's counters.
 SHRINK_EVERY = 8
 # How often a copy in this process tries for a slot when the new ones it made room for
 # are taken by workers first.
@@ -194,6 +199,7 @@ class NodePools:
         self._unlocked: tuple[str, bool] | None = None
         self.before_receive: Callable[[], None] = lambda: None  # the hook binds PyTorch's pin thread
         self.taken_over = taken_over
+        self.user_thread = threading.current_thread()  # see the NOTE at the top: the loader's maker, until it iterates
 
     @property
     def max_pinned_bytes(self) -> int:
@@ -286,7 +292,7 @@ class NodePools:
         if self._unlocked is not None:
             self._warn_unlocked_pool()
         if not self.received() % SHRINK_EVERY:
-            owner_process_pools.shrink_all()
+            owner_process_pools.shrink_all(self)
         self._settle_retired()
 
     def copy_in(self, fallback: Fallback) -> Any:

@@ -1,12 +1,13 @@
 """This process's loader pools as a whole: every :class:`~numafast.torch.owner_pools.NodePools`
-(bounded by ``max_pinned_bytes`` and shrunk together), and the idle ones kept for the
-next loader on their node, which then starts on warm, placed, locked pools: frameworks
-re-create loaders (Lightning's reload every epoch, Accelerate's or Ray's ``prepare``),
-and a validation loader is often made per pass.
+(bounded by ``max_pinned_bytes`` together, shrunk in their user's thread), and the idle
+ones kept for the next loader on their node, which then starts on warm, placed, locked
+pools: frameworks re-create loaders (Lightning's reload every epoch, Accelerate's or
+Ray's ``prepare``), and a validation loader is often made per pass.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Protocol, cast
 
@@ -25,6 +26,7 @@ class LoaderPools(Protocol):
     register: RegisterMode
     owner_pid: int
     users: int
+    user_thread: threading.Thread
     closed: bool
     pools: list[PinnedPool]
     retired: list[PinnedPool]
@@ -56,13 +58,24 @@ def pinned_bytes() -> int:
     return sum(pool.stats().bytes_mapped for pools in _ours() for pool in [*pools.pools, *pools.retired])
 
 
-def shrink_all() -> None:
-    """Release the grown pools found wholly free in every NodePools of this process:
-    nothing else looks at those of a loader not iterated now (an eval loader whose
-    consumer dropped what it kept, a gone one's idle pools)."""
+def shrink_all(receiving: LoaderPools) -> None:
+    """Release the grown pools found wholly free in ``receiving`` (whose receiving thread
+    calls this every SHRINK_EVERY batches) and in every NodePools of this process used in
+    the calling thread (:func:`_used_in`): nothing else looks at those of a loader not
+    iterated now (an eval loader whose consumer dropped what it kept, a gone one's idle
+    pools). See the NOTE atop owner_pools."""
+    caller = threading.current_thread()
     for pools in _ours():
-        if len(pools.pools) > 1 and not pools.closed:
+        if (pools is receiving or _used_in(pools, caller)) and len(pools.pools) > 1 and not pools.closed:
             pools.shrink()
+
+
+def _used_in(pools: LoaderPools, caller: threading.Thread) -> bool:
+    """Whether ``caller`` is the user's thread of ``pools``, which it becomes where that
+    thread ended (one threading did not start, a dummy thread, is alive while it runs)."""
+    if pools.user_thread is not caller and not pools.user_thread.is_alive():
+        pools.user_thread = caller
+    return pools.user_thread is caller
 
 
 def use(pools: LoaderPools) -> None:
@@ -83,6 +96,7 @@ def let_go(pools: LoaderPools) -> None:
         key = (pools.node, pools.lock, pools.register)
         replaced = _idle.get(key)
         _idle[key] = pools
+        pools.user_thread = threading.current_thread()  # who lets them go looks after them until a loader takes them
     if replaced is not None and replaced is not pools:
         replaced.close()
     pools.shrink()  # idle with its first pool only, where the consumer let its kept batches go already
