@@ -209,3 +209,17 @@ def test_the_pools_of_a_thread_that_ended_are_shrunk_by_the_next_thread_whose_ba
     assert checked(training) == SHRINK_EVERY
     assert len(b_pools.pools) == 1 and not grown_inodes & mapped_pool_files(), b_pools.pools
     assert {ident for _name, ident in changes} == {threading.get_ident()}, changes
+
+
+@SEMANTICS
+def test_stats_in_another_thread_reports_without_changing_the_pools() -> None:
+    """A monitoring thread asking for B's stats (its grown pools free again) reads them and
+    changes nothing; stats() in B's own thread releases the grown pools."""
+    gc.collect()
+    numafast.torch.close_idle_pools()
+    evaluation, grown = grown_then_dropped()
+    changes = record_changes(evaluation.pools)
+    reported, _monitor = in_thread(lambda: len(evaluation.stats().pools))
+    assert reported == grown == len(evaluation.pools.pools) and not changes, changes
+    assert len(evaluation.stats().pools) == 1
+    assert {ident for _name, ident in changes} == {threading.get_ident()}, changes

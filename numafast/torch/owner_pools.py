@@ -19,7 +19,8 @@ PyTorch's pin thread) makes, resizes and publishes them, and shrinks them every
 SHRINK_EVERY batches. The user's thread (``user_thread``: the one that made or took
 them for a loader, last called a NumaLoader's iter() over them, or let them go idle; a
 pin_memory hook's is the one that installed it; once that thread ends, the next one
-whose batches arrive) shrinks them at stats(), at iter(), and every SHRINK_EVERY
+whose batches arrive) shrinks them at iter(), at stats() called in it (in another
+thread stats() only reads), and every SHRINK_EVERY
 batches any loader receives in it (owner_process_pools.shrink_all: how the grown pools
 of a loader not iterated now are released), and closes them; no other thread's shrink
 looks at them. Lifecycle calls (a gone loader's let_go, close_idle_pools) act only on
@@ -663,7 +664,10 @@ class NodePools:
     # ------------------------------------------------------------ state
 
     def stats(self) -> LoaderStats:
-        self.shrink()  # which ends the leases of workers that are gone
+        if threading.current_thread() is self.user_thread:
+            self.shrink()  # which ends the leases of workers that are gone
+        else:  # another thread (a monitor's) only reads: see the NOTE at the top
+            self._reclaim()
         pools = [stats for _, stats in self._counted()]
         return LoaderStats(
             node=self.node,
