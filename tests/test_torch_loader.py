@@ -1068,3 +1068,28 @@ def test_a_loader_a_framework_makes_again_from_the_users_arguments_counts_on_the
     again = data._update_dataloader(evaluate, sampler)
     assert again.pools is evaluate.pools and [batch["index"].tolist() for batch in again] == [[1, 3, 5, 7], [9, 11, 13, 15]]
     assert own.stats().batches == 4 and evaluate.stats().batches == 2
+
+
+@SEMANTICS
+def test_workers_that_cannot_map_the_board_send_every_batch_to_be_copied_warned_once() -> None:
+    """The board's descriptor is not that file any more where the workers look (as for a
+    spawned worker denied the owner's /proc/PID/fd): every batch still arrives whole, in
+    order, pinned by the main process's copy, counted under that reason, with one warning
+    naming the cause and the fix."""
+    from dataclasses import replace
+
+    stock = make_loader(Numbers(30), shuffle=False)
+    loader = numafast.torch.NumaLoader(stock, lock="off")
+    collate = loader.collate_fn
+    assert isinstance(collate, SlotCollate)
+    collate.board = replace(collate.board, inode=1)  # what the workers open: a file of another inode
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(loader)
+    assert all(same(got, want) for got, want in zip(batches, stock, strict=True))
+    stats = loader.stats()
+    assert stats.landed == 0 and stats.fallbacks == {"worker cannot map the pool": len(batches)}, stats
+    said = [w for w in caught if "cannot map" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert "cannot open a loader's pool board" in str(said[0].message) and "/proc/PID/fd" in str(said[0].message)
+    assert said[0].filename == __file__  # at the user's line

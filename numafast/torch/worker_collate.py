@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SlotCollate"]
 
+
 class SlotCollate:
     """The loader's ``collate_fn``, collating into a slot of ``pools``. Picklable (for
     spawned workers): what travels is the board's handle, not the pools."""
@@ -89,23 +90,29 @@ class SlotCollate:
 
     def _in_worker(self, samples: Any) -> SlotBatch | Fallback:
         made = UNMADE if self.direct else self.collate_fn(samples)
+        lease = self._lease(0)
+        if isinstance(lease, Lease):
+            landed = self._land(lease, samples, made)
+            if landed is None:  # larger than that slot: a larger one listed may fit
+                lease = self._lease(bytes_needed(samples, made))
+                landed = self._land(lease, samples, made) if isinstance(lease, Lease) else None
+            if landed is not None:
+                return landed
+        if isinstance(lease, OSError):
+            return self._copying(samples, made, FallbackReason.CANNOT_MAP, str(lease))
+        return self._copying(samples, made, _MISSES[lease] if isinstance(lease, LeaseMiss) else FallbackReason.TOO_LARGE)
+
+    def _lease(self, needed: int) -> Lease | LeaseMiss | OSError:
+        """A free slot of ``needed`` bytes or more leased from the pools the loader's board
+        lists (mapped at this process's first look); else why not, or why they cannot be
+        mapped here."""
         try:
             reader = _readers.get(self._board_key)
             if reader is None:
                 reader = _readers[self._board_key] = BoardReader(self.board)
-            lease = reader.lease(0)
-            if isinstance(lease, Lease):
-                landed = self._land(lease, samples, made)
-                if landed is not None:
-                    return landed
-                # Larger than that slot: a larger one listed may fit.
-                lease = reader.lease(bytes_needed(samples, made))
-                landed = self._land(lease, samples, made) if isinstance(lease, Lease) else None
-                if landed is not None:
-                    return landed
-        except OSError as error:  # the board or a pool it lists cannot be mapped here
-            return self._copying(samples, made, FallbackReason.CANNOT_MAP, str(error))
-        return self._copying(samples, made, _MISSES[lease] if isinstance(lease, LeaseMiss) else FallbackReason.TOO_LARGE)
+            return reader.lease(needed)
+        except OSError as error:
+            return error
 
     def _land(self, lease: Lease, samples: Any, made: Any) -> SlotBatch | None:
         """The batch collated (or ``made`` packed) into the leased slot; None (the lease
