@@ -35,8 +35,8 @@ from numafast.errors import InvalidBufferError, SlotFull
 
 __all__ = [
     "ALIGNMENT", "CACHE_ENTRIES", "UNMADE", "Leaf", "Ref", "SlotFull", "SlotLayout", "SlotMeasure", "SlotPacker",
-    "bytes_needed", "copy_in", "copy_threads", "fill", "over_slot", "placeable", "plain_array", "recall", "remember", "tensor_kind",
-    "unpack",
+    "bytes_needed", "copy_in", "copy_threads", "fill", "over_slot", "placeable", "plain_array", "recall", "remember",
+    "tensor_kind", "unpack",
 ]  # fmt: skip
 
 # Where each leaf starts inside a slot: the CUDA caching allocator's block size, so a
@@ -203,7 +203,6 @@ def remember(cache: dict[K, V], key: K, value: V) -> V:
         del cache[next(iter(cache))]
     cache[key] = value
     return value
-
 
 
 # ------------------------------------------------------------ collating and packing
