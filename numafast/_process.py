@@ -29,7 +29,7 @@ import threading
 import weakref
 from typing import Any
 
-from numafast.private import ITERATOR_SHUTDOWN
+from numafast.private import ITERATOR_SHUTDOWN, ITERATOR_WORKER_PIDS_SET, REMOVE_WORKER_PIDS, signal_handling
 
 # ------------------------------------------------------------ this process
 
@@ -140,7 +140,9 @@ def _forked() -> None:
       ``idle_mutex``, no replacements; inherited iterators are marked shut down and forgotten: their
       workers, queues and done event are the parent's, and dropping one in the child
       would run torch's shutdown on them (set the shared done event, send each worker
-      its end), ending the parent's epoch; marked, it ends with nothing done.
+      its end), ending the parent's epoch; marked, it ends with nothing done. Their
+      workers leave torch's SIGCHLD registry (keyed by the iterator's id: an iterator
+      of the child's own at the same address could not register its workers).
       ``receivers`` stay: messages name their owner's pid, which is not this one.
     - A worker's boards (``board_readers``): inherited, the same shared mappings;
       ``idle_watch_pid`` and ``iterating`` are keyed by pid, so stale here by design;
@@ -164,8 +166,12 @@ def _forked() -> None:
         book._claiming = threading.Lock()
     idle_pools.clear()
     replacing.clear()
+    handling = signal_handling() if loader_iterators else None
     for iterator in list(loader_iterators):
         setattr(iterator, ITERATOR_SHUTDOWN, True)  # torch's iterator: its __del__ shuts down only what is not
+        if handling is not None and getattr(iterator, ITERATOR_WORKER_PIDS_SET, False) is True:
+            getattr(handling, REMOVE_WORKER_PIDS)(id(iterator))  # this process's copy of torch's registry
+            setattr(iterator, ITERATOR_WORKER_PIDS_SET, False)
     loader_iterators.clear()
     if not _start_claimed():
         os._exit(0)

@@ -120,3 +120,27 @@ def test_a_forked_child_of_a_worker_can_make_batches_while_its_idle_look_held_th
     # (a loader iterated inside a worker) must not find it held forever.
     with _process.making_batch:
         assert in_a_forked_child(lambda: _process.making_batch.acquire(timeout=1.0)) is True
+
+
+@SEMANTICS
+def test_a_forked_child_forgets_its_parents_iterators_in_torchs_worker_registry() -> None:
+    # torch keys its SIGCHLD registry of workers by id(iterator); a child forked while a
+    # persistent iterator lives inherits the entry, and an iterator of its own given the
+    # same address (the inherited one freed) raised "_set_worker_pids should be called
+    # only once" at its first epoch.
+    from torch.utils.data._utils import signal_handling
+
+    persistent = numafast.torch.NumaLoader(DataLoader(Tagged(), batch_size=8, num_workers=2, persistent_workers=True))
+    assert sorted(epoch(persistent)) == list(range(64))
+    key = id(next(iter(_process.loader_iterators)))
+
+    def register_again() -> str:
+        try:
+            signal_handling._set_worker_pids(key, (os.getpid(),))
+        except ValueError as error:
+            return str(error)
+        signal_handling._remove_worker_pids(key)
+        return "ok"
+
+    assert in_a_forked_child(register_again) == "ok"
+    assert sorted(epoch(persistent)) == list(range(64))  # the parent's own entry is untouched
