@@ -248,6 +248,28 @@ def test_hooked_batches_land_in_slots_in_the_pin_thread_bound_to_the_node(node: 
     assert not hook.installed and loader.collate_fn is own_collate
 
 
+@pytest.mark.host_only("object lifetimes: nothing the kernel's nodes change; a worker costs seconds under TCG")
+def test_a_hooked_loader_and_its_pools_go_once_the_user_drops_them() -> None:
+    """A hooked DataLoader is freed with its dataset once the user drops it and the hook,
+    and its pools go idle (for the next loader on the node): nothing of numafast keeps
+    them (the pools held the hook, which held the loader, whose collate function's end
+    is what lets the pools go: a cycle rooted in the finalizer, never freed)."""
+    import weakref
+
+    loader = torch.utils.data.DataLoader([torch.full((64, 1024), float(i)) for i in range(6)], batch_size=2,
+                                         num_workers=1)  # fmt: skip
+    hook = PinMemoryHook(loader, 0, None, slots=4, installed=True, reason="")
+    pools = hook.pools
+    assert pools is not None
+    batches, _cpus = iterate_as_torch_pin_thread(loader)
+    assert [batch[:, 0, 0].tolist() for batch in batches] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    gone = weakref.ref(loader)
+    del loader, hook, batches
+    gc.collect()
+    assert gone() is None, "the hooked DataLoader outlived every reference of the user's"
+    assert pools.users == 0  # let go: idle, for the next loader on node 0
+
+
 @pytest.mark.host_only("a count of the pools' slots: nothing the kernel's nodes change; a worker costs seconds under TCG")
 def test_the_hooks_held_count_leaves_out_only_the_batches_the_dataloader_reads_ahead() -> None:
     """``held`` is the slots in use beyond prefetch_factor x num_workers (2 here), whatever

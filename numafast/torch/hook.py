@@ -10,6 +10,7 @@ copy is not overlapped.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from typing import Any
@@ -42,18 +43,13 @@ class PinMemoryHook:
         self.reason = reason
         self.pools = node_pools(node, slots, _batches_read_ahead(loader)) if node is not None and installed else None
         self._collate = loader.collate_fn
-        if self.pools is not None:
+        if self.pools is not None and node is not None:
             if device is not None and device.index is not None:
                 self.pools.device = device.index
-            self.pools.before_receive = self._bind_pin_thread
+            # Not a method of the hook: the pools would hold the hook, the hook the loader, the
+            # loader the collate function whose end lets the pools go, and none would ever go.
+            self.pools.before_receive = functools.partial(_bind_pin_thread, node)
             loader.collate_fn = SlotCollate(self._collate, self.pools)
-
-    def _bind_pin_thread(self) -> None:
-        """Bind PyTorch's pin thread to the node at its first batch: it only lives to pin."""
-        if getattr(_bound, "node", None) != self.node and in_pin_thread():
-            assert self.node is not None
-            bind_if_permitted(self.node)
-            _bound.node = self.node
 
     def remove(self) -> None:
         """Put the loader's collate function back (iterators already running keep the hook)."""
@@ -69,6 +65,13 @@ class PinMemoryHook:
     def __repr__(self) -> str:
         state = f"pins on node {self.node}" if self.installed else f"not installed: {self.reason}"
         return f"<PinMemoryHook {state}>"
+
+
+def _bind_pin_thread(node: int) -> None:
+    """Bind PyTorch's pin thread to ``node`` at its first batch: it only lives to pin."""
+    if getattr(_bound, "node", None) != node and in_pin_thread():
+        bind_if_permitted(node)
+        _bound.node = node
 
 
 def pin_memory_hook(
