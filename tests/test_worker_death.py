@@ -155,11 +155,18 @@ def test_off_the_main_thread_a_worker_killed_holding_the_lock_does_not_hang_the_
         iterator._shutdown_workers()  # as when the consumer drops the iterator
         outcome.append("shut down")
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        consumer = threading.Thread(target=consume, daemon=True)
-        consumer.start()
-        consumer.join(BOUND_S)
+    # As in a process whose main thread never iterated: no SIGCHLD handler of torch's. One
+    # that an earlier test's iterator installed checks every registered worker, this
+    # iterator's too, and would raise the kill in this thread, as a signal comes.
+    handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            consumer = threading.Thread(target=consume, daemon=True)
+            consumer.start()
+            consumer.join(BOUND_S)
+    finally:
+        signal.signal(signal.SIGCHLD, handler)
     assert not consumer.is_alive(), "the consumer waited on the done event's lock"
     processes, error, ended = outcome
     assert "exited unexpectedly" in error and ended == "shut down", outcome
