@@ -18,6 +18,8 @@ PYTHONPATH::
     nice -n 10 python3 bench/torch_suite.py DIR2/test_dataloader.py --stock -- -k TestDataLoader
     nice -n 10 python3 bench/torch_suite.py DIR2/test_dataloader.py --numafast -- -k TestDataLoader
 
+``test_proper_exit`` (worker lifecycle: loader and worker errors, a killed loader)
+is a slowTest: it runs only with ``PYTORCH_TEST_WITH_SLOW=1`` in the environment.
 Arguments after ``--`` go to pytest. The whole run is killed (its process group) after
 ``--timeout`` seconds; each test after ``--test-timeout`` where pytest-timeout is there.
 The exit status is pytest's, or 124 after the timeout.
