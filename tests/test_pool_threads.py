@@ -15,27 +15,15 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import numafast.torch  # noqa: E402
 from numafast.torch.hook import PinMemoryHook  # noqa: E402
 from numafast.torch.owner_pools import SHRINK_EVERY  # noqa: E402
+from test_slot_pressure import Images  # noqa: E402  (sample i: an image filled with i, and i)
 
 SEMANTICS = pytest.mark.host_only("loader semantics, the same on any kernel; worker processes cost seconds under TCG")
 BATCH = 8
-
-
-class Tagged(Dataset):  # type: ignore[type-arg]
-    """Sample i: a 3x32x32 float32 image filled with i (12 KiB), and i."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int) -> tuple[Any, int]:
-        return torch.full((3, 32, 32), float(index)), index
 
 
 def checked(batches: Iterable[Any], keep: list[Any] | None = None) -> int:
@@ -108,7 +96,7 @@ def in_thread(work: Callable[[], int]) -> tuple[int, int]:
 def grown_then_dropped() -> tuple[Any, int]:
     """Loader B: its consumer (this thread) kept an epoch's batches, so its pools grew, then
     dropped them; the grown pools are wholly free now, not yet released. And how many pools."""
-    evaluation = numafast.torch.NumaLoader(DataLoader(Tagged(512), batch_size=BATCH, num_workers=2), lock="off")
+    evaluation = numafast.torch.NumaLoader(DataLoader(Images(512), batch_size=BATCH, num_workers=2), lock="off")
     kept: list[Any] = []
     assert checked(evaluation, kept) == 64
     grown = len(evaluation.pools.pools)
@@ -133,7 +121,7 @@ def test_another_threads_batches_leave_a_loaders_pools_to_its_own_threads(other:
     b_pools = evaluation.pools
     grown_inodes = grown_files(b_pools)
     changes = record_changes(b_pools)
-    stock = DataLoader(Tagged(BATCH * 4 * SHRINK_EVERY), batch_size=BATCH, num_workers=2)
+    stock = DataLoader(Images(BATCH * 4 * SHRINK_EVERY), batch_size=BATCH, num_workers=2)
     if other == "NumaLoader":
         training: Any = numafast.torch.NumaLoader(stock, lock="off")
         a_pools = training.pools
@@ -162,7 +150,7 @@ def test_idle_pools_are_shrunk_by_the_thread_that_let_them_go() -> None:
     are dropped, this thread's next batches release the grown pools."""
     gc.collect()
     numafast.torch.close_idle_pools()
-    evaluation = numafast.torch.NumaLoader(DataLoader(Tagged(512), batch_size=BATCH, num_workers=2), lock="off")
+    evaluation = numafast.torch.NumaLoader(DataLoader(Images(512), batch_size=BATCH, num_workers=2), lock="off")
     kept: list[Any] = []
     assert checked(evaluation, kept) == 64
     b_pools = evaluation.pools
@@ -174,7 +162,7 @@ def test_idle_pools_are_shrunk_by_the_thread_that_let_them_go() -> None:
     assert b_pools.users == 0 and len(b_pools.pools) == grown
     del kept
     gc.collect()
-    training = numafast.torch.NumaLoader(DataLoader(Tagged(BATCH * 4 * SHRINK_EVERY), batch_size=BATCH, num_workers=2),
+    training = numafast.torch.NumaLoader(DataLoader(Images(BATCH * 4 * SHRINK_EVERY), batch_size=BATCH, num_workers=2),
                                          lock="best-effort")  # fmt: skip
     assert training.pools is not b_pools  # locked unlike B's: new pools, B's stay idle
     _received, other_thread = in_thread(lambda: checked(training))
@@ -204,7 +192,7 @@ def test_the_pools_of_a_thread_that_ended_are_shrunk_by_the_next_thread_whose_ba
     grown_inodes = grown_files(b_pools)
     assert len(b_pools.pools) == grown and grown_inodes <= mapped_pool_files()
     changes = record_changes(b_pools)
-    training = numafast.torch.NumaLoader(DataLoader(Tagged(BATCH * SHRINK_EVERY), batch_size=BATCH, num_workers=2),
+    training = numafast.torch.NumaLoader(DataLoader(Images(BATCH * SHRINK_EVERY), batch_size=BATCH, num_workers=2),
                                          lock="off")  # fmt: skip
     assert checked(training) == SHRINK_EVERY
     assert len(b_pools.pools) == 1 and not grown_inodes & mapped_pool_files(), b_pools.pools
