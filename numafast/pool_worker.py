@@ -24,8 +24,8 @@ from typing import Any
 from numafast import _libnuma, _process
 
 __all__ = [
-    "BoardHandle", "BoardReader", "Lease", "LeaseMiss", "PoolHandle", "PoolView", "board_entries", "board_payload", "fault_in",
-    "open_shared_file",
+    "BoardHandle", "BoardReader", "Lease", "LeaseMiss", "PoolHandle", "PoolView", "board_entries", "board_payload",
+    "fault_in", "open_shared_file",
 ]  # fmt: skip
 
 # A board lists at most this many pools (a loader's pools of one slot size, and the
