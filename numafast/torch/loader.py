@@ -475,7 +475,9 @@ def loader_stats(loader: object) -> LoaderStats | None:
         attributes = vars(current) if hasattr(current, "__dict__") else {}
         collate = attributes.get("collate_fn")
         if isinstance(collate, SlotCollate) and collate.pools is not None:
-            pools = collate.pools if collate.pools.owner_pid == _process.pid else owner_process_pools.replacing.get(collate.pools)
+            pools: object = collate.pools
+            if collate.pools.owner_pid != _process.pid:  # a forked child's copy: the pools that replace them here
+                pools = owner_process_pools.replacing.get(collate.pools)
             return None if pools is None else cast("NodePools", pools).stats()
         pending.extend(attributes[name] for name in _INNER_LOADER_ATTRIBUTES if attributes.get(name) is not None)
     return None

@@ -19,15 +19,14 @@ PyTorch's pin thread) makes, resizes and publishes them, and shrinks them every
 SHRINK_EVERY batches. The user's thread (``user_thread``: the one that made or took
 them for a loader, last called a NumaLoader's iter() over them, or let them go idle; a
 pin_memory hook's is the one that installed it; once that thread ends, the next one
-whose batches arrive) shrinks them at iter(), at stats() called in it (in another
-thread stats() only reads), and every SHRINK_EVERY
-batches any loader receives in it (owner_process_pools.shrink_all: how the grown pools
-of a loader not iterated now are released), and closes them; no other thread's shrink
-looks at them. Lifecycle calls (a gone loader's let_go, close_idle_pools) act only on
-pools no loader uses any more, so with no receiving thread. Every change of the lists
-is under ``_mutex``; making a pool is under ``_making`` too (two loaders sharing pools
-receive in two threads). No worker waits on the owner, and no thread of numafast's
-own changes them.
+whose batches arrive) shrinks them at iter(), at stats() called in it (stats() in
+another thread only reads), and every SHRINK_EVERY batches any loader receives in it
+(owner_process_pools.shrink_all: how the grown pools of a loader not iterated now are
+released), and closes them; no other thread's shrink looks at them. Lifecycle calls (a
+gone loader's let_go, close_idle_pools) act only on pools no loader uses any more, so
+with no receiving thread. Every change of the lists is under ``_mutex``; making a pool
+is under ``_making`` too (two loaders sharing pools receive in two threads). No worker
+waits on the owner, and no thread of numafast's own changes them.
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ class SlotCollate:
                 return landed
         if isinstance(lease, OSError):
             return self._copying(samples, made, FallbackReason.CANNOT_MAP, str(lease))
-        return self._copying(samples, made, _MISSES[lease] if isinstance(lease, LeaseMiss) else FallbackReason.TOO_LARGE)
+        reason = _MISSES[lease] if isinstance(lease, LeaseMiss) else FallbackReason.TOO_LARGE  # a lease it did not fit
+        return self._copying(samples, made, reason)
 
     def _lease(self, needed: int) -> Lease | LeaseMiss | OSError:
         """A free slot of ``needed`` bytes or more leased from the pools the loader's board
