@@ -40,6 +40,9 @@ BOARD_BYTES = 8 + _PAYLOAD_BYTES
 # How long a reader waits for a board that the owner is writing at each look: only an
 # owner stopped in the middle of a write (SIGSTOP, a debugger) takes more than microseconds.
 _BOARD_WAIT_S = 5.0
+# How many times a lease reads a board that changed under it before it settles for a
+# miss: an owner publishes once per pool it makes, so a second look finds it settled.
+_LEASE_LOOKS = 3
 # madvise(2) advice of Linux 5.14 (uapi asm-generic/mman-common.h, every architecture's
 # value), which the extension does not publish: see fault_in.
 MADV_POPULATE_READ = 22
@@ -155,20 +158,27 @@ class BoardReader:
     def lease(self, needed: int) -> Lease | LeaseMiss:
         """A free slot of ``needed`` bytes or more (0: any) in a pool listed now, leased to
         this process with its memory, in one call per batch; else why there is none. Never
-        waits (the batch then goes the copying way, and the owner makes room). OSError as
-        :meth:`pools`."""
-        views = self.pools()
-        if not views:
-            return LeaseMiss.NO_POOL
-        fits = False
-        for view in views:
-            if view.handle.slot_bytes >= needed:
-                fits = True
-                claimed = view.lease()
-                if claimed is not None:
-                    index, generation = claimed
-                    return Lease(view, index, generation, view.slot(index), view.made[index])
-        return LeaseMiss.ALL_HELD if fits else LeaseMiss.TOO_SMALL
+        waits (the batch then goes the copying way, and the owner makes room). A miss is
+        the answer only if the board is still as read: an owner that resized meanwhile
+        published the new pools, then retired the slots of those it listed before, so
+        the board is read again (up to _LEASE_LOOKS times). OSError as :meth:`pools`."""
+        miss = LeaseMiss.NO_POOL
+        for _ in range(_LEASE_LOOKS):
+            views = self.pools()
+            if not views:
+                return LeaseMiss.NO_POOL
+            fits = False
+            for view in views:
+                if view.handle.slot_bytes >= needed:
+                    fits = True
+                    claimed = view.lease()
+                    if claimed is not None:
+                        index, generation = claimed
+                        return Lease(view, index, generation, view.slot(index), view.made[index])
+            miss = LeaseMiss.ALL_HELD if fits else LeaseMiss.TOO_SMALL
+            if self._read()[1] is None:  # published nothing since
+                break
+        return miss
 
 
 class LeaseMiss(Enum):

@@ -24,7 +24,7 @@ import pytest
 import numafast
 from numafast import _libnuma
 from numafast.pool_owner import PoolBoard
-from numafast.pool_worker import BoardReader, PoolView
+from numafast.pool_worker import BoardReader, Lease, PoolView
 from sysfs_truth import node_cpus, online_nodes, pagemap_nodes
 
 TESTS = Path(__file__).resolve().parent
@@ -375,6 +375,52 @@ def test_the_board_is_one_file_only_its_owner_writes_and_a_worker_with_no_free_s
         for end in (answer_read, answer_write, go_read, go_write):
             os.close(end)
 
+
+
+def test_a_lease_that_races_a_resize_takes_a_slot_of_the_new_pool() -> None:
+    """The owner resizes between a worker's read of the board and its claim: it publishes
+    the larger pool, then closes the one listed before, whose free slots retire. The
+    claim there fails; the worker reads the board again and leases a slot of the new
+    pool, where it used to send its batch the copying way as if every slot were held."""
+    board = PoolBoard()
+    with numafast.PinnedPool(NODES[0], MIB, 2) as small, numafast.PinnedPool(NODES[0], 2 * MIB, 2) as large:
+        board.publish([small.share()])
+        claiming_read, claiming_write = os.pipe()
+        go_read, go_write = os.pipe()
+
+        def worker() -> int:
+            reader = BoardReader(board.handle())
+            assert [view.handle.slot_bytes for view in reader.pools()] == [MIB]
+            claim = PoolView.lease
+
+            def claim_after_the_resize(view: PoolView) -> tuple[int, int] | None:
+                PoolView.lease = claim  # type: ignore[method-assign]
+                os.write(claiming_write, b"x")
+                os.read(go_read, 1)  # the owner resizes now
+                return claim(view)
+
+            PoolView.lease = claim_after_the_resize  # type: ignore[method-assign]
+            lease = reader.lease(MIB)
+            return 0 if isinstance(lease, Lease) and lease.view.handle.slot_bytes == 2 * MIB else 1
+
+        pid = os.fork()
+        if pid == 0:
+            code = 70
+            try:
+                code = worker()
+            finally:
+                os._exit(code)
+        os.read(claiming_read, 1)
+        board.publish([large.share()])
+        small.close()
+        assert small.stats().free == 0  # retired: no worker may lease them
+        os.write(go_write, b"x")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert large.stats().leased == 1
+        for end in (claiming_read, claiming_write, go_read, go_write):
+            os.close(end)
+    board.close()
 
 @pytest.mark.numa(nodes=4)
 def test_a_worker_on_another_node_writes_into_the_pools_node() -> None:
