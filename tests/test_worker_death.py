@@ -72,13 +72,15 @@ def test_a_worker_killed_holding_the_done_events_lock_does_not_hang_the_consumer
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with pytest.raises(RuntimeError, match="DataLoader worker"):  # torch's SIGCHLD handler: it was killed
+            # torch's SIGCHLD handler: it was killed (or reading a batch it sent before, see below)
+            with pytest.raises((RuntimeError, ConnectionError)) as raised:
                 for _batch in iterator:
                     pass
             iterator._shutdown_workers()  # as when the consumer drops the iterator
     finally:
         ended.set()
         assert not stuck, f"the consumer waited on the done event's lock for {BOUND_S:g} s"
+    assert isinstance(raised.value, ConnectionError) or "DataLoader worker" in str(raised.value), raised.value
     assert not any(worker.is_alive() for worker in workers)
     said = [str(warning.message) for warning in caught]
     assert any("lock of torch's done event stayed taken" in text and "killed by SIGKILL" in text
@@ -150,9 +152,10 @@ def test_off_the_main_thread_a_worker_killed_holding_the_lock_does_not_hang_the_
         try:
             for _batch in iterator:
                 pass
-        except RuntimeError as error:
-            outcome.append(str(error))
-        iterator._shutdown_workers()  # as when the consumer drops the iterator
+        except (RuntimeError, OSError) as error:
+            outcome.append(error)
+        finally:  # as when the consumer drops the iterator (its workers leave torch's SIGCHLD registry)
+            iterator._shutdown_workers()
         outcome.append("shut down")
 
     # As in a process whose main thread never iterated: no SIGCHLD handler of torch's. One
@@ -169,7 +172,15 @@ def test_off_the_main_thread_a_worker_killed_holding_the_lock_does_not_hang_the_
         signal.signal(signal.SIGCHLD, handler)
     assert not consumer.is_alive(), "the consumer waited on the done event's lock"
     processes, error, ended = outcome
-    assert "exited unexpectedly" in error and ended == "shut down", outcome
+    # torch's error for the dead worker; or, where a batch that worker sent before it died
+    # (a first batch, in shared memory) is read first, the error of reading it through
+    # the dead worker's descriptor server, which torch raises as it came when it does not
+    # see the dying worker dead yet: stock torch's race, the same without numafast.
+    if isinstance(error, RuntimeError):
+        assert "exited unexpectedly" in str(error), outcome
+    else:
+        assert isinstance(error, ConnectionError), outcome
+    assert ended == "shut down", outcome
     assert not any(process.is_alive() for process in processes)
     said = [str(warning.message) for warning in caught]
     assert any("lock of torch's done event stayed taken" in text and "the 1 still alive were ended" in text
