@@ -37,6 +37,10 @@ pid: int = os.getpid()
 """This process's id, set anew in a forked child: what is compared with a pool's or a
 board's maker before anything only that process may do (a forked child has a copy)."""
 _started: int | None = None  # this process's start time, read at the first call of started()
+affinity_at_start: frozenset[int] = frozenset(os.sched_getaffinity(0))
+"""The CPUs this process could run on as it began (at its fork; in a spawned one, as it
+imported numafast): a DataLoader worker whose CPUs differ at its first batch was placed
+by the user's own ``worker_init_fn``, and stays there (torch/worker_collate.py)."""
 
 done_once: set[str] = set()
 """What this process did once and never again, by key: the warnings said once (an
@@ -120,7 +124,7 @@ def first_time(key: str) -> bool:
 def _forked() -> None:
     """A forked child's first step, item by item: what it inherits, what it forgets.
 
-    - ``pid`` and its start time: its own, read anew.
+    - ``pid``, its start time and the CPUs it may run on: its own, read anew.
     - ``done_once``: kept. The child does not repeat a warning its parent said, and it
       inherits its parent's exit hooks (``atexit`` is copied by the fork).
     - ``workers_replaced``: 0. It counts the workers of this process's own loaders
@@ -154,9 +158,11 @@ def _forked() -> None:
       where the parent condemned it already (only slow, it must not race the worker
       forked in its place).
     """
-    global pid, _started, workers_replaced, ledgers_mutex, reserved, reserved_mutex, idle_mutex, making_batch
+    global pid, _started, affinity_at_start, workers_replaced, ledgers_mutex, reserved, reserved_mutex, idle_mutex
+    global making_batch
     pid = os.getpid()
     _started = None
+    affinity_at_start = frozenset(os.sched_getaffinity(0))
     workers_replaced = 0
     _pools_made_private()
     ledgers_mutex, reserved_mutex, idle_mutex = threading.Lock(), threading.Lock(), threading.Lock()

@@ -105,6 +105,20 @@ def test_a_forked_child_keeps_and_forgets_what_process_py_says() -> None:
     assert sorted(epoch(persistent)) == list(range(64))
 
 
+def test_a_forked_child_records_the_cpus_it_began_on() -> None:
+    """What tells a worker that its worker_init_fn placed it (torch/worker_collate.py): the
+    CPUs of the thread that forked it, as they were at the fork."""
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
+        pytest.skip("needs 2 CPUs this process may run on")
+    os.sched_setaffinity(0, {min(mine)})
+    try:
+        reported = in_a_forked_child(lambda: sorted(_process.affinity_at_start))
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert reported == [min(mine)]
+
+
 @SEMANTICS
 def test_a_forked_child_counts_no_replaced_worker_of_its_parent(monkeypatch: pytest.MonkeyPatch) -> None:
     # As the fork watch counts a worker forked in the place of one stuck (no stuck worker needed).

@@ -1038,6 +1038,29 @@ def test_workers_run_on_each_node_and_batches_land_there() -> None:
         check_placement(node, workers=1)
 
 
+def on_one_cpu(worker_id: int) -> None:
+    """A user's worker_init_fn that places each worker itself: on one of the CPUs it may use."""
+    allowed = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {allowed[worker_id % len(allowed)]})
+
+
+@SEMANTICS
+def test_a_worker_that_the_users_worker_init_fn_placed_stays_where_it_was_put() -> None:
+    """NumaLoader binds each worker to the node at its first batch, after the user's
+    worker_init_fn; one whose CPUs that function changed keeps them, at every batch
+    of every epoch (the kernel's answer, read inside the worker per sample)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs this process may run on: with one, a worker has nowhere else to be put")
+    loader = numafast.torch.NumaLoader(DataLoader(Numbers(16, size=64), batch_size=2, num_workers=2,
+                                                  worker_init_fn=on_one_cpu))  # fmt: skip
+    for _epoch in range(2):  # the first (copied in) and the second (landed)
+        where: dict[int, set[tuple[int, ...]]] = {}
+        for batch in loader:
+            for pid, cpus in zip(batch["pid"].tolist(), _per_sample(batch["cpus"])):
+                where.setdefault(pid, set()).add(tuple(cpus))
+        assert len(where) == 2 and all(len(cpus) == 1 and len(next(iter(cpus))) == 1 for cpus in where.values()), where
+
+
 @pytest.mark.numa(nodes=3, memory_only=True)
 def test_a_memory_only_node_is_fed_from_its_nearest_cpus() -> None:
     for node in cpuless_nodes_with_memory():
