@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +33,22 @@ NODES = online_nodes()
 MIB = 1 << 20
 
 
-def in_child(work: object) -> int:
-    """Fork, run ``work()`` in the child, return its exit status (0 when it returned 0)."""
+def forked(work: Callable[[], int]) -> int:
+    """Fork and run ``work()`` in the child, which exits with what it returns (70 where it
+    raised); the child's pid."""
     pid = os.fork()
     if pid == 0:
         code = 70
         try:
-            code = work()  # type: ignore[operator]
+            code = work()
         finally:
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    return pid
+
+
+def in_child(work: Callable[[], int]) -> int:
+    """Fork, run ``work()`` in the child, return its exit status (0 when it returned 0)."""
+    _, status = os.waitpid(forked(work), 0)
     return os.waitstatus_to_exitcode(status)
 
 
@@ -159,9 +166,7 @@ def test_no_process_leases_a_slot_of_a_closed_pool_and_a_lease_from_before_keeps
         os.write(answer_write, b"none" if late is None else b"leased")
         return 0
 
-    pid = os.fork()
-    if pid == 0:
-        os._exit(worker())
+    pid = forked(worker)
     index, generation = map(int, os.read(answer_read, 100).split())
     pool.close()
     assert not pool._slots.drained  # the lease keeps it
@@ -281,10 +286,7 @@ def test_many_processes_claiming_at_once_never_share_a_slot() -> None:
 
         children = []
         for _ in range(4):
-            pid = os.fork()
-            if pid == 0:
-                os._exit(claimer())
-            children.append(pid)
+            children.append(forked(claimer))
         codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
         assert codes == [0, 0, 0, 0]
         assert pool.stats().free == 3 and pool.stats().leased == 0
@@ -307,9 +309,7 @@ def test_the_board_tells_running_processes_about_new_pools() -> None:
             os.write(answer_write, " ".join(map(str, sizes)).encode())
             return 0
 
-        pid = os.fork()
-        if pid == 0:
-            os._exit(watcher())
+        pid = forked(watcher)
         os.read(read_once, 1)
         board.publish([second.share(), first.share()])
         os.write(go_write, b"x")
@@ -352,13 +352,7 @@ def test_the_board_is_one_file_only_its_owner_writes_and_a_worker_with_no_free_s
             ok = leases[0] is not None and leases[1] is None and waited < 0.1
             return 0 if ok and seen == [[], [MIB], [2 * MIB]] else 1
 
-        pid = os.fork()
-        if pid == 0:
-            code = 70
-            try:
-                code = worker()
-            finally:
-                os._exit(code)
+        pid = forked(worker)
         os.read(answer_read, 1)
         board.publish([small.share()])
         os.write(go_write, b"x")
@@ -403,13 +397,7 @@ def test_a_lease_that_races_a_resize_takes_a_slot_of_the_new_pool() -> None:
             lease = reader.lease(MIB)
             return 0 if isinstance(lease, Lease) and lease.view.handle.slot_bytes == 2 * MIB else 1
 
-        pid = os.fork()
-        if pid == 0:
-            code = 70
-            try:
-                code = worker()
-            finally:
-                os._exit(code)
+        pid = forked(worker)
         os.read(claiming_read, 1)
         board.publish([large.share()])
         small.close()
