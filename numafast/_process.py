@@ -39,8 +39,9 @@ board's maker before anything only that process may do (a forked child has a cop
 _started: int | None = None  # this process's start time, read at the first call of started()
 affinity_at_start: frozenset[int] = frozenset(os.sched_getaffinity(0))
 """The CPUs this process could run on as it began (at its fork; in a spawned one, as it
-imported numafast): a DataLoader worker whose CPUs differ at its first batch was placed
-by the user's own ``worker_init_fn``, and stays there (torch/worker_collate.py)."""
+imported numafast): a DataLoader worker on others at its first batch, all of them its
+node's, was placed there by the user's own ``worker_init_fn``, and stays there
+(binding.py ``bind_if_permitted``)."""
 
 done_once: set[str] = set()
 """What this process did once and never again, by key: the warnings said once (an

@@ -298,9 +298,18 @@ def numa_local_if_permitted(node: int, *, strict: bool = False) -> Placement:
     return Placement(placement._cpus, None, [])
 
 
-def bind_if_permitted(node: int, *, strict: bool = False) -> None:
-    """:func:`bind` as :func:`numa_local_if_permitted` places: a NumaLoader worker binds so."""
-    numa_local_if_permitted(node, strict=strict).__enter__()
+def bind_if_permitted(node: int, *, strict: bool = False, began_on: frozenset[int] | None = None) -> None:
+    """:func:`bind` as :func:`numa_local_if_permitted` places: a NumaLoader worker binds so.
+    ``began_on``: the CPUs the thread began on. Where it runs on others now, all of them
+    the node's, something put it there on purpose (a worker's ``worker_init_fn``, one CPU
+    per worker): its CPUs stay, and only its memory policy is set. Elsewhere (an OpenMP
+    runtime bound it to its first CPU, on another node) it moves to the node's CPUs."""
+    placement = numa_local_if_permitted(node, strict=strict)
+    if began_on is not None and placement._cpus is not None:
+        now = set(_sched_getaffinity(0))
+        if now != began_on and now <= set(placement._cpus):
+            placement = Placement(None, placement._mode_word, placement._nodes)
+    placement.__enter__()
     _entries.stack.pop()  # never exited: the change stays
 
 

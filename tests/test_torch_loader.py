@@ -1061,6 +1061,28 @@ def test_a_worker_that_the_users_worker_init_fn_placed_stays_where_it_was_put() 
         assert len(where) == 2 and all(len(cpus) == 1 and len(next(iter(cpus))) == 1 for cpus in where.values()), where
 
 
+def onto_the_cpu_the_dataset_names(worker_id: int) -> None:
+    """A user's worker_init_fn that puts the worker on one CPU, ``dataset.elsewhere``."""
+    os.sched_setaffinity(0, {torch.utils.data.get_worker_info().dataset.elsewhere})
+
+
+@pytest.mark.numa(nodes=2)
+def test_a_worker_that_the_users_worker_init_fn_put_off_the_node_moves_to_it() -> None:
+    """Put on another node's CPU (as an OpenMP runtime that binds to the first CPU does),
+    the worker moves to the loader's node at its first batch: the samples it reads from
+    then on say so, those of its first batch (read before) the CPU it was put on."""
+    if len(CPU_NODES) < 2:
+        pytest.skip("needs 2 nodes with CPUs")
+    node, other = CPU_NODES[:2]
+    dataset = Numbers(8, size=64)
+    dataset.elsewhere = min(node_cpus(other))  # type: ignore[attr-defined]
+    cpus = sorted(cpu for near in nearest_cpu_nodes(node) for cpu in node_cpus(near))
+    loader = numafast.torch.NumaLoader(DataLoader(dataset, batch_size=2, num_workers=1,
+                                                  worker_init_fn=onto_the_cpu_the_dataset_names), node=node)  # fmt: skip
+    rows = [_per_sample(batch["cpus"]) for batch in loader]
+    assert rows[0] == [[dataset.elsewhere]] * 2 and all(row == [cpus, cpus] for row in rows[1:]), rows
+
+
 @pytest.mark.numa(nodes=3, memory_only=True)
 def test_a_memory_only_node_is_fed_from_its_nearest_cpus() -> None:
     for node in cpuless_nodes_with_memory():

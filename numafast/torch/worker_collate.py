@@ -17,7 +17,6 @@ a NumaLoader's settings.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 import time
 import warnings
@@ -75,10 +74,9 @@ class SlotCollate:
                 # Here, not in worker_init_fn, so that the loader's own stays the user's
                 # (Lightning seeds workers only where it is None) and a loader a framework
                 # re-creates gets the placement with the collate function. Workers forked
-                # by NumaLoader's iter() start bound already. One whose CPUs changed since
-                # it began was placed by the user's worker_init_fn: it stays where it was put.
-                if os.sched_getaffinity(0) == _process.affinity_at_start:
-                    bind_if_permitted(self.node, strict=self.strict)
+                # by NumaLoader's iter() start bound already; one that the user's worker_init_fn
+                # put on some of the node's CPUs stays there.
+                bind_if_permitted(self.node, strict=self.strict, began_on=_process.affinity_at_start)
                 self._bound_pid = _process.pid
             pid, _worker, number = self._batch
             self._batch = (_process.pid, info.id, number + 1 if pid == _process.pid else 1)
