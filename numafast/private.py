@@ -108,7 +108,8 @@ the start watch in the thread that iterates."""
 WORKER_EXITED_MESSAGE = "DataLoader worker (pid(s) {pids_str}) exited unexpectedly"
 """torch's error where a worker is found dead as a batch is awaited: what a
 :class:`~numafast.errors.SenderDied` raised out of the queue's ``get`` becomes
-(torch/message.py)."""
+(torch/message.py), and what torch/fork_watch.py ``_raise_if_a_worker_died`` raises
+where a dying worker's batch cannot be read."""
 
 WORKER_KILLED_MESSAGE = "DataLoader worker (pid {pid}) is killed by signal: "
 """The start of the error torch's SIGCHLD handler raises (a Python function, so its frame

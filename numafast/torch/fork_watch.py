@@ -55,8 +55,8 @@ from numafast.errors import WorkerStartError
 from numafast.private import (
     EVENT_CONDITION, EVENT_FLAG, ITERATOR_COLLATE, ITERATOR_DONE_EVENT, ITERATOR_RECEIVED, ITERATOR_RESULT_QUEUE,
     ITERATOR_SHUTDOWN, ITERATOR_TASK_INFO, ITERATOR_WORKER_PIDS_SET, ITERATOR_WORKERS, NOT_A_CHILD_ERROR,
-    POPEN_PROCESS_LOCAL, PROCESS_RUN_ATTRIBUTES, REMOVE_WORKER_PIDS, SET_WORKER_PIDS, exception_wrapper, getframe,
-    multi_worker_iterator, signal_handling,
+    POPEN_PROCESS_LOCAL, PROCESS_RUN_ATTRIBUTES, REMOVE_WORKER_PIDS, SET_WORKER_PIDS, WORKER_EXITED_MESSAGE,
+    exception_wrapper, getframe, multi_worker_iterator, signal_handling,
 )  # fmt: skip
 from numafast.torch.worker_collate import SlotCollate
 
@@ -560,7 +560,13 @@ class _Iterating:
     own lets the iterator go: the exception, kept or not, holds nothing of the iterator,
     which goes with the consumer's last reference, as at a ``break``. The iterator itself
     is unchanged: the consumer may catch the error and call ``next()`` again (PyTorch's
-    own tests do)."""
+    own tests do).
+
+    A batch that cannot be read because its worker is dying (one sent the copying way,
+    through the worker's descriptor server, whose socket closes before the worker can be
+    reaped) ends the epoch with torch's error for a dead worker, as torch's own look
+    says a moment later, not with the socket's ``ConnectionResetError``: see
+    :func:`_raise_if_a_worker_died`."""
 
     def __next__(self) -> Any:
         try:
@@ -577,9 +583,35 @@ class _Iterating:
             if watch is not None:
                 watch.serve(self)
             left = () if deadline is None else (max(deadline - time.monotonic(), 0.0),)  # torch's default, or the rest
-            got, data = super()._try_get_data(*left)  # type: ignore[misc]
+            try:
+                got, data = super()._try_get_data(*left)  # type: ignore[misc]
+            except (OSError, EOFError) as error:  # torch saw every worker alive: it raises the error as it came
+                _raise_if_a_worker_died(self, error)
+                raise
             if not (got and isinstance(data, tuple) and len(data) == 2 and data[0] == _WAKE):
                 return got, data
+
+
+_DYING_S = 2.0
+"""How long a worker is given to be seen dead once its batch could not be read (a dying
+process's sockets close before it can be reaped: milliseconds)."""
+
+
+def _raise_if_a_worker_died(iterator: Any, error: BaseException) -> None:
+    """torch's error for a dead worker (WORKER_EXITED_MESSAGE), from ``error``, where one of
+    ``iterator``'s workers is dead or dies within _DYING_S; else nothing (the caller
+    raises ``error`` as it came)."""
+    processes = getattr(iterator, ITERATOR_WORKERS, None)
+    if not isinstance(processes, list):
+        return
+    deadline = time.monotonic() + _DYING_S
+    while True:
+        dead = [str(process.pid) for process in processes if process.exitcode is not None]
+        if dead:
+            raise RuntimeError(WORKER_EXITED_MESSAGE.format(pids_str=", ".join(dead))) from error
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(POLL_S)
 
 
 def _wake(iterator: Any) -> None:
