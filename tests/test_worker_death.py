@@ -157,6 +157,7 @@ def test_off_the_main_thread_a_worker_killed_holding_the_lock_does_not_hang_the_
         except BaseException as error:  # noqa: BLE001 - the outcome is checked below
             outcome.append(error)
         finally:  # as when the consumer drops the iterator (its workers leave torch's SIGCHLD registry)
+            _batch = None  # the error kept holds this frame: the last batch's slot comes back for the next epoch
             iterator._shutdown_workers()
         outcome.append("shut down")
 
