@@ -836,8 +836,8 @@ def _memlock_message(nbytes: int, node: int, error: LibnumaError, otherwise: str
         )
     else:
         fix = (
-            f"That is past the hard limit, which only root or an administrator can raise: `* - memlock unlimited` "
-            f"in /etc/security/limits.conf (then log in again), `LimitMEMLOCK=infinity` in a systemd unit, "
-            f"`docker run --ulimit memlock=-1`"
+            "That is past the hard limit, which only root or an administrator can raise: `* - memlock unlimited` "
+            "in /etc/security/limits.conf (then log in again), `LimitMEMLOCK=infinity` in a systemd unit, "
+            "`docker run --ulimit memlock=-1`"
         )
     return f"{limits}. {fix}; {otherwise}"
