@@ -27,6 +27,7 @@ import gc
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from numafast.private import ITERATOR_SHUTDOWN, ITERATOR_WORKER_PIDS_SET, REMOVE_WORKER_PIDS, signal_handling
@@ -51,6 +52,85 @@ exit hook (see :func:`first_time`)."""
 workers_replaced = 0
 """Workers of this process's loaders replaced because they never started (torch/fork_watch.py)."""
 
+# ------------------------------------------------------------ numafast's locks
+
+class DeferringLock:
+    """A lock of numafast's (NodePools' per-batch mutex, the locks below) whose holder
+    puts off the release of a pool closed while its slots were out. That release is
+    queued by the deallocator of the pool's last slot as a pending call, which CPython
+    runs in the main thread between any two of its instructions, so possibly inside a
+    held lock: it waits for GPU copies and unmaps (other threads would wait behind it)
+    and gives a node budget's share back (under ``reserved_mutex``, which this thread
+    may hold: it would wait for itself). :func:`defer_until_unlocked` keeps it until the
+    thread has let go of every such lock. A waiting thread counts as holding: a pending
+    call runs as its ``acquire()`` returns, before it could say it holds the lock."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, reentrant: bool = False) -> None:
+        self._lock: Any = threading.RLock() if reentrant else threading.Lock()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        _held.depth += 1
+        try:
+            if self._lock.acquire(blocking):
+                return True
+        except BaseException:
+            _let_go()
+            raise
+        _let_go()
+        return False
+
+    def release(self) -> None:
+        self._lock.release()
+        _let_go()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class _Held(threading.local):
+    """Per thread: how many DeferringLocks it holds or waits for, and what waits for none."""
+
+    depth = 0
+
+    def __init__(self) -> None:
+        self.deferred: list[Callable[[], object]] = []
+
+
+_held = _Held()
+
+
+def holds_a_lock() -> bool:
+    """Whether the calling thread holds (or waits for) a DeferringLock."""
+    return _held.depth > 0
+
+
+def defer_until_unlocked(call: Callable[[], object]) -> bool:
+    """Keep ``call`` until the calling thread lets go of its last DeferringLock; False
+    (call it now) where it holds none."""
+    if not _held.depth:
+        return False
+    _held.deferred.append(call)
+    return True
+
+
+def _let_go() -> None:
+    _held.depth -= 1
+    if _held.depth or not _held.deferred:
+        return
+    deferred, _held.deferred = _held.deferred, []
+    for index, call in enumerate(deferred):
+        try:
+            call()
+        except BaseException:
+            _held.deferred[:0] = deferred[index + 1:]  # run at the next lock let go
+            raise
+
+
 # ------------------------------------------------------------ pinned pools (numafast/pool.py)
 
 live_pools: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -67,10 +147,10 @@ FORK_REMAP_FAILED_STATUS = 70
 
 ledgers: dict[Any, Any] = {}
 """Each node's ledger in /dev/shm, opened once, by (node, path)."""
-ledgers_mutex = threading.Lock()
+ledgers_mutex = DeferringLock()
 reserved = 0
 """What this process reserved on every node: what an explicit max_pinned_bytes bounds."""
-reserved_mutex = threading.Lock()
+reserved_mutex = DeferringLock()
 
 # ------------------------------------------------------------ loaders' pools (numafast/torch/owner_process_pools.py)
 
@@ -78,7 +158,7 @@ loader_pools: weakref.WeakSet[Any] = weakref.WeakSet()
 """Every NodePools of this process (each adds itself): what max_pinned_bytes bounds together."""
 idle_pools: dict[Any, Any] = {}
 """NodePools no loader uses any more, by (node, lock, register): the next loader's."""
-idle_mutex = threading.Lock()
+idle_mutex = DeferringLock()
 """Guards idle_pools and every NodePools' ``users``."""
 replacing: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 """In a forked child: the pools made here in the place of each set inherited from the
@@ -166,7 +246,7 @@ def _forked() -> None:
     affinity_at_start = frozenset(os.sched_getaffinity(0))
     workers_replaced = 0
     _pools_made_private()
-    ledgers_mutex, reserved_mutex, idle_mutex = threading.Lock(), threading.Lock(), threading.Lock()
+    ledgers_mutex, reserved_mutex, idle_mutex = DeferringLock(), DeferringLock(), DeferringLock()
     making_batch = threading.Lock()
     reserved = 0
     for book in ledgers.values():

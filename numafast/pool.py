@@ -29,7 +29,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -396,6 +396,7 @@ class PinnedPool:
             if device is not None:
                 self._fences = _register(resources, device, register_mode, slot_bytes, slots)
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
+            self._slots.defer_settle = _process.defer_until_unlocked  # see _process.DeferringLock
             # Dropped: closed then, and released once its last slot is back, leases or not;
             # without waiting there (a finalizer runs in the dropping thread).
             weakref.finalize(self, self._slots.abandon).atexit = False
@@ -489,14 +490,6 @@ class PinnedPool:
         if self._resources.owner_pid != _process.pid:
             return False
         return bool(self._slots.reclaim(index, generation, pid))
-
-    def defer_settle(self, defer: Callable[[Callable[[], bool]], bool]) -> None:
-        """Once closed, let ``defer(settle)`` keep the settle a dropped slot queues for the
-        main thread (a pending call, which runs between any two of its instructions):
-        True when ``defer`` calls ``settle`` later itself, as when that thread holds a lock
-        that other threads wait for, which settling (waiting for fences, unmapping) must
-        not run under; False to settle now."""
-        self._slots.defer_settle = defer
 
     def release_with(self, reservation: Releasable) -> None:
         """Call ``reservation.release()`` once this pool's memory is released (unmapped, its

@@ -705,8 +705,8 @@ cdef int _settle_pending(void *pool) noexcept with gil:
         return 0
     try:
         # A closed pool's settle waits for its fences and releases its memory: where the
-        # main thread holds its owner's lock now (the pending call runs between any two
-        # instructions), ``defer_settle(settle)`` keeps it for when that lock is let go.
+        # main thread holds one of numafast's locks now (the pending call runs between any
+        # two instructions), ``defer_settle(settle)`` keeps it for when that lock is let go.
         if slots.closed and slots.defer_settle is not None and slots.defer_settle(slots.settle):
             return 0
         slots.settle()

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,18 +248,15 @@ def test_a_loaders_pools_reserve_on_the_ledger_and_give_back_as_released(ledger_
 # ---------------------------------------------------------------- fault 3: released outside the mutex
 
 
-def holds(mutex: Any) -> bool:
-    """Whether this thread holds NodePools' mutex (a plain RLock before issue 45)."""
-    return bool(mutex.held_here() if hasattr(mutex, "held_here") else mutex._is_owned())
-
-
-def released_under_mutex(pools: Any, pool: Any) -> list[bool]:
-    """Record, as ``pool``'s memory is released, whether the mutex was held then."""
-    seen: list[bool] = []
+def released_under_a_lock(pool: Any, held: Callable[[], bool] = _process.holds_a_lock) -> list[tuple[bool, int]]:
+    """Record, as ``pool``'s memory is released, whether the releasing thread ``held`` a
+    lock then (by default any of numafast's: NodePools' mutex, the budget's), and which
+    thread it was."""
+    seen: list[tuple[bool, int]] = []
     unpin = pool._resources.unpin
 
     def watched() -> None:
-        seen.append(holds(pools._mutex))
+        seen.append((held(), threading.get_ident()))
         unpin()
 
     pool._resources.unpin = watched
@@ -290,14 +287,108 @@ def test_a_retired_pools_last_slot_dropped_under_the_mutex_is_released_after_it(
     batch = pools.pin(torch.zeros(1 << 12))
     old = pools.pools[0]
     inode = old.share().inode
-    seen = released_under_mutex(pools, old)
+    seen = released_under_a_lock(old)
     assert pools.make_room(1 << 20, more=False) and old in pools.retired  # a larger batch: the pool retires
     with pools._mutex:  # as a receive holds it
         del batch  # its slot comes back; the pending call settling the pool runs at the next call
         inside = maps_inode(inode)
     after = released_soon(inode)
-    assert (inside, after, list(seen)) == (True, False, [False])
+    assert (inside, after, list(seen)) == (True, False, [(False, threading.get_ident())])
     pools.close()
+
+
+def test_a_settle_queued_as_the_main_thread_waits_for_the_mutex_runs_after_it(ledger_dir: Path) -> None:
+    """Another thread (a second loader's receiving thread) holds the mutex and drops the
+    last slot of a retired pool while the main thread waits for the mutex: the pending call
+    settling that pool runs as the main thread's acquire() returns, before any record of a
+    holder could be set after it. It waits for the mutex to be let go, not run under it."""
+    torch = pytest.importorskip("torch")
+    from numafast.torch.owner_pools import NodePools
+
+    pools = NodePools(0, 2, lock="off")
+    batch = [pools.pin(torch.zeros(1 << 12))]
+    old = pools.pools[0]
+    inode = old.share().inode
+    assert pools.make_room(1 << 20, more=False) and old in pools.retired
+    seen = released_under_a_lock(old)
+    main = threading.get_ident()
+    holding = threading.Event()
+    errors: list[str] = []
+
+    def other() -> None:
+        with pools._mutex:
+            holding.set()
+            deadline = time.monotonic() + 10  # until the main thread is in the mutex's __enter__, waiting
+            while (frame := sys._current_frames().get(main)) is None or frame.f_code.co_name not in ("__enter__", "acquire"):
+                if time.monotonic() > deadline:
+                    errors.append("the main thread never waited for the mutex")
+                    break
+                time.sleep(0.001)
+            batch.clear()  # the retired pool's last slot comes back: its settle is queued for the main thread
+
+    thread = threading.Thread(target=other, name="another loader's receiving thread")
+    thread.start()
+    assert holding.wait(10)
+    with pools._mutex:  # waits for the other thread; the pending call runs as the wait ends
+        inside = list(seen)
+    thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+    assert (inside, released_soon(inode), list(seen)) == ([], False, [(False, main)])
+    pools.close()
+
+
+def test_a_settle_queued_as_the_main_thread_holds_another_loaders_mutex_runs_after_it(ledger_dir: Path) -> None:
+    """Two loaders in one process: the main thread holds loader A's mutex (a stats(), a
+    shrink, a receive) as the last slot of loader B's retired pool is dropped. B's settle
+    (waiting for the GPU copies, unregistering, unmapping) waits for A's mutex to be let
+    go: A's receiving thread must not wait behind it."""
+    torch = pytest.importorskip("torch")
+    from numafast.torch.owner_pools import NodePools
+
+    a, b = NodePools(0, 2, lock="off"), NodePools(0, 2, lock="off")
+    batch = [b.pin(torch.zeros(1 << 12))]
+    old = b.pools[0]
+    inode = old.share().inode
+    assert b.make_room(1 << 20, more=False) and old in b.retired
+    seen = released_under_a_lock(old)
+    with a._mutex:
+        batch.clear()  # B's retired pool's last slot comes back: its settle is queued for this thread
+        inside = (list(seen), maps_inode(inode))  # calls: the pending call has run by now
+    assert (inside, released_soon(inode), list(seen)) == (([], True), False, [(False, threading.get_ident())])
+    a.close()
+    b.close()
+
+
+RELEASED_WHILE_RESERVING = """
+import sys
+from pathlib import Path
+import numafast
+from numafast import _process, node_budget
+node_budget.LEDGER_DIR = Path(sys.argv[1])
+pool = numafast.PinnedPool(0, 4096, 1, lock="off", register="off")
+pool.release_with(node_budget.reserve(0, 4096, 1 << 40))
+slot = [pool.acquire()]
+pool.close()  # with its slot out: released as the slot comes back
+book = node_budget.ledger(0)
+reserve = book.reserve
+
+def slot_back_while_reserving(nbytes, limit):
+    slot.clear()  # as a batch freed here (by the collector, by another thread) gives it back
+    return reserve(nbytes, limit)  # a call: the pending call releasing the pool runs here
+
+book.reserve = slot_back_while_reserving
+assert node_budget.reserve(0, 4096, 1 << 40) is not None
+print(pool._resources.released, _process.reserved, book.mine())
+"""
+
+
+def test_a_pool_released_while_this_thread_reserves_waits_for_the_reservation(ledger_dir: Path) -> None:
+    """A closed pool's last slot comes back while the main thread is inside reserve(),
+    holding the budget's lock: the release it queues, which gives the pool's share back
+    under that lock, runs once the lock is let go (before: the thread waited for itself)."""
+    done = subprocess.run([sys.executable, "-c", RELEASED_WHILE_RESERVING, str(ledger_dir)], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (done.returncode, done.stdout.split()) == (0, ["True", "4096", "4096"]), done.stderr
 
 
 def test_a_retired_pool_whose_dead_workers_lease_is_reclaimed_is_released_outside_the_mutex(ledger_dir: Path) -> None:
@@ -316,7 +407,7 @@ def test_a_retired_pool_whose_dead_workers_lease_is_reclaimed_is_released_outsid
         os.read(die[0], 1)
         os._exit(0)
     assert os.read(leased[0], 1) == b"1"
-    seen = released_under_mutex(pools, old)
+    seen = released_under_a_lock(old, pools._mutex._lock._is_owned)  # released while making room: not per batch
     assert pools.make_room(1 << 20, more=False) and old in pools.retired and old.stats().bytes_mapped  # leased
     os.write(die[1], b"x")
     assert os.waitpid(worker, 0)[1] == 0
@@ -324,7 +415,7 @@ def test_a_retired_pool_whose_dead_workers_lease_is_reclaimed_is_released_outsid
         os.close(end)
     # Asked for more room, the pools look at their counters: the dead worker's lease ends, the retired pool goes.
     assert pools.make_room(1 << 12, more=True)
-    assert seen == [False] and old.stats().bytes_mapped == 0
+    assert seen == [(False, threading.get_ident())] and old.stats().bytes_mapped == 0
     pools.close()
 
 

@@ -32,7 +32,6 @@ waits on the owner, and no thread of numafast's own changes them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import multiprocessing
 import os
@@ -177,8 +176,8 @@ class NodePools:
         # Taken by the receive of every batch: held for bookkeeping only, never while a
         # pool is faulted in, registered or released. _making: one pool is made at a time
         # (two loaders sharing these pools receive in two threads).
-        self._mutex = _Mutex()
-        self._making = threading.Lock()
+        self._mutex = _process.DeferringLock(reentrant=True)
+        self._making = _process.DeferringLock()
         receivers[self.owner_id] = self
         owner_process_pools.every.add(self)
 
@@ -536,7 +535,6 @@ class NodePools:
             self.node, slot_bytes, slots, lock=self.lock, register=self.register, timeout=None,
             prefault=False, device=device,
         )
-        pool.defer_settle(functools.partial(_settle_later, weakref.ref(self)))
         return pool
 
     def _publish(self, pools: list[PinnedPool], *, retiring: Sequence[PinnedPool] = ()) -> None:
@@ -720,48 +718,6 @@ def _sender_gone(pid: int) -> bool:
         return _process.start_time(pid) is None
     except OSError:
         return False
-
-
-class _Mutex:
-    """NodePools' per-batch lock: reentrant, and it knows whether the calling thread holds
-    it, so that a retired pool's settle that a dropped slot queued for the main thread
-    while it held the lock (src/pool.pxi's pending call) runs as the lock is let go."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._owner = 0
-        self._depth = 0
-        self.after: list[Callable[[], object]] = []  # run once the lock is let go
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        self._owner = threading.get_ident()
-        self._depth += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._depth -= 1
-        if self._depth:
-            self._lock.release()
-            return
-        self._owner = 0
-        after, self.after = self.after, []
-        self._lock.release()
-        for call in after:
-            call()
-
-    def held_here(self) -> bool:
-        """Whether the calling thread holds the lock (only that thread sets it to its own id)."""
-        return self._owner == threading.get_ident()
-
-
-def _settle_later(pools: weakref.ref[NodePools], settle: Callable[[], object]) -> bool:
-    """A pool's defer_settle (see :meth:`PinnedPool.defer_settle`): ``settle`` kept for when
-    this thread lets go of the pools' mutex, if it holds it."""
-    target = pools()
-    if target is None or not target._mutex.held_here():
-        return False
-    target._mutex.after.append(settle)
-    return True
 
 
 class _NoRoom(PoolExhaustedError):
