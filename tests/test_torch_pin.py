@@ -287,16 +287,19 @@ def test_the_hooks_held_count_leaves_out_only_the_batches_the_dataloader_reads_a
     hook.remove()
 
 
-def test_a_message_stays_a_message_where_nothing_receives_it() -> None:
-    """Unpickled in a process that does not own its pools, or after they are gone, a
-    worker's message is not turned into a batch: it can travel on, and says what it is."""
-    gone = Fallback(os.getpid(), 10**9, torch.ones(3), FallbackReason.FIRST_BATCHES)
+def test_a_message_stays_a_message_in_another_process_and_is_its_batch_where_its_pools_are_gone() -> None:
+    """Unpickled in a process that does not own its pools, a worker's message is not turned
+    into a batch: it can travel on, and says what it is. In its owner's process once the
+    pools are gone, a batch sent the copying way is that batch, never the message."""
+    elsewhere = Fallback(os.getpid() + 10**6, 10**9, torch.ones(3), FallbackReason.FIRST_BATCHES)
     other = SlotBatch(os.getpid() + 10**6, 1, 7, 0, 1, 512, b"", ())
-    again = pickle.loads(pickle.dumps(gone))
+    again = pickle.loads(pickle.dumps(elsewhere))
     assert isinstance(again, Fallback) and again.reason is FallbackReason.FIRST_BATCHES
     assert bool((again.batch == torch.ones(3)).all())
     moved = pickle.loads(pickle.dumps(other))
     assert isinstance(moved, SlotBatch) and (moved.inode, moved.nbytes) == (7, 512)
+    gone = pickle.loads(pickle.dumps(Fallback(os.getpid(), 10**9, torch.ones(3), FallbackReason.FIRST_BATCHES)))
+    assert isinstance(gone, torch.Tensor) and bool((gone == torch.ones(3)).all())
 
 
 def test_the_hook_checks_its_node_even_where_it_installs_nothing() -> None:

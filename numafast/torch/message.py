@@ -141,11 +141,13 @@ class Fallback(_Message):
 
 def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
     """A message unpickled: its batch in its receiver's process (a forked child inherits
-    the registry, not the pools), else the message itself, to travel on."""
+    the registry, not the pools), in another process the message itself, to travel on."""
     message = kind(*fields)
-    receiver = receivers.get(message.owner_id) if message.owner_pid == _process.pid else None
-    if receiver is None:
+    if message.owner_pid != _process.pid:
         return message
+    receiver = receivers.get(message.owner_id)
+    if receiver is None:
+        return _unreceived(message)
     try:
         return receiver.receive(message) if isinstance(message, SlotBatch) else receiver.copy_in(message)
     except Exception as error:  # noqa: BLE001 - the consumer meets it at this batch, as a worker's error
@@ -153,6 +155,20 @@ def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
             raise  # out of the DataLoader's get: it finds its worker dead and says so (see above)
         if _raised_by_signal_handler(error):
             raise
+        return _failed(message.describe())
+
+
+def _unreceived(message: SlotBatch | Fallback) -> Any:
+    """A message that arrived in its owner's process once the pools it names were gone
+    (closed and collected: a copy of the loader's collate function outlived them). Never
+    the message itself, which no consumer expects: a batch sent to be copied is the batch
+    as torch sent it; one in a slot of those pools cannot be read, an error at its place."""
+    if isinstance(message, Fallback):
+        return message.batch
+    try:
+        raise RuntimeError(f"{message.describe()} arrived after its loader's pools are gone from this process "
+                           f"(closed): nothing can read it")  # fmt: skip
+    except RuntimeError:
         return _failed(message.describe())
 
 

@@ -154,7 +154,12 @@ def _watch_while_idle() -> None:
     """Once per worker process: start the thread of :func:`_let_go_while_idle`."""
     if _process.idle_watch_pid != _process.pid:
         _process.idle_watch_pid = _process.pid
-        threading.Thread(target=_let_go_while_idle, name="numafast idle pools", daemon=True).start()
+        try:
+            threading.Thread(target=_let_go_while_idle, name="numafast idle pools", daemon=True).start()
+        except RuntimeError:
+            # No thread to spare (a pids limit): the batch made, its slot leased, must still
+            # go. Without the look, delisted pools are let go at the worker's next batch.
+            pass
 
 
 def _let_go_while_idle() -> None:
