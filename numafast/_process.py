@@ -165,7 +165,9 @@ replacing: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 parent, so that the loaders over one inherited set (the user's and a framework's copy
 of it) land in one set here too, as they did there."""
 loader_iterators: weakref.WeakSet[Any] = weakref.WeakSet()
-"""torch's iterators over NumaLoaders of this process that have workers."""
+"""torch's iterators over NumaLoaders of this process that have workers, and those the
+fork watch found forking with numafast's collate (a loader iterated through, a
+framework's copy: torch/fork_watch.py ``_found_watch``)."""
 receivers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 """The receivers of this process by id: what a message names to become its batch (torch/message.py)."""
 
@@ -225,7 +227,8 @@ def _forked() -> None:
       ``idle_mutex``, no replacements; inherited iterators are marked shut down and forgotten: their
       workers, queues and done event are the parent's, and dropping one in the child
       would run torch's shutdown on them (set the shared done event, send each worker
-      its end), ending the parent's epoch; marked, it ends with nothing done. Their
+      its end), ending the parent's epoch; marked, it ends with nothing done (and a
+      persistent one reset here is replaced, see torch/fork_watch.py ``_Iterating``). Their
       workers leave torch's SIGCHLD registry (keyed by the iterator's id: an iterator
       of the child's own at the same address could not register its workers).
       ``receivers`` stay: messages name their owner's pid, which is not this one.

@@ -105,6 +105,13 @@ batch, which raises "DataLoader worker (pid(s) N) exited unexpectedly" for a dea
 (:data:`WORKER_EXITED_MESSAGE`): overridden by torch/fork_watch.py ``_Iterating`` to serve
 the start watch in the thread that iterates."""
 
+ITERATOR_RESET = "_reset"
+"""``_reset(self, loader, first_iter=False)``, called by a persistent loader's
+``__iter__`` on the iterator it keeps, which then returns :data:`LOADER_ITERATOR` as it
+is after the call: overridden by torch/fork_watch.py ``_Iterating``, so that one
+inherited through fork hands the loader a new iterator of the child's own instead of
+restarting the parent's workers."""
+
 WORKER_EXITED_MESSAGE = "DataLoader worker (pid(s) {pids_str}) exited unexpectedly"
 """torch's error where a worker is found dead as a batch is awaited: what a
 :class:`~numafast.errors.SenderDied` raised out of the queue's ``get`` becomes
@@ -118,11 +125,13 @@ is in the traceback) for a registered worker killed: torch/message.py
 
 LOADER_ITERATOR = "_iterator"
 """A DataLoader's persistent iterator (None until the first epoch): NumaLoader drops one
-its process inherited, and reuses its own (torch/loader.py)."""
+its process inherited, and reuses its own (torch/loader.py); an inherited one's reset
+replaces it (torch/fork_watch.py ``_Iterating._reset``)."""
 
 LOADER_GET_ITERATOR = "_get_iterator"
 """The DataLoader method ``__iter__`` makes its iterator with: a loader that keeps
-DataLoader's iterates over its own settings (torch/loader.py ``iterates_itself``)."""
+DataLoader's iterates over its own settings (torch/loader.py ``iterates_itself``); an
+inherited iterator's reset makes the child's own with it (torch/fork_watch.py)."""
 
 # ------------------------------------------------------------ torch's helpers
 

@@ -321,6 +321,26 @@ def test_iterator_try_get_data() -> None:
         iterator._shutdown_workers()
 
 
+def test_iterator_reset() -> None:
+    """``_reset(loader, first_iter=False)``: a persistent loader's next epoch calls it on the
+    iterator it keeps, then returns the loader's iterator as the call left it."""
+    loader = _loader(persistent_workers=True)
+    first = iter(loader)
+    parameters = inspect.signature(getattr(private.multi_worker_iterator(), private.ITERATOR_RESET)).parameters
+    assert list(parameters)[:3] == ["self", "loader", "first_iter"] and parameters["first_iter"].default is False
+    fresh, calls = object(), []
+
+    def reset(self: Any, loader: Any, first_iter: bool = False) -> None:
+        calls.append(first_iter)
+        setattr(loader, private.LOADER_ITERATOR, fresh)
+
+    try:
+        setattr(loader, private.LOADER_ITERATOR, type("Kept", (), {private.ITERATOR_RESET: reset})())
+        assert loader.__iter__() is fresh and calls == [False]
+    finally:
+        first._shutdown_workers()
+
+
 def test_worker_exited_message() -> None:
     """torch's error for a worker found dead as a batch is awaited, in ``_try_get_data``."""
     _torch()

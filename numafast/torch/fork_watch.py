@@ -54,7 +54,8 @@ from numafast import _process
 from numafast.errors import WorkerStartError
 from numafast.private import (
     EVENT_CONDITION, EVENT_FLAG, ITERATOR_COLLATE, ITERATOR_DONE_EVENT, ITERATOR_RECEIVED, ITERATOR_RESULT_QUEUE,
-    ITERATOR_SHUTDOWN, ITERATOR_TASK_INFO, ITERATOR_WORKER_PIDS_SET, ITERATOR_WORKERS, NOT_A_CHILD_ERROR,
+    ITERATOR_SHUTDOWN, ITERATOR_TASK_INFO, ITERATOR_WORKER_PIDS_SET, ITERATOR_WORKERS, LOADER_GET_ITERATOR,
+    LOADER_ITERATOR, NOT_A_CHILD_ERROR,
     POPEN_PROCESS_LOCAL, PROCESS_RUN_ATTRIBUTES, REMOVE_WORKER_PIDS, SET_WORKER_PIDS, WORKER_EXITED_MESSAGE,
     exception_wrapper, getframe, multi_worker_iterator, signal_handling,
 )  # fmt: skip
@@ -394,6 +395,10 @@ def _found_watch() -> _StartWatch | None:
         watch = _found.get(iterator)
         if watch is None:
             _extend(iterator)
+            # Its workers are this process's: a forked child marks it shut down (see
+            # numafast._process._forked), so that dropping it there (a loader iterated
+            # through, a framework's copy) does not end this process's epoch.
+            _process.loader_iterators.add(iterator)
             watch = _found[iterator] = _StartWatch(nullcontext)
             _local.begin = (watch, weakref.ref(iterator))
         return watch
@@ -591,6 +596,18 @@ class _Iterating:
             if not (got and isinstance(data, tuple) and len(data) == 2 and data[0] == _WAKE):
                 return got, data
 
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        # A persistent iterator inherited through fork (a loader iterated through, a
+        # framework's copy, whose loader keeps it): its workers, queues and done event are
+        # the parent's. Reset here, it would send them the new epoch and read the parent's
+        # batches off their shared queue. The loader gets an iterator of this process's
+        # own instead (DataLoader.__iter__ returns the one it holds after the reset); the
+        # inherited one, marked shut down at the fork, goes with nothing done.
+        if not first_iter and _made_in.get(self, _process.pid) != _process.pid:
+            setattr(loader, LOADER_ITERATOR, getattr(loader, LOADER_GET_ITERATOR)())
+            return
+        super()._reset(loader, first_iter)  # type: ignore[misc]
+
 
 _DYING_S = 2.0
 """How long a worker is given to be seen dead once its batch could not be read (a dying
@@ -606,7 +623,9 @@ def _raise_if_a_worker_died(iterator: Any, error: BaseException) -> None:
         return
     deadline = time.monotonic() + _DYING_S
     while True:
-        dead = [str(process.pid) for process in processes if process.exitcode is not None]
+        # Ended abnormally: a worker that torch told to end (its IterableDataset's share
+        # exhausted) exits with 0, and is no reason to hide the error as it came.
+        dead = [str(process.pid) for process in processes if process.exitcode not in (None, 0)]
         if dead:
             raise RuntimeError(WORKER_EXITED_MESSAGE.format(pids_str=", ".join(dead))) from error
         if time.monotonic() >= deadline:
@@ -623,6 +642,7 @@ def _wake(iterator: Any) -> None:
 
 
 _extended: dict[type, type] = {}  # per class of torch's iterator, its subclass with _Iterating
+_made_in: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # per iterator, the pid it was made in
 
 
 def _extend(iterator: Any) -> None:
@@ -637,7 +657,8 @@ def _extend(iterator: Any) -> None:
     try:
         iterator.__class__ = _extended[kind]
     except TypeError:  # a subclass with a layout of its own (__slots__): left as it is, unwatched
-        pass
+        return
+    _made_in[iterator] = _process.pid
 
 
 # ------------------------------------------------------------ torch's done event
