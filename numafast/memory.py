@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
@@ -41,6 +40,7 @@ from numafast.errors import (
 from numafast.pages import UNTOUCHED_STATUSES, local_node
 from numafast.capabilities import Capability, memory_placement_refused, warn_unplaced
 from numafast.policy import MODE_NUMBERS, Mode, raise_explained, refusals_explained
+from numafast.private import stacklevel_outside
 
 __all__ = ["allocate", "empty", "mbind", "migrate", "zeros"]
 
@@ -55,6 +55,8 @@ BYTES_PER_THREAD = 32 << 20
 RETRY_DELAYS_S = (0.001, 0.004, 0.016, 0.064, 0.25)
 # Without THP, pages still move in runs this long where each run has one node.
 MOVE_RUN_BYTES = 512 * PAGE_SIZE
+
+_PACKAGE = os.path.dirname(__file__) + os.sep  # where warnings are said from, not pointed at
 
 
 # The set_mempolicy(2) modes that mbind(2) takes with a set of nodes.
@@ -182,20 +184,9 @@ def _bind_fresh(buffer: _libnuma.MappedBuffer, mode: Mode, targets: list[int], u
     except LibnumaError as error:
         if error.errno == errno.ENOSYS or (error.errno == errno.EPERM and unplaced_ok):
             refused = memory_placement_refused() or [("mbind", Capability(False, str(error), error.errno))]
-            warn_unplaced(targets, refused, stacklevel=_outside_numafast())
+            warn_unplaced(targets, refused, stacklevel=stacklevel_outside((_PACKAGE,)))
             return
         raise_explained(error, f"mbind ({mode.value} {buffer.size} fresh bytes to node {format_ids(targets)})")
-
-
-def _outside_numafast() -> int:
-    """The ``stacklevel`` of the first caller outside the numafast package (2 where none is)."""
-    package = os.path.dirname(__file__) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        if not frame.f_code.co_filename.startswith(package):
-            return level
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return 2
 
 
 def _even_huge_bytes(nbytes: int, huge_page: int, ways: int) -> int:

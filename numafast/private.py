@@ -9,8 +9,7 @@ it when called, and those that read torch's modules only find them loaded alread
 
 Spelled elsewhere, each with its reason: ``numafast/torch/slot.py`` imports
 :data:`TORCH_COLLATE_NAMES` from :data:`TORCH_COLLATE_MODULE` directly (typed names a
-module-level import keeps typed); ``numafast/memory.py`` walks frames with
-``sys._getframe`` (:data:`getframe`) for its ``stacklevel``; ``numafast/cli`` annotates
+module-level import keeps typed); ``numafast/cli`` annotates
 with :data:`ARGPARSE_TYPES`; ``numafast/cuda.py`` calls :data:`CUDART_CALLS` on the
 runtime object ``torch.cuda.cudart()`` returns (or one passed in its place).
 """
@@ -26,9 +25,22 @@ from typing import Any
 
 getframe: Callable[[int], FrameType] = sys._getframe
 """The caller's frame (the very builtin: the same depth as ``sys._getframe``): the
-warnings' ``stacklevel`` past numafast and torch (torch/owner_pools.py ``_user_level``), and
-the start watch's walk to the Process being started and to torch's iterator forking
+warnings' ``stacklevel`` past numafast, and torch (:func:`stacklevel_outside`), and the
+start watch's walk to the Process being started and to torch's iterator forking
 (torch/fork_watch.py ``_process_forking``, ``_found_watch``)."""
+
+
+def stacklevel_outside(prefixes: tuple[str, ...], start: int = 1) -> int:
+    """The ``stacklevel``, counted from the function ``start`` frames above this call (1:
+    the one calling it), of the first caller whose file is under none of ``prefixes``:
+    the user's line, which a warning points at; 2 where none is (a library's thread)."""
+    frame: FrameType | None = getframe(start)
+    level = 1
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(prefixes):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 POPEN_PROCESS_LOCAL = "process_obj"
 """The local of ``multiprocessing.popen_fork.Popen.__init__`` and ``_launch`` holding the

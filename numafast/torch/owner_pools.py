@@ -56,7 +56,7 @@ from numafast.pool import (
 )
 from numafast.pool_owner import PoolBoard
 from numafast.pool_worker import BOARD_ENTRIES
-from numafast.private import getframe
+from numafast.private import stacklevel_outside
 from numafast.torch import owner_process_pools
 from numafast.torch.batch import place
 from numafast.torch.device import gpu_usable, iteration_gpu
@@ -735,13 +735,7 @@ _LIBRARY_FILES = tuple(
 def _user_level() -> int:
     """The ``stacklevel`` of the first caller outside :data:`_LIBRARY_FILES` (the line that
     asked for the batch, or made the loader); 2 where none is (PyTorch's pin thread)."""
-    frame = getframe(1)
-    level = 1
-    while frame is not None:
-        if not frame.f_code.co_filename.startswith(_LIBRARY_FILES):
-            return level
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return 2
+    return stacklevel_outside(_LIBRARY_FILES, start=2)
 
 
 def node_pools(
