@@ -54,6 +54,21 @@ workers_replaced = 0
 
 # ------------------------------------------------------------ numafast's locks
 
+class _Held(threading.local):
+    """Per thread: how many DeferringLocks it holds or waits for, and the calls waiting
+    until it holds none."""
+
+    depth = 0
+
+    def __init__(self) -> None:
+        self.deferred: list[Callable[[], object]] = []
+
+
+held = _Held()
+"""This thread's DeferringLocks (``.depth``) and what waits for it to let go of them
+(``.deferred``, see :func:`run_deferred`)."""
+
+
 class DeferringLock:
     """A lock of numafast's (NodePools' per-batch mutex, the locks below) whose holder
     puts off the release of a pool closed while its slots were out. That release is
@@ -71,19 +86,19 @@ class DeferringLock:
         self._lock: Any = threading.RLock() if reentrant else threading.Lock()
 
     def acquire(self, blocking: bool = True) -> bool:
-        _held.depth += 1
+        held.depth += 1
         try:
             if self._lock.acquire(blocking):
                 return True
         except BaseException:
-            _let_go()
+            let_go()
             raise
-        _let_go()
+        let_go()
         return False
 
     def release(self) -> None:
         self._lock.release()
-        _let_go()
+        let_go()
 
     def __enter__(self) -> None:
         self.acquire()
@@ -92,42 +107,37 @@ class DeferringLock:
         self.release()
 
 
-class _Held(threading.local):
-    """Per thread: how many DeferringLocks it holds or waits for, and what waits for none."""
-
-    depth = 0
-
-    def __init__(self) -> None:
-        self.deferred: list[Callable[[], object]] = []
-
-
-_held = _Held()
-
-
 def holds_a_lock() -> bool:
     """Whether the calling thread holds (or waits for) a DeferringLock."""
-    return _held.depth > 0
+    return held.depth > 0
 
 
 def defer_until_unlocked(call: Callable[[], object]) -> bool:
     """Keep ``call`` until the calling thread lets go of its last DeferringLock; False
     (call it now) where it holds none."""
-    if not _held.depth:
+    if not held.depth:
         return False
-    _held.deferred.append(call)
+    held.deferred.append(call)
     return True
 
 
-def _let_go() -> None:
-    _held.depth -= 1
-    if _held.depth or not _held.deferred:
-        return
-    deferred, _held.deferred = _held.deferred, []
+def let_go() -> None:
+    """One DeferringLock of this thread's let go (or not taken): at the last, the calls
+    kept for then run (:func:`run_deferred`)."""
+    held.depth -= 1
+    if not held.depth and held.deferred:
+        run_deferred()
+
+
+def run_deferred() -> None:
+    """Run the calls kept until this thread held no DeferringLock; where one raises, those
+    after it run at the next lock let go."""
+    deferred, held.deferred = held.deferred, []
     for index, call in enumerate(deferred):
         try:
             call()
         except BaseException:
-            _held.deferred[:0] = deferred[index + 1:]  # run at the next lock let go
+            held.deferred[:0] = deferred[index + 1:]
             raise
 
 

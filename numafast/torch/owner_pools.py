@@ -176,7 +176,7 @@ class NodePools:
         # Taken by the receive of every batch: held for bookkeeping only, never while a
         # pool is faulted in, registered or released. _making: one pool is made at a time
         # (two loaders sharing these pools receive in two threads).
-        self._mutex = _process.DeferringLock(reentrant=True)
+        self._mutex = _Mutex()
         self._making = _process.DeferringLock()
         receivers[self.owner_id] = self
         owner_process_pools.every.add(self)
@@ -718,6 +718,31 @@ def _sender_gone(pid: int) -> bool:
         return _process.start_time(pid) is None
     except OSError:
         return False
+
+
+class _Mutex(_process.DeferringLock):
+    """NodePools' per-batch lock: a reentrant DeferringLock whose way in and out is written
+    out here, so that a batch's receive does not leave this module to take it."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(reentrant=True)
+
+    def __enter__(self) -> None:
+        _process.held.depth += 1
+        try:
+            self._lock.acquire()
+        except BaseException:
+            _process.let_go()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+        held = _process.held
+        held.depth -= 1
+        if not held.depth and held.deferred:
+            _process.run_deferred()
 
 
 class _NoRoom(PoolExhaustedError):
