@@ -75,11 +75,13 @@ def test_two_loaders_over_one_dataset_each_count_and_hold_only_their_own_batches
         eval_batches.append([part.clone() for part in eval_batch])
     assert wrong_batches(train_batches, in_order(64, 4)[:8]) == []
     assert wrong_batches(eval_batches, in_order(64, 8)) == []
-    # zip takes a 9th train batch before it finds the eval loader done
-    assert train.stats().batches == 9 and evaluate.stats().batches == 8, (train.stats(), evaluate.stats())
+    # zip takes a 9th train batch before it finds the eval loader done; train's second worker
+    # may have sent its next two (the 10th, the 12th) ahead of it, which torch keeps
+    arrived = train.stats().batches
+    assert 9 <= arrived <= 11 and evaluate.stats().batches == 8, (train.stats(), evaluate.stats())
     assert train.stats().max_pinned_bytes != evaluate.stats().max_pinned_bytes == 1 << 26
     assert wrong_batches([[part.clone() for part in batch] for batch in evaluate], in_order(64, 8)) == []
-    assert train.stats().batches == 9 and evaluate.stats().batches == 16
+    assert train.stats().batches == arrived and evaluate.stats().batches == 16
 
 
 @SEMANTICS
