@@ -51,7 +51,7 @@ from numafast.errors import (
     SlotTooSmallError,
 )
 from numafast.memory import allocate
-from numafast.pool_worker import PoolHandle, fault_in
+from numafast.pool_worker import MADV_POPULATE_READ, PoolHandle
 from numafast.topo.files import read_fields
 
 if TYPE_CHECKING:
@@ -449,7 +449,9 @@ class PinnedPool:
             self._faulted[index] = end
             start = self._slots.table.offset(index)
             with memoryview(self._slots.table.region) as whole, whole[start + done : start + end] as part:
-                fault_in(part, filled=filled)
+                # pool_worker.fault_in, inline: a slot's first adoption stays in this module
+                with contextlib.suppress(OSError):
+                    _libnuma.madvise(part, MADV_POPULATE_READ if filled else _libnuma.MADV_POPULATE_WRITE)
 
     def adopt(self, index: int, generation: int, nbytes: int) -> Slot:
         """Slot ``index``, leased by a worker in ``generation`` (see :meth:`share`) and filled
