@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import gc
 import os
-import select
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,8 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info  # noqa: E402
 
 import numafast.torch  # noqa: E402
+from test_loader_isolation import in_forked_child  # noqa: E402
+from test_worker_start import Wrapper  # noqa: E402
 
 pytestmark = pytest.mark.host_only("loader semantics in forked processes: nothing the kernel's nodes change")
 
@@ -37,20 +37,6 @@ class Tagged(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         return torch.full((512,), float(index)), index
-
-
-class Wrapper(DataLoader):  # type: ignore[type-arg]
-    """A loader with an iteration of its own over an inner one (Accelerate's DataLoaderShard)."""
-
-    def __init__(self, base: DataLoader) -> None:  # type: ignore[type-arg]
-        super().__init__(base.dataset)
-        self.base_dataloader = base
-
-    def __len__(self) -> int:
-        return len(self.base_dataloader)
-
-    def __iter__(self) -> Any:
-        yield from self.base_dataloader
 
 
 def wrong(batches: list[Any], first: int = 0) -> list[str]:
@@ -70,38 +56,6 @@ def wrong(batches: list[Any], first: int = 0) -> list[str]:
 
 def cloned(batches: Any) -> list[Any]:
     return [[part.clone() for part in batch] if isinstance(batch, (list, tuple)) else batch for batch in batches]
-
-
-def in_forked_child(check: Callable[[], str], timeout_s: float = 60.0) -> str:
-    """``check()`` (what it finds wrong; empty: nothing) in a child forked now; its answer,
-    up to a NUL (the child's own workers hold the pipe open until they see it gone)."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child answers through the pipe
-        said = b"child: raised"
-        try:
-            os.close(read_end)
-            said = (check() or "ok").encode()
-        except BaseException as error:  # noqa: BLE001 - said to the parent
-            said = f"child raised {error!r}".encode()
-        finally:
-            os.write(write_end, said[:60000].replace(b"\0", b"?") + b"\0")
-            os._exit(0)
-    os.close(write_end)
-    chunks = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if select.select([read_end], [], [], 0.5)[0]:
-            chunk = os.read(read_end, 65536)
-            chunks.append(chunk)
-            if not chunk or chunk.endswith(b"\0"):
-                break
-    else:
-        os.kill(pid, 9)
-        chunks.append(b" (timed out)")
-    os.close(read_end)
-    os.waitpid(pid, 0)
-    return b"".join(chunks).rstrip(b"\0").decode() or "child: no answer"
 
 
 def test_a_child_dropping_an_inherited_iterator_of_a_loader_iterated_through_leaves_the_parents_epoch_whole() -> None:

@@ -7,6 +7,7 @@ unharmed. Every sample carries its index; every batch is checked by content."""
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import time
@@ -97,7 +98,8 @@ def test_a_loader_made_again_from_a_numaloaders_collate_function_still_shares_it
 
 def in_forked_child(check: Any, timeout_s: float = 120.0) -> str:
     """Run ``check()`` (what it finds wrong, as a string; empty: nothing) in a child forked
-    now, as Lightning's ddp_fork forks a rank; the child's answer, or why there is none."""
+    now, as Lightning's ddp_fork forks a rank; the child's answer, up to a NUL (the child's
+    own workers may hold the pipe open after it), or why there is none."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -108,25 +110,23 @@ def in_forked_child(check: Any, timeout_s: float = 120.0) -> str:
         except BaseException as error:  # noqa: BLE001 - said to the parent
             said = f"child raised {error!r}".encode()
         finally:
-            os.write(write_end, said[:60000])
+            os.write(write_end, said[:60000].replace(b"\0", b"?") + b"\0")
             os._exit(0)
     os.close(write_end)
-    import select
-
     chunks = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if select.select([read_end], [], [], 1.0)[0]:
+        if select.select([read_end], [], [], 0.5)[0]:
             chunk = os.read(read_end, 65536)
-            if not chunk:
-                break
             chunks.append(chunk)
+            if not chunk or chunk.endswith(b"\0"):
+                break
     else:
         os.kill(pid, 9)
         chunks.append(b" (timed out)")
     os.close(read_end)
     os.waitpid(pid, 0)
-    return b"".join(chunks).decode() or "child: no answer"
+    return b"".join(chunks).rstrip(b"\0").decode() or "child: no answer"
 
 
 def cloned(loader: Any) -> list[Any]:
