@@ -7,6 +7,7 @@ counters."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 import numafast  # noqa: E402
 import numafast.torch  # noqa: E402
 from numafast.torch import owner_pools as node_pools_module  # noqa: E402
+from numafast.torch.message import Fallback, FallbackReason  # noqa: E402
 
 SEMANTICS = pytest.mark.host_only("loader semantics, the same on any kernel; worker processes cost seconds under TCG")
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,6 +239,33 @@ def test_only_the_receiving_thread_grows_the_pools_and_copies_stay_bounded(monke
     assert set(stats.fallbacks) <= {"first batches", "no free slot"}, stats
     assert stats.copied <= 2 * (2 * 2) and stats.landed + stats.copied == 64, (stats, made_in)
     del kept, images, labels
+
+
+@SEMANTICS
+def test_a_copied_batch_adds_a_pool_ahead_as_a_landed_one_does() -> None:
+    """Where the consumer keeps batches, a batch that came the copying way (its worker
+    found no free slot) is followed, as a landed one is, by a pool added once fewer slots
+    are free than batches in flight; else the pool a copy adds is eaten by the copies in
+    flight, and the batches after them find no free slot either."""
+    in_flight = 4
+    pools = node_pools_module.NodePools(0, 6, in_flight=in_flight, lock="off")
+    kept = []
+    try:
+        for number in range(10):
+            reason = FallbackReason.FIRST_BATCHES if number == 0 else FallbackReason.NO_FREE_SLOT
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # about kept batches: this consumer keeps them
+                batch = pools.copy_in(Fallback(os.getpid(), pools.owner_id, torch.full((256,), float(number)), reason))
+            kept.append(batch)
+            free = sum(pool.stats().free for pool in pools.pools)
+            # The 7th copy found no free slot and added a pool (grown); from then on one
+            # is added ahead as soon as fewer than in_flight slots are free.
+            assert number < 6 or pools.grown == 0 or free >= in_flight, (number, free, pools.grown)
+        assert [int(batch[0]) for batch in kept] == list(range(10)) and pools.grown == 2, pools.stats()
+        assert all(pools.holds(batch.data_ptr()) for batch in kept)
+    finally:
+        del kept
+        pools.close()
 
 
 def pool_bytes_mapped_by(pid: int) -> int:

@@ -252,9 +252,7 @@ class NodePools:
                 pool.end_lease(message.index, message.generation, message.sender)
             raise
         self._warn_unpinned(message.unpinned)
-        self._after_batch()
-        if self.grown:  # the consumer kept batches in this loader's life: it may go on
-            self._grow_ahead(message.nbytes)
+        self._after_batch(message.nbytes)
         return unpack(message.payload, slot)
 
     def _grow_ahead(self, nbytes: int) -> None:
@@ -283,9 +281,11 @@ class NodePools:
         finally:
             self._making.release()
 
-    def _after_batch(self) -> None:
+    def _after_batch(self, nbytes: int = 0) -> None:
         """In the receiving thread (where the user's warning filters apply): the warning
-        about kept batches, retired pools settled, now and then free grown pools released."""
+        about kept batches, retired pools settled, now and then free grown pools released;
+        and, after a batch of ``nbytes`` in a slot (landed or copied) where the consumer
+        kept batches in this loader's life, another pool ahead (:meth:`_grow_ahead`)."""
         if self._kept_grew and "kept" not in self.warned:  # the cause first: a limit met only by kept batches
             self._warn_kept()
         if self._unlocked is not None:
@@ -293,6 +293,8 @@ class NodePools:
         if not self.received() % SHRINK_EVERY:
             owner_process_pools.shrink_all(self)
         self._settle_retired()
+        if self.grown and nbytes:
+            self._grow_ahead(nbytes)
 
     def copy_in(self, fallback: Fallback) -> Any:
         """A batch that came the copying way, copied into a slot here."""
@@ -349,6 +351,7 @@ class NodePools:
         warned once where something is wrong (_FIXES); unpinned when there is no room."""
         if reason is FallbackReason.TOO_LARGE and self.taken_over and not self.landed:
             reason = FallbackReason.FIRST_BATCHES  # pools sized by the loader before: this one's size them again
+        copied_before = self.bytes_copied
         try:  # a copy standing in for batches that land next time: their workers pack other classes' tensors
             pinned = self.pin(batch, classes_land_later=reason is not None and reason not in _FIXES)
         except _NoRoom:
@@ -359,7 +362,7 @@ class NodePools:
                 fix = _FIXES[reason].format(detail=detail)
                 self._warn_once(reason.value, f"a batch was copied by the main process ({reason.value}): {fix}")
         self.copied += 1
-        self._after_batch()
+        self._after_batch(self.bytes_copied - copied_before)
         return pinned
 
     # ------------------------------------------------------------ room for batches
