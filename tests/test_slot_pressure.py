@@ -268,19 +268,23 @@ def test_a_copied_batch_adds_a_pool_ahead_as_a_landed_one_does() -> None:
         pools.close()
 
 
-def pool_bytes_mapped_by(pid: int) -> int:
-    """Bytes of numafast pool files process ``pid`` maps, as its /proc/PID/maps says."""
-    total = 0
+def pool_mappings(pid: int) -> list[tuple[int, int]]:
+    """The numafast pool files process ``pid`` maps, as its /proc/PID/maps says: (inode,
+    bytes) per mapping. A worker also maps, privately, every pool its parent had at the
+    fork: other loaders' too (a failed test's kept batches keep theirs)."""
+    mappings = []
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         if "numafast-pool-node" in line:
-            low, high = (int(part, 16) for part in line.split()[0].split("-"))
-            total += high - low
-    return total
+            fields = line.split()
+            low, high = (int(part, 16) for part in fields[0].split("-"))
+            mappings.append((int(fields[4]), high - low))
+    return mappings
 
 
-def grown_then_dropped() -> tuple[Any, list[int]]:
+def grown_then_dropped() -> tuple[Any, list[int], set[int]]:
     """A loader whose 2 persistent workers filled grown pools, whose batches are gone and
-    whose grown pools were just released (stats()); and its workers' pids."""
+    whose grown pools were just released (stats()); its workers' pids and the inodes of
+    the pools it released."""
     loader = numafast.torch.NumaLoader(DataLoader(Images(512), batch_size=8, num_workers=2, persistent_workers=True),
                                        lock="off")  # fmt: skip
     with warnings.catch_warnings():
@@ -289,17 +293,13 @@ def grown_then_dropped() -> tuple[Any, list[int]]:
     assert [int(label) for _images, labels in batches for label in labels] == list(range(512))
     workers = [worker.pid for worker in loader._iterator._workers]
     grown = loader.stats()
+    made = {pool.share().inode for pool in loader.pools.pools}
     assert len(grown.pools) > 2 and grown.mapped_by_workers == 0, grown
-    assert sum(map(pool_bytes_mapped_by, workers)) > 2 * grown.pools[0].bytes_mapped
+    mapped = sum(size for pid in workers for inode, size in pool_mappings(pid) if inode in made)
+    assert mapped > 2 * grown.pools[0].bytes_mapped
     del batches
     assert len(loader.stats().pools) == 1  # the grown pools released here
-    return loader, workers
-
-
-def pool_files_mapped_by(pid: int) -> set[int]:
-    """The inodes of the numafast pool files process ``pid`` maps."""
-    return {int(line.split()[4]) for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-            if "numafast-pool-node" in line}  # fmt: skip
+    return loader, workers, made - {pool.share().inode for pool in loader.pools.pools}
 
 
 @SEMANTICS
@@ -308,17 +308,15 @@ def test_idle_persistent_workers_let_go_of_the_pools_their_loader_released(monke
     next batch to make them look at the board) unmap the pools the owner let go, so the
     memory is not kept resident by them; until they do, stats() counts it."""
     monkeypatch.setattr(numafast.torch.worker_collate, "IDLE_LOOK_S", 3600.0)  # workers forked now never look
-    loader, workers = grown_then_dropped()
-    first_pool = loader.stats().pools[0].bytes_mapped
-    kept = sum(map(pool_bytes_mapped_by, workers)) - 2 * first_pool
+    loader, workers, released = grown_then_dropped()
+    kept = sum(size for pid in workers for inode, size in pool_mappings(pid) if inode in released)
     assert kept > 0 and loader.stats().mapped_by_workers == kept, (kept, loader.stats())
     del loader
     monkeypatch.undo()
-    loader, workers = grown_then_dropped()
-    kept = {pool.share().inode for pool in loader.pools.pools}
+    loader, workers, released = grown_then_dropped()
 
     def released_still_mapped() -> set[int]:
-        return {inode for pid in workers for inode in pool_files_mapped_by(pid)} - kept
+        return {inode for pid in workers for inode, _size in pool_mappings(pid)} & released
 
     deadline = time.monotonic() + 10 * numafast.torch.worker_collate.IDLE_LOOK_S
     while released_still_mapped() and time.monotonic() < deadline:
