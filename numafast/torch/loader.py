@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate, default_convert
 
 from numafast import _process, cuda
 from numafast._validate import check_node, positive_int
@@ -105,12 +105,19 @@ def merge_settings(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any
     own call (Lightning injects a DistributedSampler as ``sampler=``, ``shuffle=False``,
     ``batch_sampler=None``)."""
     merged = {**base, **given}
-    if given.get("shuffle") and "sampler" not in given:
+    # shuffle=False: not the RandomSampler DataLoader made for the loader's shuffle=True either
+    unshuffled = given.get("shuffle") is False and type(base["sampler"]) is RandomSampler
+    if (given.get("shuffle") or unshuffled) and "sampler" not in given:
         merged["sampler"] = None
     if given.get("batch_sampler") is not None:
         for name in ("batch_size", "shuffle", "sampler", "drop_last"):
             if name not in given:
                 merged[name] = DATALOADER_DEFAULTS[name]
+    batched = base["batch_size"] is not None or base["batch_sampler"] is not None
+    if "collate_fn" not in given and base["collate_fn"] is (default_collate if batched else default_convert) and (
+        batched != (merged["batch_size"] is not None or merged["batch_sampler"] is not None)
+    ):
+        merged["collate_fn"] = None  # DataLoader's own for the loader's batching: its own for the new batching
     if merged["num_workers"] == 0:  # DataLoader refuses these without workers
         for name in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
             if name not in given:
@@ -257,6 +264,19 @@ class NumaLoader(DataLoader[T_co]):
         elif name == "pin_memory":
             value = False
         super().__setattr__(name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The pools (locks, threads, this process's mappings) stay with this loader; a copy makes its own.
+        return {**vars(self), "pools": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._first_iteration_done = False  # its pools' device is settled at its first iteration
+        self._take_pools()
+        self.collate_fn = self.collate_fn  # __setattr__ wraps the user's again, over the new pools
+        if self._through is not None:
+            settings_loader(self._through).collate_fn = self.collate_fn
+        _travel_with_lightnings_arguments(self)
 
     def __getattr__(self, name: str) -> Any:
         # Only for what a DataLoader lacks: the attributes of the loader iterated through
