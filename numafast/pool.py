@@ -559,8 +559,9 @@ class PinnedPool:
         return True
 
     def contains(self, address: int) -> bool:
-        """Whether ``address`` lies inside one of this pool's slots."""
-        return self._slots.index_of(address) >= 0
+        """Whether ``address`` lies inside one of this pool's slots; never once its memory is
+        released (the kernel may map another pool there)."""
+        return not self._slots.drained and self._slots.index_of(address) >= 0
 
     def stats(self) -> PoolStats:
         """The pool's counters now (see :class:`PoolStats`)."""

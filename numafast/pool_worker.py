@@ -217,6 +217,9 @@ class PoolView:
         finally:
             os.close(fd)
         self.table = _libnuma.SlotTable.attach(region)
+        if self.table.slot_bytes != handle.slot_bytes:  # slot() would run into the next slot
+            raise ValueError(f"the handle says {handle.slot_bytes}-byte slots, but the node-{handle.node} pool's "
+                             f"table says {self.table.slot_bytes}")  # fmt: skip
         self.memory = memoryview(region)
         self._slots: list[memoryview | None] = [None] * self.table.count
         """Each slot's memory, made (and faulted in) at its first lease here."""
