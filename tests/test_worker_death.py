@@ -13,6 +13,7 @@ ends the epoch with torch's error for a dead worker too, not with the socket's.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -37,10 +38,13 @@ BOUND_S = 30.0  # on the epoch and its shutdown; the lock's deadline is 2 s
 
 class DiesHoldingTheDoneLock(torch.utils.data.Dataset):  # type: ignore[misc]
     """16 samples; in the first epoch, the worker that reads sample FATAL takes the lock of
-    the done event its loop checks (found in torch's ``_worker_loop`` frame) and dies."""
+    the done event its loop checks (found in torch's ``_worker_loop`` frame) and dies, once
+    ``die`` is set (the consumer is iterating: before, torch's SIGCHLD handler would raise
+    in the test's own setup)."""
 
     def __init__(self) -> None:
         self.epoch = 0
+        self.die = multiprocessing.get_context("fork").Event()
 
     def __len__(self) -> int:
         return 16
@@ -50,6 +54,7 @@ class DiesHoldingTheDoneLock(torch.utils.data.Dataset):  # type: ignore[misc]
             frame = sys._getframe()
             while frame.f_code.co_name != "_worker_loop":
                 frame = frame.f_back
+            self.die.wait(BOUND_S)
             frame.f_locals["done_event"]._cond.acquire()
             os.kill(os.getpid(), signal.SIGKILL)
         return torch.full((64,), float(index))
@@ -78,6 +83,7 @@ def test_a_worker_killed_holding_the_done_events_lock_does_not_hang_the_consumer
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with pytest.raises(RuntimeError, match="DataLoader worker"):  # torch's SIGCHLD handler: it was killed
+                data.die.set()
                 for _batch in iterator:
                     pass
             iterator._shutdown_workers()  # as when the consumer drops the iterator
@@ -161,6 +167,7 @@ def test_off_the_main_thread_a_worker_killed_holding_the_lock_does_not_hang_the_
     """An iterator made off the main thread has no SIGCHLD handler: torch finds the dead
     worker at its next look (every 5 s) and reads the event (is_set) to mark it gone."""
     data = DiesHoldingTheDoneLock()
+    data.die.set()  # no SIGCHLD handler off the main thread: the death may come at once
     loader = numafast.torch.NumaLoader(data, batch_size=2, num_workers=2)
     outcome: list[Any] = []
 
