@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+from collections import UserString
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any, TypeVar
 
@@ -68,7 +69,7 @@ def _opaque(item: object) -> bool:
 
 def _children(item: Any) -> Iterator[Any]:
     """The parts of a container the walk goes into (none for a leaf)."""
-    if isinstance(item, (str, bytes, bytearray)):
+    if isinstance(item, (str, bytes, bytearray, UserString)):  # a UserString's items are UserStrings
         return iter(())
     if isinstance(item, Mapping):
         return iter(item.values())
@@ -79,15 +80,24 @@ def _children(item: Any) -> Iterator[Any]:
     return iter(())
 
 
-def _rebuild(item: Any, replace: Callable[[Any], Any], arrays: bool = False) -> Any:
+def _rebuild(item: Any, replace: Callable[[Any], Any], arrays: bool = False, made: dict[int, Any] | None = None) -> Any:
     """``item`` with every tensor (with ``arrays``, every plain array) replaced, in
-    containers of the same types (as torch's pin_memory rebuilds them)."""
+    containers of the same types (as torch's pin_memory rebuilds them); a container found
+    twice (``made``: those rebuilt so far, by id) is rebuilt once, shared as it was."""
     if isinstance(item, torch.Tensor) or (arrays and plain_array(item)):
         return replace(item)
-    if isinstance(item, (str, bytes, bytearray)):
+    if isinstance(item, (str, bytes, bytearray, UserString)):
         return item
+    made = {} if made is None else made
+    if id(item) not in made:
+        made[id(item)] = _rebuilt(item, lambda part: _rebuild(part, replace, arrays, made))
+    return made[id(item)]
+
+
+def _rebuilt(item: Any, rebuild: Callable[[Any], Any]) -> Any:
+    """Container ``item`` made again of its parts, each given by ``rebuild``."""
     if isinstance(item, Mapping):
-        values = {key: _rebuild(value, replace, arrays) for key, value in item.items()}
+        values = {key: rebuild(value) for key, value in item.items()}
         if isinstance(item, MutableMapping):
             mapping = copy.copy(item)  # keeps the mapping's type and extra attributes
             mapping.update(values)
@@ -97,15 +107,18 @@ def _rebuild(item: Any, replace: Callable[[Any], Any], arrays: bool = False) -> 
         except TypeError:
             return values
     if isinstance(item, tuple):
-        parts = [_rebuild(part, replace, arrays) for part in item]
-        return type(item)(*parts) if hasattr(item, "_fields") else type(item)(parts)
+        parts = [rebuild(part) for part in item]
+        try:
+            return type(item)(*parts) if hasattr(item, "_fields") else type(item)(parts)
+        except TypeError:  # a tuple class made otherwise: left as it is, its tensors where they are
+            return item
     if isinstance(item, MutableSequence):
         sequence = copy.copy(item)
         for index, part in enumerate(item):
-            sequence[index] = _rebuild(part, replace, arrays)
+            sequence[index] = rebuild(part)
         return sequence
     if isinstance(item, Sequence) and not isinstance(item, range):
-        parts = [_rebuild(part, replace, arrays) for part in item]
+        parts = [rebuild(part) for part in item]
         try:
             return type(item)(parts)  # type: ignore[call-arg]
         except TypeError:
@@ -113,7 +126,7 @@ def _rebuild(item: Any, replace: Callable[[Any], Any], arrays: bool = False) -> 
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         instance = copy.copy(item)
         for field in dataclasses.fields(item):
-            object.__setattr__(instance, field.name, _rebuild(getattr(item, field.name), replace, arrays))  # frozen ones too
+            object.__setattr__(instance, field.name, rebuild(getattr(item, field.name)))  # frozen ones too
         return instance
     return item
 
@@ -166,11 +179,18 @@ def place(
     leaves, rebuild = flatten(batch, arrays=True, opaque=opaque)
     if opaque:
         warn(opaque)
-    placed = [leaf for leaf in leaves if not keep(leaf)]
+    kept = [keep(leaf) or _of_own_class(leaf) for leaf in leaves]
+    placed = [leaf for leaf, left in zip(leaves, kept) if not left]
     if not placed:
         return batch
     copies = iter(fill(placed, acquire, threads))
-    return rebuild([leaf if keep(leaf) else next(copies) for leaf in leaves])
+    return rebuild([leaf if left else next(copies) for leaf, left in zip(leaves, kept)])
+
+
+def _of_own_class(leaf: Any) -> bool:
+    """A tensor of a class of its own (a subclass, a Parameter): left as it is, as a
+    worker's packing pickles it, since a copy in a slot would be a plain tensor."""
+    return isinstance(leaf, torch.Tensor) and type(leaf) is not torch.Tensor
 
 
 def record_stream(batch: object, stream: object) -> int:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar, Union
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from numafast import _libnuma
@@ -101,6 +102,8 @@ def fill(
             raise InvalidBufferError(f"tensor {index} of the batch is on {leaf.device}: only host tensors are pinned")
         if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
             raise InvalidBufferError(f"tensor {index} of the batch is {leaf.layout}: only dense tensors are pinned")
+        if isinstance(leaf, torch.Tensor) and leaf.is_quantized:
+            raise InvalidBufferError(f"tensor {index} of the batch is quantized: only plain dense tensors are pinned")
     plan = SlotLayout()
     refs = [plan.leaf_ref(leaf) for leaf in leaves]
     slot, cpus = acquire(plan.end, len(leaves)) if plan.end else (None, ())
@@ -162,13 +165,19 @@ def plain_array(item: object) -> bool:
 
 
 def placeable(tensor: torch.Tensor) -> bool:
-    """A dense, non-empty CPU tensor: one that can be laid out in a slot."""
-    return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_nested and tensor.numel() > 0
+    """A dense, non-empty CPU tensor (not quantized: a reference has no room for its
+    scale and zero point): one that can be laid out in a slot."""
+    return (
+        tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_nested
+        and not tensor.is_quantized and tensor.numel() > 0
+    )  # fmt: skip
 
 
 def tensor_kind(tensor: torch.Tensor) -> str:
     """What kind of tensor one that numafast leaves where it is is, for a warning."""
-    return "nested tensor" if tensor.is_nested else f"{tensor.layout} tensor on {tensor.device}"
+    if tensor.is_nested:
+        return "nested tensor"
+    return f"quantized tensor on {tensor.device}" if tensor.is_quantized else f"{tensor.layout} tensor on {tensor.device}"
 
 
 def _bytes_of(leaf: Leaf) -> Any:
@@ -372,6 +381,9 @@ class SlotPacker(SlotLayout):
         if not _stacks_in_slot(first):
             own: torch.Tensor = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # torch's own answer
             return own
+        if not _stacks_as_in_a_worker(batch):  # torch's own answer, in the slot unless it records grad
+            own = collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+            return own if own.requires_grad else self.place(own)
         return torch.stack(batch, 0, out=self.tensor(first.dtype, (len(batch), *first.shape)))
 
     def _placing(self, make: CollateFn) -> CollateFn:
@@ -405,8 +417,8 @@ class SlotPacker(SlotLayout):
         known = self.placed.get(id(value))
         if known is not None and known[0] is value:
             return known[1]
-        if type(value) in (torch.Tensor, torch.nn.Parameter):
-            tensor: torch.Tensor = value  # type: ignore[assignment]
+        if type(value) is torch.Tensor:  # a Parameter pickles as one around its data, placed here
+            tensor: torch.Tensor = value
             if not placeable(tensor):
                 if tensor.numel():
                     self.unpinned.add(tensor_kind(tensor))
@@ -456,7 +468,7 @@ class SlotMeasure(SlotPacker):
 
     def _stack(self, batch: tuple[torch.Tensor, ...] | list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
         first = batch[0]
-        if not _stacks_in_slot(first):
+        if not _stacks_in_slot(first) or not _stacks_as_in_a_worker(batch):
             return super()._stack(batch, collate_fn_map=collate_fn_map)
         return self.tensor(first.dtype, (len(batch), *first.shape))
 
@@ -470,7 +482,19 @@ def bytes_needed(samples: Any, made: Any) -> int:
 def _stacks_in_slot(first: torch.Tensor) -> bool:
     """Whether a column whose first tensor is ``first`` is stacked into the slot (dense,
     on the CPU) rather than by torch's own collate function."""
-    return first.is_cpu and first.layout is torch.strided and not first.is_nested
+    return first.is_cpu and first.layout is torch.strided and not first.is_nested and not first.is_quantized
+
+
+def _stacks_as_in_a_worker(batch: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's own collate stacks ``batch`` as into a tensor of its first one's
+    dtype: always in a DataLoader worker (it stacks with ``out=``), in the main process
+    only where every tensor has that dtype and none records grad (torch.stack there
+    promotes dtypes and records grad)."""
+    if get_worker_info() is not None:
+        return True
+    dtype = batch[0].dtype
+    grad = torch.is_grad_enabled()
+    return all(tensor.dtype is dtype and not (grad and tensor.requires_grad) for tensor in batch)
 
 
 class _Packer(pickle.Pickler):
@@ -531,21 +555,28 @@ def unpack(payload: bytes, slot: Any) -> Any:
     return batch
 
 
-def _tree(value: object, known: dict[int, tuple[object, Any]]) -> Any:
+def _tree(value: object, known: dict[int, tuple[object, Any]], seen: set[int] | None = None) -> Any:
     """``value``'s lists, tuples and str-keyed dicts, each as ``(type, *parts)`` (a dict's
     parts ``(key, part)``), with each leaf ``known`` by id as what it maps to: what a
     payload depends on (the leaves' references in the slot), or how to make the batch
     again (their positions among the objects over a slot). None when ``value`` holds
-    anything else."""
+    anything else, or one container twice (``seen``: those met so far): a tree would
+    make two of it."""
     found = known.get(id(value))
     if found is not None and found[0] is value:
         return found[1]
     kind = type(value)
+    if kind is not list and kind is not tuple and kind is not dict:
+        return None
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return None
+    seen.add(id(value))
     if kind is list or kind is tuple:
-        parts = [_tree(item, known) for item in value]  # type: ignore[attr-defined]
+        parts = [_tree(item, known, seen) for item in value]  # type: ignore[attr-defined]
         return None if None in parts else (kind, *parts)
-    if kind is dict and all(type(key) is str for key in value):  # type: ignore[attr-defined]
-        items = [(key, _tree(item, known)) for key, item in value.items()]  # type: ignore[attr-defined]
+    if all(type(key) is str for key in value):  # type: ignore[attr-defined]
+        items = [(key, _tree(item, known, seen)) for key, item in value.items()]  # type: ignore[attr-defined]
         return None if any(part is None for _key, part in items) else (dict, *items)
     return None
 
