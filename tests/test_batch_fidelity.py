@@ -8,10 +8,8 @@ rebuilt from the unpacking's templates)."""
 from __future__ import annotations
 
 import collections
-import signal
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -47,28 +45,6 @@ class Samples(Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, index: int) -> Any:
         return self.make(index)
-
-
-class Overran(BaseException):
-    """What :func:`within` raises: no Exception, so that no ``except Exception`` on the way
-    (a loader's, :func:`outcomes`) takes it for the batch's own error."""
-
-
-@contextmanager
-def within(seconds: float) -> Iterator[None]:
-    """Fails (Overran) what runs longer than ``seconds`` in this thread, rather than
-    hanging the suite."""
-
-    def expire(_signum: int, _frame: Any) -> None:
-        raise Overran(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def outcomes(loader: Any, epochs: int = 2) -> list[Any]:
@@ -201,16 +177,14 @@ def test_a_custom_collates_tensor_subclasses_and_parameters_keep_their_class(wor
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_custom_collates_quantized_tensor_reaches_the_consumer_with_its_scale(workers: int) -> None:
-    with within(60):
-        compare(indexed, workers, stacked_as(as_quantized))
+    compare(indexed, workers, stacked_as(as_quantized))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_batch_holding_a_userstring_is_copied_in_not_walked_forever(workers: int) -> None:
     """UserString is a Sequence whose items are UserStrings: walked as a container, the
     main process's copy of the batch never ended."""
-    with within(10):
-        compare(indexed, workers, stacked_as(with_a_user_string))
+    compare(indexed, workers, stacked_as(with_a_user_string))  # endless before: the suite's time limit fails it
 
 
 def test_pin_refuses_a_quantized_tensor_by_name() -> None:

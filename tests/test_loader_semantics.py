@@ -3,15 +3,14 @@ carries its index, and every batch of every epoch is checked against a stock loa
 built the same way with the same seed, through what users and frameworks do to a
 loader (copy it, pickle it, re-create it with some options replaced).
 
-Every worker-backed loader has a DataLoader ``timeout``, and each test a shorter time
-limit than the run's (:func:`watchdog`), so a hang fails the test where it waits.
+Every worker-backed loader has a DataLoader ``timeout``, so a hang fails the test where
+it waits.
 """
 
 from __future__ import annotations
 
 import copy
 import pickle
-import signal
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,18 +29,7 @@ NODES = online_nodes()
 pytestmark = pytest.mark.host_only("loader semantics, the same on any kernel; worker processes cost seconds under TCG")
 
 SAMPLES = 20
-TEST_LIMIT_S = 180.0  # a handful of small loaders: seconds, unless something hangs
 BATCH_TIMEOUT_S = 60  # DataLoader's own: a worker that never answers is an error, not a wait
-
-
-@pytest.fixture(autouse=True)
-def watchdog() -> Iterator[None]:
-    """Shorten the run's time limit (tests/time_limit.py arms SIGALRM for each test, and
-    fails it where it waits) to ``TEST_LIMIT_S``."""
-    left, _interval = signal.getitimer(signal.ITIMER_REAL)
-    if left == 0 or left > TEST_LIMIT_S:
-        signal.setitimer(signal.ITIMER_REAL, TEST_LIMIT_S)
-    yield
 
 
 @pytest.fixture(autouse=True)
