@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import select
 import threading
 import weakref
 from collections.abc import Callable
@@ -153,6 +154,104 @@ released_later: list[Any] = []
 FORK_REMAP_FAILED_STATUS = 70
 """The exit status of a forked child that cannot make its view of a pool private."""
 
+
+class ForkGuard:
+    """The slots this process held at one fork, for the children of that fork.
+
+    A child reads its inherited arrays and tensors through a private view of the pool
+    (see :func:`_forked`), which still reads the pool's file where the child has not
+    written: once the parent reused such a slot, the child would read the parent's next
+    batch there, or see the parent's writes into the batch it holds. So the child copies
+    those slots into memory of its own first thing (a pool's ``copy_guarded``), the parent
+    waits up to :data:`FORK_COPY_WAIT_S` for that, and each slot given back meanwhile
+    stays out of use (a pool's ``guard_held``) until the guard ends. What tells: a pipe
+    whose write end (close-on-exec) only the child holds, the parent's copy closed once
+    forked; the child closes it once its copy is made, so the read end kept here reads
+    end-of-file then, or when the child exits or execs (a child that could not copy)."""
+
+    __slots__ = ("_read", "__weakref__")
+
+    def __init__(self, read: int) -> None:
+        self._read = read
+        fork_guards.add(self)
+
+    def ended(self, wait_s: float = 0.0) -> bool:
+        """Whether no process holds the write end any more, waiting up to ``wait_s``."""
+        if self._read < 0:
+            return True
+        if wait_s > 0:
+            select.select([self._read], [], [], wait_s)
+        try:
+            if os.read(self._read, 1):
+                return False  # nothing is ever written; a byte changes nothing
+        except BlockingIOError:
+            return False
+        self.close()
+        return True
+
+    def close(self) -> None:
+        read, self._read = self._read, -1
+        if read >= 0:
+            os.close(read)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+fork_guards: weakref.WeakSet[ForkGuard] = weakref.WeakSet()
+"""Every fork guard not collected yet (its pools hold it): a child closes its copies."""
+FORK_COPY_WAIT_S = 2.0
+"""How long the parent waits, after a fork, for the child's copy of the slots held at
+it (milliseconds, normally; a child stuck in the fork never makes it: see
+torch/fork_watch.py). Past it the parent goes on, those slots out of use until the
+child has exited."""
+
+
+def _guard_held_slots() -> None:
+    """Before a fork, in the forking thread: every slot this process holds is guarded
+    for the child (:class:`ForkGuard`); nothing where none is held."""
+    pools = [pool for pool in list(live_pools) if pool.in_use]
+    if not pools:
+        return
+    read, write = os.pipe()  # both close-on-exec
+    os.set_blocking(read, False)
+    guard = ForkGuard(read)
+    if sum(pool.guard_held(guard) for pool in pools):
+        forking.guard, forking.guard_write = guard, write
+    else:
+        guard.close()
+        os.close(write)
+
+
+def _guarded_in_parent() -> None:
+    """After the fork, in the parent: only the child holds the guard's write end now;
+    wait for its copy, then hand out again what was given back meanwhile."""
+    guard, write = getattr(forking, "guard", None), getattr(forking, "guard_write", None)
+    forking.guard = forking.guard_write = None
+    if guard is None or write is None:
+        return
+    os.close(write)
+    if guard.ended(FORK_COPY_WAIT_S):
+        for pool in list(live_pools):
+            pool.unguard()
+
+
+def _copied_guarded() -> None:
+    """In a forked child: the slots held at its fork copied into its own memory, then its
+    guard's write end closed (see :class:`ForkGuard`). Where one cannot be copied, the
+    write end stays open: the parent keeps those slots out of use until this child exits."""
+    guard, write = getattr(forking, "guard", None), getattr(forking, "guard_write", None)
+    forking.guard = forking.guard_write = None
+    if guard is None or write is None:
+        return
+    try:
+        for pool in list(live_pools):
+            pool.copy_guarded(guard)
+    except OSError:
+        return
+    os.close(write)
+
+
 # ------------------------------------------------------------ the node budget (numafast/node_budget.py)
 
 ledgers: dict[Any, Any] = {}
@@ -198,7 +297,9 @@ iterating: tuple[int, int] = (0, 0)
 forking = threading.local()
 """Per thread: ``.watch``, the start watch arming this thread's forks; ``.pending``, the
 read end of the start token of the fork under way; ``.collecting``, whether the
-collector was on before it; ``.begin``, see torch/fork_watch.py ``_found_watch``."""
+collector was on before it; ``.begin``, see torch/fork_watch.py ``_found_watch``;
+``.guard`` and ``.guard_write``, the :class:`ForkGuard` of the fork under way and the
+write end of its pipe."""
 open_tokens: set[int] = set()
 """Every start token's read end this process holds (a child closes its copies)."""
 STARTED = b"s"
@@ -227,7 +328,9 @@ def _forked() -> None:
       only reads the slots it inherited (workers that fill slots map the file again,
       shared). One that cannot exits here, saying why on stderr: an exception raised in
       an at-fork hook is only printed, and the child would go on writing into its
-      parent's slots unseen.
+      parent's slots unseen. The slots the parent held at the fork are then copied
+      into the child's own memory, which ends the fork's guard (``ForkGuard``); the
+      child closes its copies of the parent's guards.
     - The node budget: the ledgers stay open (the same files, shared); nothing is
       reserved (the parent's pools are not the child's to release); its locks (the
       ledgers', each ledger's claiming lock, the reservation's), which another thread
@@ -259,6 +362,9 @@ def _forked() -> None:
     affinity_at_start = frozenset(os.sched_getaffinity(0))
     workers_replaced = 0
     _pools_made_private()
+    _copied_guarded()
+    for guard in list(fork_guards):
+        guard.close()  # the parent's read ends: its pools are not this child's to reuse
     ledgers_mutex, reserved_mutex, idle_mutex = DeferringLock(), DeferringLock(), DeferringLock()
     making_batch = threading.Lock()
     reserved = 0
@@ -332,6 +438,7 @@ def claim(read: int) -> bool:
 
 
 os.register_at_fork(after_in_child=_forked)
+os.register_at_fork(before=_guard_held_slots, after_in_parent=_guarded_in_parent)
 
 
 # What opening /proc/PID/stat fails with once the process is gone (ESRCH: reaped while read).

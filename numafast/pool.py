@@ -108,8 +108,8 @@ class RegisterMode(str, Enum):
 
 @dataclass(frozen=True)
 class PoolStats:
-    """A pool's counters at one moment. ``free + in_use + in_flight + retired == slots``
-    and ``acquired`` counts every slot ever handed out."""
+    """A pool's counters at one moment. In an open pool ``free + in_use + in_flight +
+    guarded + leased + retired == slots``; ``acquired`` counts every slot ever handed out."""
 
     node: int
     slots: int
@@ -119,6 +119,9 @@ class PoolStats:
     free: int
     in_flight: int
     """Slots given back while GPU work queued on them may still be running."""
+    guarded: int
+    """Slots given back while a process forked when they were held may still read them
+    (its inherited arrays and tensors): reused once every such process has exited."""
     retired: int
     """Slots given back without a fence (a CUDA error): never handed out again."""
     leased: int
@@ -529,6 +532,29 @@ class PinnedPool:
         records no fence); nothing without CUDA."""
         self._slots.reap(wait)
 
+    def guard_held(self, guard: _process.ForkGuard) -> int:
+        """Before a fork: keep the slots held now out of use, once given back, until
+        ``guard`` ends (the child copied them); how many (see ``_process.ForkGuard``)."""
+        return int(self._slots.guard_held(guard))
+
+    def unguard(self) -> int:
+        """Reuse the slots kept for forked processes whose guards ended; how many."""
+        return int(self._slots.unguard())
+
+    def copy_guarded(self, guard: _process.ForkGuard) -> None:
+        """In a forked child: the slots held at its fork (``guard``'s) copied into this
+        process's own memory, where its private view of them read the pool's file, which
+        the parent goes on refilling. OSError when that memory cannot be had."""
+        table = self._slots.table
+        indices = self._slots.guarded_by(guard)
+        if not indices or table.region.freed:
+            return
+        with memoryview(table.region) as whole:
+            for index in indices:
+                start = table.offset(index)
+                with whole[start : start + table.slot_bytes] as part:
+                    _libnuma.pretouch(part, (), 1)  # a write fault per page: the child's own copy of it
+
     def __reduce__(self) -> NoReturn:
         self._slots.__reduce__()  # raises TypeError: why pool memory does not travel, and what to do
         raise AssertionError("unreachable")
@@ -576,6 +602,7 @@ class PinnedPool:
             in_use=slots.in_use,
             free=states.count(_libnuma.SLOT_STATES["free"]),
             in_flight=slots.fenced,
+            guarded=slots.guarded,
             retired=slots.lost,
             leased=states.count(_libnuma.SLOT_STATES["leased"]),
             adopted=slots.adopted,

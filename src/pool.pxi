@@ -163,9 +163,10 @@ cdef enum _SlotState:
     _RETIRED = 3   # never reused: no fence could be recorded for it, or its pool is closed
     _LEASED = 4    # claimed by another process (a worker) that fills it
     _RETURNED = 5  # given back (its Slot object died), its fence not recorded yet
+    _GUARDED = 6   # given back while a process forked when it was held may still read it
 
 SLOT_STATES = {"free": _FREE, "held": _HELD, "fenced": _FENCED, "retired": _RETIRED, "leased": _LEASED,
-               "returned": _RETURNED}
+               "returned": _RETURNED, "guarded": _GUARDED}
 
 
 cdef inline uint64_t _word(uint64_t generation, uint64_t state, uint64_t pid) noexcept nogil:
@@ -368,6 +369,8 @@ cdef class SlotPool:
     cdef readonly Py_ssize_t peak
     cdef readonly Py_ssize_t fenced  # in flight: returned, being fenced, or in fences
     cdef readonly Py_ssize_t lost  # retired because no fence could be recorded
+    cdef readonly Py_ssize_t guarded  # given back, kept out of use while a fork guard of theirs lasts
+    cdef dict guards  # index: the fork guards (see guard_held) of a slot held at those forks
     cdef readonly unsigned long long acquired
     cdef readonly unsigned long long adopted
     cdef readonly unsigned long long reclaimed
@@ -398,6 +401,7 @@ cdef class SlotPool:
         self.base = region.address + self.table.header_bytes
         self.fence = fence
         self.fences = {}
+        self.guards = {}
         self.on_drained = on_drained
 
     def __dealloc__(self):
@@ -480,6 +484,8 @@ cdef class SlotPool:
         cdef bint counted = False
         try:
             while True:
+                if self.guarded:
+                    self.unguard()
                 if self.fenced:
                     self._fence_returned()
                     self.reap(timeout < 0)
@@ -494,7 +500,8 @@ cdef class SlotPool:
                 remaining = start + timeout - _monotonic() if timeout >= 0 else _WAIT_STEP_S
                 if remaining <= 0:
                     raise TimeoutError(f"all {self.table.count} slots are in use ({self.in_use} held by arrays or "
-                                       f"tensors, {self.fenced} in flight on the GPU) and none came back within "
+                                       f"tensors, {self.fenced} in flight on the GPU, {self.guarded} kept for "
+                                       f"processes forked while they were held) and none came back within "
                                        f"{timeout:g} s")
                 wake_at = _monotonic() + min(remaining, _FENCE_POLL_S if self.fenced else _WAIT_STEP_S)
                 deadline.tv_sec = <time_t>wake_at
@@ -539,6 +546,11 @@ cdef class SlotPool:
             return  # a forked child's copy: nothing of the parent's to give back
         word = nf_load64(self.table._slot_word(index))
         self.in_use -= 1
+        if self.guards and not self.closed and index in self.guards:
+            self.table._change(index, _generation(word), _HELD, <uint64_t>self.owner_pid, _GUARDED,
+                               <uint64_t>self.owner_pid, False)
+            self.guarded += 1  # unguard() gives it back once its guards end
+            return
         if self.fence is None:
             self._make_free(index, word, _HELD)
         else:
@@ -592,6 +604,52 @@ cdef class SlotPool:
                 self._unfence(index, fence)
         return 0
 
+    def guard_held(self, object guard) -> int:
+        """Keep each slot this process holds now out of use, once given back, until
+        ``guard.ended()``: a process forked now reads those slots through its inherited
+        arrays and tensors (see numafast/_process.py ``ForkGuard``). Returns how many."""
+        cdef Py_ssize_t index
+        cdef Py_ssize_t count = 0
+        if not self._owned() or self.closed or not self.in_use:
+            return 0
+        for index in range(self.table.count):
+            if _state(nf_load64(self.table._slot_word(index))) == _HELD:
+                self.guards.setdefault(index, []).append(guard)
+                count += 1
+        return count
+
+    def guarded_by(self, object guard) -> list:
+        """The slots ``guard`` keeps (those held at its fork): in a forked child, those it copies."""
+        return [index for index, guards in self.guards.items() if guard in guards]
+
+    def unguard(self) -> int:
+        """Give back, as a Slot's death would have, each guarded slot whose guards all
+        ended; forget guards that ended on slots still held. Returns how many came back."""
+        cdef Py_ssize_t index
+        cdef Py_ssize_t freed = 0
+        cdef uint64_t word
+        cdef uint64_t owner = <uint64_t>self.owner_pid
+        if not self._owned() or not self.guards:
+            return 0
+        for index, guards in list(self.guards.items()):
+            left = [guard for guard in guards if not guard.ended()]
+            if left:
+                self.guards[index] = left
+                continue
+            del self.guards[index]
+            word = nf_load64(self.table._slot_word(index))
+            if _state(word) != _GUARDED:
+                continue
+            self.guarded -= 1
+            freed += 1
+            if self.fence is None:
+                self._make_free(index, word, _GUARDED)
+            else:  # its copies to the GPU may still run: fenced as any slot given back
+                self.table._change(index, _generation(word), _GUARDED, owner, _RETURNED, owner, False)
+                self.fenced += 1
+                self._settle_soon()
+        return freed
+
     def reap(self, bint wait=False) -> None:
         """Free the fenced slots whose GPU work is done; with ``wait`` and no slot free, wait
         for the oldest fence first (letting go of the GIL: another thread may reap the same
@@ -630,6 +688,7 @@ cdef class SlotPool:
             except Exception:
                 pass
             return False
+        self.guards.clear()  # a closed pool reuses no slot: its guarded ones retire below
         self._fence_returned()
         for index, fence in list(self.fences.items()):
             fence.synchronize()
@@ -638,8 +697,10 @@ cdef class SlotPool:
             while True:
                 word = nf_load64(self.table._slot_word(index))
                 state = _state(word)
-                if not (state == _FREE or state == _LEASED and self.abandoned) or self.table._change(
-                        index, _generation(word), state, _PID_BITS, _RETIRED, 0, False):
+                if not (state == _FREE or state == _GUARDED or state == _LEASED and self.abandoned) or \
+                        self.table._change(index, _generation(word), state, _PID_BITS, _RETIRED, 0, False):
+                    if state == _GUARDED and _state(nf_load64(self.table._slot_word(index))) == _RETIRED:
+                        self.guarded -= 1  # a closed pool reuses no slot: nothing left to guard
                     break
             retired = retired and _state(nf_load64(self.table._slot_word(index))) == _RETIRED
         if retired:

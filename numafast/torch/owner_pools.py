@@ -293,6 +293,7 @@ class NodePools:
         if not self.received() % SHRINK_EVERY:
             owner_process_pools.shrink_all(self)
         self._settle_retired()
+        self._unguard()
         if self.grown and nbytes:
             self._grow_ahead(nbytes)
 
@@ -387,6 +388,7 @@ class NodePools:
         if more and not ahead:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
             for pool in self.pools:
                 pool.reap(wait=True)
+        self._unguard()
         self._reclaim()
         room = self._room()  # read outside the mutex: /proc says which processes live
         with self._mutex:
@@ -504,6 +506,13 @@ class NodePools:
                 self.refused = ""
         self._settle_retired()
         return len(gone)
+
+    def _unguard(self) -> None:
+        """Reuse the slots kept for forked processes (see ``_process.ForkGuard``) once those
+        have exited: a look per guard, only while this process has guards."""
+        if _process.fork_guards:
+            for pool in self.pools:
+                pool.unguard()
 
     def _reclaim(self) -> None:
         """End the leases of workers that are gone, in every pool: before _counted, and

@@ -1,0 +1,229 @@
+"""A batch a forked child inherited reads, in the child, what it held at the fork, however
+the parent goes on: a slot the parent held at a fork is reused only once every child of
+that fork has exited or exec'd (numafast/_process.py ``ForkGuard``). Checked by content,
+in scripts run in their own processes (a fork of the test process would copy pytest's
+threads' locks): the child reads the batch after the parent dropped it and refilled
+every slot it could."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A pool of SLOTS slots; `batch` (slot 0) filled with 7 and held; the child forked then
+# waits for the parent's word before it reads `batch`; the parent drops `batch`.
+FORKED = """
+import os, sys, time
+import numpy as np
+import numafast
+from numafast import _process
+pool = numafast.PinnedPool(0, 4096, SLOTS, lock="off")
+slot = pool.acquire()
+batch = np.asarray(slot)
+batch[:] = 7
+del slot
+ready, go = os.pipe()
+answer_read, answer = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.read(ready, 1)
+    os.write(answer, f"{batch[0]} {batch[-1]}".encode())
+    os._exit(0)
+del batch
+
+def child_reads():
+    os.write(go, b"x")
+    print("child reads", os.read(answer_read, 64).decode())
+    os.waitpid(pid, 0)
+"""
+
+
+def run(script: str, slots: int = 1, preamble: str = FORKED) -> list[str]:
+    """``script`` after ``preamble`` (:data:`FORKED` with a pool of ``slots``), run in a
+    new interpreter: its printed lines."""
+    code = preamble.replace("SLOTS", str(slots)) + textwrap.dedent(script)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.splitlines()
+
+
+def test_a_batch_a_forked_child_inherited_reads_the_same_after_the_parent_reuses_the_pool() -> None:
+    """The parent refills every slot it can get, many times, after dropping the batch:
+    the child still reads 7 (before ForkGuard: 9, the parent's next batch in that slot)."""
+    lines = run("""
+        for round in range(20):
+            taken = [np.asarray(pool.acquire(timeout=0)) for _ in range(pool.stats().free)]
+            for memory in taken:
+                memory[:] = 9
+            del taken
+        print("guarded", pool.stats().guarded)
+        child_reads()
+    """, slots=3)  # fmt: skip
+    assert lines == ["guarded 0", "child reads 7 7"]
+
+
+def test_the_child_reads_the_batch_as_it_was_at_the_fork_whatever_the_parent_writes_into_it() -> None:
+    """The parent, still holding the batch, writes into it after the fork: the child
+    reads what was there at the fork, as with any memory forked (before: 8, the
+    parent's write, seen through the pool's file)."""
+    lines = run("""
+        held = np.asarray(pool.acquire(timeout=0))
+        held[:] = 5
+        ready_too, go_too = os.pipe()
+        other = os.fork()
+        if other == 0:
+            os.read(ready_too, 1)
+            os.write(answer, f"{held[0]} {held[-1]}".encode())
+            os._exit(0)
+        held[:] = 8
+        os.write(go_too, b"x")
+        print("second child reads", os.read(answer_read, 64).decode())
+        os.waitpid(other, 0)
+        child_reads()
+    """, slots=2)  # fmt: skip
+    assert lines == ["second child reads 5 5", "child reads 7 7"]
+
+
+def test_once_forked_the_parent_hands_the_slot_out_again_at_once() -> None:
+    """The child copies what it inherited before the parent's fork returns: the one
+    slot, dropped by the parent, is handed out again at once, the child still alive."""
+    lines = run("""
+        again = np.asarray(pool.acquire(timeout=0))
+        again[:] = 9
+        print("guarded", pool.stats().guarded)
+        child_reads()
+    """)  # fmt: skip
+    assert lines == ["guarded 0", "child reads 7 7"]
+
+
+# The same, but the child cannot copy the slots (made to fail here, as running out of
+# memory would): the parent keeps them out of use while that child lives.
+UNCOPIED = """
+import numafast.pool
+from numafast import _process
+def cannot_copy(pool, guard):
+    raise OSError(12, "Cannot allocate memory")
+numafast.pool.PinnedPool.copy_guarded = cannot_copy
+_process.FORK_COPY_WAIT_S = 0.2
+"""
+
+
+def test_a_slot_a_child_could_not_copy_is_handed_out_again_once_it_has_exited() -> None:
+    """The one slot, held at the fork and dropped, is out of use while the child lives
+    (the error says why), and handed out again once it has exited."""
+    lines = run(UNCOPIED + FORKED.replace("SLOTS", "1") + textwrap.dedent("""
+        try:
+            pool.acquire(timeout=0)
+        except numafast.PoolExhaustedError as error:
+            print("refused:", "1 kept for processes forked while they were held" in str(error))
+        child_reads()
+        again = np.asarray(pool.acquire(timeout=0))
+        print("again", again.shape[0], pool.stats().guarded, pool.stats().in_use)
+    """), preamble="")  # fmt: skip
+    assert lines == ["refused: True", "child reads 7 7", "again 4096 0 1"]
+
+
+def test_a_child_that_could_not_copy_lets_its_slots_go_when_it_execs() -> None:
+    """A child that execs another program has no inherited batch left: its guard ends at
+    the exec (close-on-exec), while that program still runs."""
+    lines = run(UNCOPIED + FORKED.replace("SLOTS", "2") + textwrap.dedent("""
+        held = np.asarray(pool.acquire(timeout=0))
+        runner = os.fork()
+        if runner == 0:
+            os.execv("/bin/sleep", ["sleep", "60"])
+        del held
+        child_reads()  # the guard of the first fork ends with that child
+        deadline = time.monotonic() + 10
+        while pool.stats().guarded and time.monotonic() < deadline:
+            pool.unguard()
+            time.sleep(0.05)
+        print("guarded", pool.stats().guarded, "still sleeping", os.waitpid(runner, os.WNOHANG) == (0, 0))
+        os.kill(runner, 9)
+        os.waitpid(runner, 0)
+    """), preamble="")  # fmt: skip
+    assert lines == ["child reads 7 7", "guarded 0 still sleeping True"]
+
+
+def test_closing_the_pool_retires_its_guarded_slot_and_the_child_still_reads_it() -> None:
+    """A closed pool reuses no slot: its memory is released while the child lives, and
+    the child's own view of the file still reads the batch."""
+    lines = run("""
+        pool.close()
+        print("released", pool.stats().bytes_mapped == 0, pool.stats().guarded)
+        child_reads()
+    """)  # fmt: skip
+    assert lines == ["released True 0", "child reads 7 7"]
+
+
+def test_a_fork_while_no_slot_is_held_guards_nothing() -> None:
+    """No slot held, no guard: nothing is kept, no descriptor is opened."""
+    lines = run("""
+        child_reads()
+        fds = len(os.listdir("/proc/self/fd"))
+        other = os.fork()
+        if other == 0:
+            os._exit(0)
+        os.waitpid(other, 0)
+        print("guards", len(_process.fork_guards), "new fds", len(os.listdir("/proc/self/fd")) - fds)
+    """)  # fmt: skip
+    assert lines == ["child reads 7 7", "guards 0 new fds 0"]
+
+
+LOADER = """
+import os, warnings
+import torch
+from torch.utils.data import Dataset
+import numafast.torch
+
+class Tagged(Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, index):
+        return torch.full((3, 32, 32), float(index)), index
+
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as said:
+    loader = numafast.torch.NumaLoader(Tagged(), batch_size=8, num_workers=2, persistent_workers=PERSISTENT, node=0)
+    images, labels = next(iter(loader))
+    ready, go = os.pipe()
+    answer_read, answer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.read(ready, 1)
+        os.write(answer, repr((labels.tolist(), sorted(set(images.flatten().tolist())))).encode())
+        os._exit(0)
+    del images, labels
+    for epoch in range(4):
+        for images, labels in loader:
+            assert images[:, 0, 0, 0].tolist() == [float(i) for i in labels.tolist()]
+    del images, labels
+    os.write(go, b"x")
+    print("child reads", os.read(answer_read, 4096).decode())
+    os.waitpid(pid, 0)
+    stats = loader.stats()
+print("copied", {reason: count for reason, count in stats.fallbacks.items() if reason != "first batches"})
+print("warnings", [str(warning.message) for warning in said if "numafast" in str(warning.filename) + str(warning.message)])
+"""
+
+
+@pytest.mark.host_only("a loader's workers cost seconds under TCG; the guard is the same on any kernel")
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent-workers", "workers-per-epoch"])
+def test_a_loaders_batch_a_forked_child_inherited_reads_its_own_samples(persistent: bool) -> None:
+    """A NumaLoader's first batch (samples 0-7), held at a fork; the parent then drops it
+    and runs four epochs through the same slots: the child reads samples 0-7, with no
+    warning and no batch copied for want of a slot."""
+    pytest.importorskip("torch")
+    code = LOADER.replace("PERSISTENT", str(persistent))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"child reads {([0, 1, 2, 3, 4, 5, 6, 7], [float(i) for i in range(8)])!r}",
+        "copied {}",
+        "warnings []",
+    ]
