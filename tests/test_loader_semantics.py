@@ -117,15 +117,20 @@ def test_shuffle_false_given_with_a_shuffling_loader_gives_the_stock_unshuffled_
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize(("wrapped", "given"), [(None, 4), (4, None)])
+@pytest.mark.parametrize("through", ["DataLoader", "NumaLoader"])
 def test_a_batch_size_given_that_turns_batching_on_or_off_collates_as_the_stock_loader_does(
-    wrapped: int | None, given: int | None, workers: int
+    wrapped: int | None, given: int | None, workers: int, through: str
 ) -> None:
     """DataLoader fills in its collate function from how it batches (``default_collate``
     for batches, ``default_convert`` for single samples). Re-made with a batch size
     that turns batching on or off, a NumaLoader kept the wrapped loader's: batches of
     4 came as lists of uncollated samples, or single samples went to default_collate
-    (a TypeError in every batch)."""
+    (a TypeError in every batch). So it did where the loader it wraps is a NumaLoader,
+    whose collate function is numafast's, wrapping DataLoader's."""
     expected = epochs(stock(workers, batch_size=given, shuffle=False))
-    loader = numafast.torch.NumaLoader(stock(workers, batch_size=wrapped, shuffle=False), batch_size=given, node=NODES[0])
+    wrapped_loader = stock(workers, batch_size=wrapped, shuffle=False)
+    if through == "NumaLoader":
+        wrapped_loader = numafast.torch.NumaLoader(wrapped_loader, node=NODES[0])
+    loader = numafast.torch.NumaLoader(wrapped_loader, batch_size=given, node=NODES[0])
     assert epochs(loader) == expected
     assert loader.collate_fn.collate_fn is DataLoader(Tagged(), batch_size=given).collate_fn

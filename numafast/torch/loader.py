@@ -90,6 +90,8 @@ def settings_of(loader: DataLoader[Any]) -> dict[str, Any]:
     workers: its very sampler or batch sampler, so epochs and sharding carry on."""
     settings: dict[str, Any] = {name: getattr(loader, name, default) for name, default in DATALOADER_DEFAULTS.items()}
     settings.update(dataset=loader.dataset, shuffle=None)
+    if isinstance(settings["collate_fn"], SlotCollate):  # a NumaLoader's: the user's function it wraps
+        settings["collate_fn"] = settings["collate_fn"].collate_fn
     if loader.batch_size is None and loader.batch_sampler is not None:  # the user's own batch sampler
         settings.update(batch_size=1, drop_last=False, sampler=None)
     else:
