@@ -631,10 +631,15 @@ cdef class SlotPool:
         cdef uint64_t owner = <uint64_t>self.owner_pid
         if not self._owned() or not self.guards:
             return 0
+        # Asked first: ended() reads a pipe, letting go of the GIL, and a fork in another
+        # thread may add its guard to these lists meanwhile. Below, none is let go of
+        # between a look at a list and the change made from it.
+        ended = {id(guard) for guards in list(self.guards.values()) for guard in guards if guard.ended()}
+        if not ended:
+            return 0
         for index, guards in list(self.guards.items()):
-            left = [guard for guard in guards if not guard.ended()]
-            if left:
-                self.guards[index] = left
+            guards[:] = [guard for guard in guards if id(guard) not in ended]
+            if guards or self.guards.get(index) is not guards:
                 continue
             del self.guards[index]
             word = nf_load64(self.table._slot_word(index))
