@@ -180,7 +180,9 @@ class ForkGuard:
         if self._read < 0:
             return True
         if wait_s > 0:
-            select.select([self._read], [], [], wait_s)
+            waiting = select.poll()  # not select(): a descriptor numbered past 1023 is refused there
+            waiting.register(self._read, select.POLLIN)
+            waiting.poll(wait_s * 1000)
         try:
             if os.read(self._read, 1):
                 return False  # nothing is ever written; a byte changes nothing
@@ -247,7 +249,7 @@ def _copied_guarded() -> None:
     try:
         for pool in list(live_pools):
             pool.copy_guarded(guard)
-    except OSError:
+    except (OSError, MemoryError):
         return
     os.close(write)
 

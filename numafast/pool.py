@@ -121,7 +121,8 @@ class PoolStats:
     """Slots given back while GPU work queued on them may still be running."""
     guarded: int
     """Slots given back while a process forked when they were held may still read them
-    (its inherited arrays and tensors): reused once every such process has exited."""
+    through its inherited arrays and tensors: reused once it has copied them (within
+    milliseconds of the fork) or, where it could not, once it has exited."""
     retired: int
     """Slots given back without a fence (a CUDA error): never handed out again."""
     leased: int

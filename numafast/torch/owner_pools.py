@@ -508,8 +508,8 @@ class NodePools:
         return len(gone)
 
     def _unguard(self) -> None:
-        """Reuse the slots kept for forked processes (see ``_process.ForkGuard``) once those
-        have exited: a look per guard, only while this process has guards."""
+        """Reuse the slots kept for forked processes (see ``_process.ForkGuard``) whose
+        guards ended: a look per guard, only while this process has guards."""
         if _process.fork_guards:
             for pool in self.pools:
                 pool.unguard()
