@@ -90,8 +90,6 @@ def settings_of(loader: DataLoader[Any]) -> dict[str, Any]:
     workers: its very sampler or batch sampler, so epochs and sharding carry on."""
     settings: dict[str, Any] = {name: getattr(loader, name, default) for name, default in DATALOADER_DEFAULTS.items()}
     settings.update(dataset=loader.dataset, shuffle=None)
-    if isinstance(settings["collate_fn"], SlotCollate):  # a NumaLoader's: the user's function it wraps
-        settings["collate_fn"] = settings["collate_fn"].collate_fn
     if loader.batch_size is None and loader.batch_sampler is not None:  # the user's own batch sampler
         settings.update(batch_size=1, drop_last=False, sampler=None)
     else:
@@ -116,7 +114,9 @@ def merge_settings(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any
             if name not in given:
                 merged[name] = DATALOADER_DEFAULTS[name]
     batched = base["batch_size"] is not None or base["batch_sampler"] is not None
-    if "collate_fn" not in given and base["collate_fn"] is (default_collate if batched else default_convert) and (
+    collate_fn = base["collate_fn"]
+    own = collate_fn.collate_fn if isinstance(collate_fn, SlotCollate) else collate_fn  # a NumaLoader's: the user's
+    if "collate_fn" not in given and own is (default_collate if batched else default_convert) and (
         batched != (merged["batch_size"] is not None or merged["batch_sampler"] is not None)
     ):
         merged["collate_fn"] = None  # DataLoader's own for the loader's batching: its own for the new batching
