@@ -133,7 +133,9 @@ def _rebuilt(item: Any, rebuild: Callable[[Any], Any]) -> Any:
 
 def pin(batch: Batch, pool: PinnedPool, *, threads: int | None = None, timeout: float | None = None) -> Batch:
     """``batch`` copied into one slot of ``pool``: the same structure, each tensor (and
-    NumPy array) replaced by one of the same dtype, shape and values over pool memory.
+    NumPy array) replaced by one of the same dtype, shape and values over pool memory,
+    and the same strides where it is dense (channels_last, transposed; one that overlaps
+    or has gaps, expanded or sliced, comes back row-major).
 
     ``threads`` copy threads pinned to the pool's node (default: one per 16 MiB of
     the batch, up to the node's CPUs and at most 8; 1: the calling thread copies).

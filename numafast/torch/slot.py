@@ -7,12 +7,15 @@ reference to its bytes there, copying those not there yet, and pickles the rest 
 is: any batch torch could send from a worker), copied in by :func:`fill` (``pin`` and a
 loader's copy), and unpacked over the owner's mapping of the slot (:func:`unpack`).
 
-Leaves sit one after another, each on an :data:`ALIGNMENT` boundary. A :data:`Ref`
-names one leaf's place and kind (all a worker sends of a tensor); :func:`over_slot`
-makes its tensor over any process's mapping of the slot. Every cache of a batch's
-path follows one policy: :func:`recall` and :func:`remember`, least recently used
-dropped past :data:`CACHE_ENTRIES`. A batch's path crosses this module once per
-batch, not once per tensor: all that is done per leaf is here.
+Leaves sit one after another, each on an :data:`ALIGNMENT` boundary, its bytes in
+row-major order, or as they lie where a copied leaf is dense (channels_last,
+transposed: see :func:`_own_strides`), so that it comes back with its strides, as from
+a stock worker. A :data:`Ref` names one leaf's place and kind (all a worker sends of a
+tensor); :func:`over_slot` makes its tensor over any process's mapping of the slot.
+Every cache of a batch's path follows one policy: :func:`recall` and
+:func:`remember`, least recently used dropped past :data:`CACHE_ENTRIES`. A batch's
+path crosses this module once per batch, not once per tensor: all that is done per
+leaf is here.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ CACHE_ENTRIES = 64
 # A tensor or a NumPy array of plain numbers: what a slot holds.
 Leaf = Union[torch.Tensor, "np.ndarray[Any, Any]"]
 # A leaf's place in a slot: ("t", offset, dtype name, shape, requires_grad) for a
-# tensor, ("a", offset, dtype str, shape) for a NumPy array. Hashable and picklable.
+# tensor, ("a", offset, dtype str, shape) for a NumPy array, their bytes in row-major
+# order; "ts" and "as" in place of "t" and "a", byte strides added last, for one laid
+# out as its bytes lie (see _own_strides). Hashable and picklable.
 Ref = tuple[Any, ...]
 
 K = TypeVar("K")
@@ -83,11 +88,24 @@ class SlotLayout:
         return "t", start, _DTYPE_NAMES[dtype], tuple(shape), requires_grad
 
     def leaf_ref(self, leaf: Leaf) -> Ref | None:
-        """Room for a copy of ``leaf``, and its reference; None for an empty leaf, which
-        takes no room."""
+        """Room for a copy of ``leaf``, and its reference, with its strides where it keeps
+        them (see :func:`_own_strides`); None for an empty leaf, which takes no room."""
         if isinstance(leaf, np.ndarray):
-            return ("a", self.reserve(leaf.nbytes), leaf.dtype.str, leaf.shape) if leaf.size else None
-        return self.tensor_ref(leaf.dtype, leaf.shape, leaf.requires_grad) if leaf.numel() else None
+            if not leaf.size:
+                return None
+            ref: Ref = ("a", self.reserve(leaf.nbytes), leaf.dtype.str, leaf.shape)
+            if leaf.flags.c_contiguous:
+                return ref
+            strides = _own_strides(leaf.shape, leaf.strides, leaf.itemsize)
+        else:
+            if not leaf.numel():
+                return None
+            ref = self.tensor_ref(leaf.dtype, leaf.shape, leaf.requires_grad)
+            if leaf.is_contiguous() and 1 not in leaf.shape:  # row-major (over a dimension of 1, any stride is contiguous)
+                return ref
+            itemsize = leaf.itemsize
+            strides = _own_strides(leaf.shape, [stride * itemsize for stride in leaf.stride()], itemsize)
+        return ref if strides is None else (ref[0] + "s", *ref[1:], strides)
 
 
 def fill(
@@ -112,14 +130,15 @@ def fill(
 
 
 def copy_in(memory: Any, copies: Sequence[tuple[Leaf, Ref]], cpus: Sequence[int] = (), threads: int | None = 1) -> None:
-    """Each leaf of ``copies`` copied into ``memory`` where its reference says: contiguous
-    ones in one GIL-free gather copy (``threads`` threads pinned to ``cpus``; None: see
-    :func:`copy_threads`), others (strided, conjugate or negated views) by torch or NumPy."""
+    """Each leaf of ``copies`` copied into ``memory`` where its reference says: those whose
+    bytes are in the order it lays them out in one GIL-free gather copy (``threads``
+    threads pinned to ``cpus``; None: see :func:`copy_threads`), others (strided views
+    copied row-major, conjugate or negated views) by torch or NumPy."""
     offsets: list[int] = []
     sources: list[Any] = []
     others: list[tuple[Leaf, Ref]] = []
     for leaf, ref in copies:
-        source = _bytes_of(leaf)
+        source = _bytes_of(leaf, ref)
         if source is None:
             others.append((leaf, ref))
         else:
@@ -147,16 +166,36 @@ def copy_threads(nbytes: int, cpus: int, asked: int | None) -> int:
 
 def over_slot(memory: Any, ref: Ref) -> Any:
     """The tensor or array ``ref`` names, over ``memory`` (a slot), which it keeps alive;
-    its storage is its own bytes only (torch.save or a queue sends no more)."""
-    kind, offset, dtype, shape = ref[:4]
+    its storage is its own bytes only (torch.save or a queue sends no more). Runs for
+    every leaf of every batch: the row-major kinds first, each unpacked whole (no slice)."""
+    kind = ref[0]
+    if kind == "t":
+        _, offset, dtype, shape, grad = ref
+        numpy_dtype = _NUMPY_DTYPES.get(dtype)
+        if numpy_dtype is not None:  # a third of the cost of torch.frombuffer + view, the same tensor
+            tensor = torch.from_numpy(np.ndarray(shape, numpy_dtype, memory, offset))
+        else:
+            tensor = torch.frombuffer(memory, dtype=getattr(torch, dtype), count=math.prod(shape), offset=offset).view(shape)
+        return tensor.requires_grad_() if grad else tensor
     if kind == "a":
+        _, offset, dtype, shape = ref
         return np.ndarray(shape, np.dtype(dtype), memory, offset)
+    return _over_slot_in_own_order(memory, ref)
+
+
+def _over_slot_in_own_order(memory: Any, ref: Ref) -> Any:
+    """:func:`over_slot` of a "ts" or "as" reference: the leaf with its byte strides."""
+    if ref[0] == "as":
+        _, offset, dtype, shape, strides = ref
+        return np.ndarray(shape, np.dtype(dtype), memory, offset, strides)
+    _, offset, dtype, shape, grad, strides = ref
     numpy_dtype = _NUMPY_DTYPES.get(dtype)
-    if numpy_dtype is not None:  # a third of the cost of torch.frombuffer + view, the same tensor
-        tensor = torch.from_numpy(np.ndarray(shape, numpy_dtype, memory, offset))
-    else:
-        tensor = torch.frombuffer(memory, dtype=getattr(torch, dtype), count=math.prod(shape), offset=offset).view(shape)
-    return tensor.requires_grad_() if ref[4] else tensor
+    if numpy_dtype is not None:
+        tensor = torch.from_numpy(np.ndarray(shape, numpy_dtype, memory, offset, strides))
+    else:  # a dtype NumPy lacks (bfloat16, float8, ...)
+        flat = torch.frombuffer(memory, dtype=getattr(torch, dtype), count=math.prod(shape), offset=offset)
+        tensor = flat.as_strided(shape, [stride // flat.itemsize for stride in strides])
+    return tensor.requires_grad_() if grad else tensor
 
 
 def plain_array(item: object) -> bool:
@@ -180,14 +219,42 @@ def tensor_kind(tensor: torch.Tensor) -> str:
     return f"quantized tensor on {tensor.device}" if tensor.is_quantized else f"{tensor.layout} tensor on {tensor.device}"
 
 
-def _bytes_of(leaf: Leaf) -> Any:
+def _own_strides(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, ...] | None:
+    """The byte ``strides`` of a non-empty leaf where its copy keeps them: those of one
+    that covers its span once, each element once, but not in row-major order
+    (non-overlapping and dense: channels_last, transposed, permuted), its bytes laid out
+    as they lie. None for row-major strides, and for a leaf that overlaps or has gaps
+    (expanded, a slice of a larger one): its copy is row-major, its values the same."""
+    span = itemsize
+    row_major = True
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        row_major = row_major and stride == span
+        span *= size
+    if row_major:
+        return None
+    span = itemsize
+    for stride, size in sorted(zip(strides, shape)):
+        if size != 1:  # a dimension of one element steps nowhere, whatever its stride
+            if stride != span:
+                return None
+            span *= size
+    return tuple(strides)
+
+
+def _bytes_of(leaf: Leaf, ref: Ref) -> Any:
     """A non-empty CPU tensor's or array's memory as a flat uint8 NumPy array (no copy),
-    where that memory is its values in order (copied as bytes); None for others."""
+    where that memory is its values in the order ``ref`` lays them out (row-major, or as
+    they lie for a "ts" or "as" reference: dense, its bytes from its first one on),
+    copied as bytes; None for others."""
     if isinstance(leaf, np.ndarray):
-        return leaf.reshape(-1).view(np.uint8) if leaf.size > 0 and leaf.flags.c_contiguous else None
-    if leaf.numel() and leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg():
+        if leaf.flags.c_contiguous:
+            return leaf.reshape(-1).view(np.uint8) if leaf.size > 0 else None
+        return leaf.ravel(order="K").view(np.uint8) if ref[0] == "as" else None  # a view of a dense one
+    if not leaf.numel() or leaf.is_conj() or leaf.is_neg():
+        return None
+    if leaf.is_contiguous():
         return leaf.detach().reshape(-1).view(torch.uint8).numpy()
-    return None
+    return leaf.detach().as_strided((leaf.numel(),), (1,)).view(torch.uint8).numpy() if ref[0] == "ts" else None
 
 
 def _empty_like(leaf: Leaf) -> Any:
