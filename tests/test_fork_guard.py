@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # A pool of SLOTS slots; `batch` (slot 0) filled with 7 and held; the child forked then
-# waits for the parent's word before it reads `batch`; the parent drops `batch`.
+# reads `batch` only when asked (child_reads), after the parent dropped it.
 FORKED = """
 import os, sys, time
 import numpy as np
@@ -28,19 +28,28 @@ slot = pool.acquire()
 batch = np.asarray(slot)
 batch[:] = 7
 del slot
-ready, go = os.pipe()
-answer_read, answer = os.pipe()
-pid = os.fork()
-if pid == 0:
-    os.read(ready, 1)
-    os.write(answer, f"{batch[0]} {batch[-1]}".encode())
-    os._exit(0)
+
+def fork_reader(array):  # a child forked now, which reads `array` when asked: the call returned asks it
+    ready, go = os.pipe()
+    answer_read, answer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.read(ready, 1)
+        os.write(answer, f"{array[0]} {array[-1]}".encode())
+        os._exit(0)
+
+    def reads():
+        os.write(go, b"x")
+        seen = os.read(answer_read, 64).decode()
+        os.waitpid(pid, 0)
+        return seen
+    return reads
+
+child = fork_reader(batch)
 del batch
 
 def child_reads():
-    os.write(go, b"x")
-    print("child reads", os.read(answer_read, 64).decode())
-    os.waitpid(pid, 0)
+    print("child reads", child())
 """
 
 
@@ -75,16 +84,9 @@ def test_the_child_reads_the_batch_as_it_was_at_the_fork_whatever_the_parent_wri
     lines = run("""
         held = np.asarray(pool.acquire(timeout=0))
         held[:] = 5
-        ready_too, go_too = os.pipe()
-        other = os.fork()
-        if other == 0:
-            os.read(ready_too, 1)
-            os.write(answer, f"{held[0]} {held[-1]}".encode())
-            os._exit(0)
+        second = fork_reader(held)
         held[:] = 8
-        os.write(go_too, b"x")
-        print("second child reads", os.read(answer_read, 64).decode())
-        os.waitpid(other, 0)
+        print("second child reads", second())
         child_reads()
     """, slots=2)  # fmt: skip
     assert lines == ["second child reads 5 5", "child reads 7 7"]
