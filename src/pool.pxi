@@ -353,9 +353,10 @@ cdef class SlotPool:
     ``fence(index)``, when given, returns for a slot given back an object with
     ``query()`` and ``synchronize()`` (CUDA events on the streams reading it): the slot
     is reused once it is done. A slot held at a fork and given back is reused once
-    the guards of those forks ended (:meth:`guard_held`, :meth:`unguard`). ``on_drained()`` is called once the pool is closed and no
-    slot is out (held, in flight or leased): the memory may go. Only :meth:`settle`
-    calls them; a SlotPool dropped unclosed calls neither.
+    the guards of those forks ended (:meth:`guard_held`, :meth:`unguard`).
+    ``on_drained()`` is called once the pool is closed and no slot is out (held, in
+    flight or leased): the memory may go. Only :meth:`settle` calls them; a SlotPool
+    dropped unclosed calls neither.
 
     The mutex only guards the condition acquire()'s waiters sleep on (GIL released);
     slots change by compare-and-swap. A forked child's copy hands out no slot and never
