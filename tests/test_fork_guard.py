@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.host_only("fork and copy-on-write are alike on any kernel; ~5 s a script under TCG")
 
 # A pool of SLOTS slots; `batch` (slot 0) filled with 7 and held; the child forked then
 # reads `batch` only when asked (child_reads), after the parent dropped it.
@@ -215,7 +216,6 @@ print("warnings", [str(warning.message) for warning in said if "numafast" in str
 """
 
 
-@pytest.mark.host_only("a loader's workers cost seconds under TCG; the guard is the same on any kernel")
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent-workers", "workers-per-epoch"])
 def test_a_loaders_batch_a_forked_child_inherited_reads_its_own_samples(persistent: bool) -> None:
     """A NumaLoader's first batch (samples 0-7), held at a fork; the parent then drops it
