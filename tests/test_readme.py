@@ -18,7 +18,9 @@ onto that node) run in every guest.
   which runs nothing.
 
 ``NUMAFAST_README_ONLY=gpu`` runs only the blocks with that tag (the GPU proof,
-bench/gpu_proof.py, runs the ``gpu`` blocks so on a GPU machine).
+bench/gpu_proof.py, runs the ``gpu`` blocks so on a GPU machine);
+``NUMAFAST_README_SKIP=host`` skips the blocks with that tag (.ci/pythons: the
+other interpreters' runs would repeat the bench and framework runs of the host's).
 
 Python blocks run in one process (torch is imported once: ~30 s in a guest), each in
 a namespace of its own, so a block must import and define what it uses. A Python
@@ -50,6 +52,7 @@ README = REPO / "README.md"
 IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"
 TAGS = {"gpu", "slurm", "host", "ci"}
 ONLY = os.environ.get("NUMAFAST_README_ONLY")
+SKIP = os.environ.get("NUMAFAST_README_SKIP")
 # Where CI runs the commands of the blocks tagged ci.
 CI_SCRIPTS = [*sorted((REPO / ".ci").glob("*")), TESTS / "run_suite.py"]
 # A block that imports torch or numafast.torch (which imports torch).
@@ -105,6 +108,8 @@ def gpu_problem() -> str | None:
 def skip_reason(block: Block) -> str | None:
     if ONLY is not None and ONLY not in block.tags:
         return f"{block.name} is not tagged {ONLY} (NUMAFAST_README_ONLY={ONLY})"
+    if SKIP is not None and SKIP in block.tags:
+        return f"{block.name} is tagged {SKIP} (NUMAFAST_README_SKIP={SKIP})"
     if "ci" in block.tags:
         return None  # checked against the CI scripts, never run here
     if "gpu" in block.tags and (problem := gpu_problem()) is not None:
