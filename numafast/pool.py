@@ -42,6 +42,7 @@ from numafast.errors import (
     CudaUnavailable,
     InvalidGpuError,
     InvalidNodeError,
+    InvalidSizeError,
     LibnumaError,
     MemlockError,
     MemlockWarning,
@@ -462,6 +463,8 @@ class PinnedPool:
         with ``nbytes`` bytes, as a slot of this process. LookupError when that lease has
         ended (the worker died and the slot was reclaimed, or it was adopted already)."""
         self._check(closed_ok=not self._slots.drained)  # a closed pool still takes its workers' batches
+        index, generation, nbytes = _c_integers(("index", index, 63), ("generation", generation, 64),
+                                                ("nbytes", nbytes, 64))  # fmt: skip
         try:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
         except LookupError as error:
@@ -493,13 +496,15 @@ class PinnedPool:
         """End process ``pid``'s lease of slot ``index`` in ``generation`` whose batch this
         process will not take over (it failed on arrival): the slot is free again. False
         when that lease had ended already (adopted, reclaimed)."""
-        if self._resources.owner_pid != _process.pid:
-            return False
-        return bool(self._slots.reclaim(index, generation, pid))
+        lease = _c_integers(("index", index, 63), ("generation", generation, 64), ("pid", pid, 63))
+        return self._resources.owner_pid == _process.pid and bool(self._slots.reclaim(*lease))
 
     def release_with(self, reservation: Releasable) -> None:
         """Call ``reservation.release()`` once this pool's memory is released (unmapped, its
         file closed), or now if it is already: a node budget's share of it comes back."""
+        if not callable(getattr(reservation, "release", None)):
+            raise TypeError(f"reservation must have a release() method (a node budget's reservation), not "
+                            f"{reservation!r}")  # fmt: skip
         resources = self._resources
         if resources.released:
             reservation.release()
@@ -536,7 +541,7 @@ class PinnedPool:
     def guard_held(self, guard: _process.ForkGuard) -> int:
         """Before a fork: keep the slots held now out of use, once given back, until
         ``guard`` ends (the child copied them); how many (see ``_process.ForkGuard``)."""
-        return int(self._slots.guard_held(guard))
+        return int(self._slots.guard_held(_fork_guard(guard)))
 
     def unguard(self) -> int:
         """Reuse the slots kept for forked processes whose guards ended; how many."""
@@ -547,7 +552,7 @@ class PinnedPool:
         process's own memory, where its private view of them read the pool's file, which
         the parent goes on refilling. OSError when that memory cannot be had."""
         table = self._slots.table
-        indices = self._slots.guarded_by(guard)
+        indices = self._slots.guarded_by(_fork_guard(guard))
         if not indices or table.region.freed:
             return
         with memoryview(table.region) as whole:
@@ -579,7 +584,7 @@ class PinnedPool:
         A closed pool takes it too, as :meth:`adopt` takes its batches: a loader's pool
         retired by a resize still holds the batches queued before it."""
         self._check(closed_ok=True)
-        index = self._slots.index_of(address)
+        index = self._slot_index(address)
         if index < 0 or self._fences is None or self._slots.drained:
             return False
         self._fences.add_reader(index, stream)
@@ -588,7 +593,11 @@ class PinnedPool:
     def contains(self, address: int) -> bool:
         """Whether ``address`` lies inside one of this pool's slots; never once its memory is
         released (the kernel may map another pool there)."""
-        return not self._slots.drained and self._slots.index_of(address) >= 0
+        return not self._slots.drained and self._slot_index(address) >= 0
+
+    def _slot_index(self, address: int) -> int:
+        """The slot holding ``address`` (-1: none); InvalidSizeError when it is no address."""
+        return int(self._slots.index_of(*_c_integers(("address", address, 64))))
 
     def stats(self) -> PoolStats:
         """The pool's counters now (see :class:`PoolStats`)."""
@@ -724,6 +733,26 @@ def pool_bytes(slot_bytes: int, slots: int) -> int:
 def pool_of(address: int) -> PinnedPool | None:
     """The live pool whose slots hold ``address``, if any."""
     return next((pool for pool in list(_live_pools) if pool.contains(address)), None)
+
+
+def _c_integers(*values: tuple[str, object, int]) -> list[int]:
+    """Each ``(name, value, bits)`` as an int from 0 to below 2**bits, as the slot table's C
+    calls take them (whose own conversion would truncate a float), or InvalidSizeError
+    naming it."""
+    numbers = []
+    for name, value, bits in values:
+        number = value if type(value) is int and value >= 0 else positive_int(value, name, minimum=0)
+        if number >> bits:
+            raise InvalidSizeError(f"{name} must be a non-negative integer below 2**{bits}, not {value!r}")
+        numbers.append(number)
+    return numbers
+
+
+def _fork_guard(guard: object) -> _process.ForkGuard:
+    """``guard``, or a TypeError: a slot kept for anything else would never come back."""
+    if not isinstance(guard, _process.ForkGuard):
+        raise TypeError(f"guard must be a numafast._process.ForkGuard (one is made at each fork), not {guard!r}")
+    return guard
 
 
 def _wait_of(timeout: object) -> float:

@@ -73,6 +73,20 @@ CASES: list[tuple[str, str | None, tuple[str, ...]]] = [
      None, ()),
     (f"numafast.PinnedPool({NODE}, 4096.0, 2)", "InvalidSizeError", ("slot_bytes must be a positive integer, not 4096.0",)),
     (f"numafast.PinnedPool({NODE}, 4096, 1).acquire(-1)", "InvalidSizeError", ("nbytes must be a non-negative integer, not -1",)),
+    # the pool's calls for the processes that share it: the C slot table's refusals, named
+    (f"numafast.PinnedPool({NODE}, 4096, 1).adopt('0', 0, 4096)", "InvalidSizeError", ("index must be a non-negative integer, not '0'",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).adopt(0, -1, 4096)", "InvalidSizeError", ("generation must be a non-negative integer, not -1",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).adopt(0, 0, 1.5)", "InvalidSizeError", ("nbytes must be a non-negative integer, not 1.5",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).end_lease(0, 2**64, 1)", "InvalidSizeError",
+     ("generation must be a non-negative integer below 2**64, not 18446744073709551616",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).contains(-1)", "InvalidSizeError", ("address must be a non-negative integer, not -1",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).contains(np.uint64(4096))", None, ()),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).contains(4096.0)", "InvalidSizeError", ("address must be a non-negative integer, not 4096.0",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).record_stream(1.5, None)", "InvalidSizeError", ("address must be a non-negative integer, not 1.5",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).release_with(None)", "TypeError", ("reservation must have a release() method",)),
+    # a slot held, kept for a "guard" that is none: it would never come back
+    (f"(lambda pool, slot: pool.guard_held(None))(*(lambda p: (p, p.acquire()))(numafast.PinnedPool({NODE}, 4096, 1)))",
+     "TypeError", ("guard must be a numafast._process.ForkGuard", "not None")),
     # buffers
     ("numafast.page_nodes(1)", "InvalidBufferError", ("a int does not expose its memory",)),
     (f"numafast.mbind(np.ones(1 << 16)[::2], {NODE})", "InvalidBufferError", ("not C-contiguous", "numpy.ascontiguousarray")),
