@@ -105,6 +105,7 @@ class BoardReader:
     """A :class:`~numafast.pool_owner.PoolBoard` as a worker reads it: :meth:`pools`, mapped here."""
 
     def __init__(self, handle: BoardHandle) -> None:
+        _check_handle(handle, BoardHandle, "PoolBoard.handle()")
         fd = open_shared_file(handle.owner_pid, handle.fd, handle.inode, "a loader's pool board")
         try:
             self.memory = mmap.mmap(fd, BOARD_BYTES, prot=mmap.PROT_READ)
@@ -210,6 +211,7 @@ class PoolView:
     cannot be (the owner is gone, or its descriptors are closed to this process)."""
 
     def __init__(self, handle: PoolHandle) -> None:
+        _check_handle(handle, PoolHandle, "PinnedPool.share()")
         self.handle = handle
         fd = open_shared_file(handle.owner_pid, handle.fd, handle.inode, f"the node-{handle.node} pool")
         try:
@@ -255,6 +257,13 @@ class PoolView:
             self.memory.release()
         except BufferError:
             pass  # still viewed: unmapped with the last view
+
+
+def _check_handle(handle: object, kind: type, made_by: str) -> None:
+    """TypeError unless ``handle`` is a ``kind`` (what ``made_by`` returns in the owner)."""
+    if not isinstance(handle, kind):
+        raise TypeError(f"handle must be a {kind.__name__}, what {made_by} returns in the owning process, "
+                        f"not {handle!r}")  # fmt: skip
 
 
 def fault_in(memory: memoryview, *, filled: bool = False) -> None:

@@ -84,6 +84,8 @@ CASES: list[tuple[str, str | None, tuple[str, ...]]] = [
     (f"numafast.PinnedPool({NODE}, 4096, 1).contains(4096.0)", "InvalidSizeError", ("address must be a non-negative integer, not 4096.0",)),
     (f"numafast.PinnedPool({NODE}, 4096, 1).record_stream(1.5, None)", "InvalidSizeError", ("address must be a non-negative integer, not 1.5",)),
     (f"numafast.PinnedPool({NODE}, 4096, 1).release_with(None)", "TypeError", ("reservation must have a release() method",)),
+    ("numafast.pool_worker.PoolView(None)", "TypeError", ("handle must be a PoolHandle, what PinnedPool.share() returns",)),
+    ("numafast.pool_worker.BoardReader(5)", "TypeError", ("handle must be a BoardHandle, what PoolBoard.handle() returns",)),
     # a slot held, kept for a "guard" that is none: it would never come back
     (f"(lambda pool, slot: pool.guard_held(None))(*(lambda p: (p, p.acquire()))(numafast.PinnedPool({NODE}, 4096, 1)))",
      "TypeError", ("guard must be a numafast._process.ForkGuard", "not None")),
