@@ -9,6 +9,8 @@ import ast
 import gc
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,3 +160,52 @@ def test_a_forked_child_forgets_its_parents_iterators_in_torchs_worker_registry(
 
     assert in_a_forked_child(register_again) == "ok"
     assert sorted(epoch(persistent)) == list(range(64))  # the parent's own entry is untouched
+
+
+# A loader freed by the collector while this thread holds one of numafast's locks: the
+# collector runs at any allocation, so inside close_idle_pools() (idle_mutex held) or a
+# node budget's reserve (reserved_mutex held), and a loader's pools go idle there, which
+# takes idle_mutex and, closing the idle pools they replace, reserved_mutex.
+COLLECTED_UNDER_A_LOCK = r"""
+import faulthandler, gc, sys
+faulthandler.dump_traceback_later(20, exit=True)  # a hang: every thread's stack, and status 1
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import numafast, numafast.torch
+from numafast import _process
+
+node = numafast.topology().allowed_nodes[0]
+dataset = TensorDataset(torch.arange(8.0)[:, None].expand(8, 64).contiguous(), torch.arange(8))
+
+def loader_iterated():
+    loader = numafast.torch.NumaLoader(DataLoader(dataset, batch_size=4), node=node)
+    assert [labels.tolist() for values, labels in loader if torch.equal(values[:, 0], labels.float())] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    loader.me = loader  # a reference cycle: only the collector frees it
+    return loader
+
+first, second = loader_iterated(), loader_iterated()
+del first
+gc.collect()
+print("idle", len(_process.idle_pools))
+for lock in ("reserved_mutex", "idle_mutex"):  # the second's pools replace the first's idle ones, which close
+    del second
+    with getattr(_process, lock):
+        gc.collect()
+        inside = len(_process.idle_pools)
+    print(lock, "idle inside", inside, "after", len(_process.idle_pools), "closed", numafast.torch.close_idle_pools())
+    second = loader_iterated()
+"""
+
+
+@SEMANTICS
+def test_a_loader_collected_while_its_thread_holds_a_lock_goes_idle_once_let_go() -> None:
+    """Its pools go idle when the thread lets go of the lock (before: it waited for
+    itself there forever)."""
+    result = subprocess.run([sys.executable, "-c", COLLECTED_UNDER_A_LOCK], capture_output=True, text=True,
+                            timeout=120, cwd=PACKAGE.parent)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "idle 1",
+        "reserved_mutex idle inside 1 after 1 closed 1",
+        "idle_mutex idle inside 0 after 1 closed 1",
+    ]

@@ -86,9 +86,14 @@ def use(pools: LoaderPools) -> None:
 
 def let_go(pools: LoaderPools) -> None:
     """One loader fewer uses ``pools``: with none left, they replace (and close) the idle
-    ones on their node, for the next loader there."""
+    ones on their node, for the next loader there. A finalizer (a loader's collate
+    function collected): where the collector ran it inside one of this thread's locks
+    (it runs at any allocation, as in close_idle_pools or a node budget's reserve), it
+    waits until the thread has let go of them, or it would wait for itself forever."""
     if _process.pid != pools.owner_pid:
         return  # a forked child's copy: the pools are the parent's
+    if _process.defer_until_unlocked(lambda: let_go(pools)):
+        return
     with _process.idle_mutex:
         pools.users -= 1
         if pools.users or pools.closed:
