@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from sysfs_truth import online_nodes
@@ -123,3 +124,39 @@ def test_a_batch_mixing_layouts_keeps_every_value_and_each_dense_tensors_strides
             assert made[name].stride() == expected[name].stride(), (number, name)
         assert made["contiguous"].is_contiguous() and made["labels"].is_contiguous(), number
         assert made["channels_last"].is_contiguous(memory_format=torch.channels_last), number
+
+
+# A custom collate_fn's NumPy batch arrays, by name. Through workers, torch's queue pickles
+# them (at protocol 4, the default before Python 3.14): NumPy then delivers native byte
+# order, row-major unless column-major. Without workers, the batch arrives as made.
+ARRAYS: dict[str, Callable[[Samples], np.ndarray]] = {  # type: ignore[type-arg]
+    "row_major": lambda samples: stacked(samples, "image").numpy(),
+    "column_major": lambda samples: np.asfortranarray(stacked(samples, "image").numpy()),
+    "permuted": lambda samples: stacked(samples, "volume").numpy().transpose(1, 0, 4, 2, 3),
+    "big_endian": lambda samples: stacked(samples, "image").numpy().astype(">f4"),
+    "big_endian_column_major": lambda samples: np.asfortranarray(stacked(samples, "image").numpy().astype(">f4")),
+    "big_endian_permuted": lambda samples: stacked(samples, "grid").numpy().astype(">f4").transpose(2, 0, 1),
+    "big_endian_empty": lambda samples: np.zeros((len(samples), 0), ">f4"),  # no bytes: pickled with the batch
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_numpy_arrays_arrive_in_the_stock_loaders_byte_order_and_layout(workers: int) -> None:
+    """Before, a worker's slot kept a big-endian array's byte order, where the stock
+    loader's batch is native (torch.from_numpy refused it), and a permuted array's
+    strides, where the stock one is row-major (a .reshape(-1) view of it failed)."""
+    options: dict[str, Any] = {"batch_size": 3, "num_workers": workers,
+                               "collate_fn": lambda samples: {name: make(samples) for name, make in ARRAYS.items()}}
+    stock = batches(DataLoader(Tagged(), **options))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loader = numafast.torch.NumaLoader(DataLoader(Tagged(), **options), node=NODE, lock="best-effort")
+        ours = batches(loader)
+    if workers:
+        assert loader.stats().landed >= 2, loader.stats()
+    assert len(ours) == len(stock) == 8
+    for number, (made, expected) in enumerate(zip(ours, stock)):
+        for name in ARRAYS:
+            assert type(made[name]) is np.ndarray and np.array_equal(made[name], expected[name]), (number, name)
+            assert made[name].dtype.str == expected[name].dtype.str, (number, name)
+            assert made[name].strides == expected[name].strides or not made[name].size, (number, name)

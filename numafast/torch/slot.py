@@ -52,6 +52,9 @@ BYTES_PER_COPY_THREAD = 16 << 20
 MAX_COPY_THREADS = 8
 # The most entries any cache of a batch's path keeps (see recall and remember).
 CACHE_ENTRIES = 64
+# Whether a NumPy array pickled by torch's worker queue (the default protocol) keeps
+# its byte order and dense strides: from protocol 5 (Python 3.14's default) with NumPy 2.
+_PICKLED_ARRAYS_KEEP_LAYOUT = pickle.DEFAULT_PROTOCOL >= 5
 
 # A tensor or a NumPy array of plain numbers: what a slot holds.
 Leaf = Union[torch.Tensor, "np.ndarray[Any, Any]"]
@@ -68,11 +71,15 @@ D = TypeVar("D")
 
 class SlotLayout:
     """Leaves laid out in a slot of ``capacity`` bytes, one after another, each on the
-    next :data:`ALIGNMENT` boundary; ``end`` is the bytes used so far."""
+    next :data:`ALIGNMENT` boundary; ``end`` is the bytes used so far. ``sent``: a batch
+    a worker sends, whose NumPy arrays are laid out (see :func:`_as_sent`) and whose
+    other objects are pickled as torch's worker queue delivers them; else as they are
+    (pin(), a batch collated in the process that reads it)."""
 
-    def __init__(self, capacity: int = sys.maxsize) -> None:
+    def __init__(self, capacity: int = sys.maxsize, *, sent: bool = False) -> None:
         self.capacity = capacity
         self.end = 0
+        self.sent = sent
 
     def reserve(self, nbytes: int) -> int:
         """Where the next ``nbytes`` go; SlotFull when they do not fit."""
@@ -93,8 +100,9 @@ class SlotLayout:
         if isinstance(leaf, np.ndarray):
             if not leaf.size:
                 return None
-            ref: Ref = ("a", self.reserve(leaf.nbytes), leaf.dtype.str, leaf.shape)
-            if leaf.flags.c_contiguous:
+            dtype, keeps_strides = _as_sent(leaf) if self.sent else (leaf.dtype, True)
+            ref: Ref = ("a", self.reserve(leaf.nbytes), dtype.str, leaf.shape)
+            if leaf.flags.c_contiguous or not keeps_strides:
                 return ref
             strides = _own_strides(leaf.shape, leaf.strides, leaf.itemsize)
         else:
@@ -219,6 +227,16 @@ def tensor_kind(tensor: torch.Tensor) -> str:
     return f"quantized tensor on {tensor.device}" if tensor.is_quantized else f"{tensor.layout} tensor on {tensor.device}"
 
 
+def _as_sent(array: np.ndarray) -> tuple[np.dtype, bool]:
+    """The dtype of ``array`` as torch's worker queue delivers it, and whether its strides
+    stay (else it arrives row-major): the queue pickles at the default protocol, and
+    below 5 NumPy sends the values in native byte order, column-major only for a
+    column-major array (a byte-swapped or permuted one arrives as neither)."""
+    if _PICKLED_ARRAYS_KEEP_LAYOUT:
+        return array.dtype, True
+    return array.dtype.newbyteorder("="), array.flags.f_contiguous
+
+
 def _own_strides(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple[int, ...] | None:
     """The byte ``strides`` of a non-empty leaf where its copy keeps them: those of one
     that covers its span once, each element once, but not in row-major order
@@ -247,6 +265,8 @@ def _bytes_of(leaf: Leaf, ref: Ref) -> Any:
     they lie for a "ts" or "as" reference: dense, its bytes from its first one on),
     copied as bytes; None for others."""
     if isinstance(leaf, np.ndarray):
+        if ref[2] != leaf.dtype.str:
+            return None  # sent in another byte order: NumPy swaps as it copies
         if leaf.flags.c_contiguous:
             return leaf.reshape(-1).view(np.uint8) if leaf.size > 0 else None
         return leaf.ravel(order="K").view(np.uint8) if ref[0] == "as" else None  # a view of a dense one
@@ -304,8 +324,8 @@ class SlotPacker(SlotLayout):
     """Lays a batch out in ``memory`` (one slot, writable); :meth:`reset` lays the next
     one out in another slot, with the same collate map (made once)."""
 
-    def __init__(self, memory: Any, made: dict[Ref, Any] | None = None) -> None:
-        super().__init__()
+    def __init__(self, memory: Any, made: dict[Ref, Any] | None = None, *, sent: bool = False) -> None:
+        super().__init__(sent=sent)
         self.placed: dict[int, tuple[object, Ref]] = {}
         """What is in the slot, by id: tensors made there, and leaves given a place there."""
         self.copies: list[tuple[Leaf, Ref]] = []
@@ -566,7 +586,7 @@ def _stacks_as_in_a_worker(batch: Sequence[torch.Tensor]) -> bool:
 
 class _Packer(pickle.Pickler):
     def __init__(self, out: io.BytesIO, packer: SlotPacker) -> None:
-        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(out, protocol=pickle.DEFAULT_PROTOCOL if packer.sent else pickle.HIGHEST_PROTOCOL)
         self.packer = packer
 
     def persistent_id(self, obj: Any) -> Ref | None:

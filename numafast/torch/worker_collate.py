@@ -119,7 +119,7 @@ class SlotCollate:
     def _land(self, lease: Lease, samples: Any, made: Any) -> SlotBatch | None:
         """The batch collated (or ``made`` packed) into the leased slot; None (the lease
         given up) when it does not fit."""
-        packer = self._packer = self._packer or SlotPacker(b"")
+        packer = self._packer = self._packer or SlotPacker(b"", sent=True)
         try:
             packed = packer.pack_into(lease.memory, lease.kept, samples, made)
         except BaseException:
