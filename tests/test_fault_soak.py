@@ -52,15 +52,15 @@ def locked():
     return int(Path("/proc/self/status").read_text().split("VmLck:")[1].split()[0])
 
 def fds():
-    # Open descriptors, less the node budget's ledger, which a process maps once and keeps
-    # (Python's mmap holds a descriptor of the file it maps).
-    count = 0
+    # Open descriptors and what each is, less the node budget's ledger, which a process
+    # maps once and keeps (Python's mmap holds a descriptor of the file it maps).
+    found = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
-            count += "numafast-pinned-" not in os.readlink(f"/proc/self/fd/{fd}")
+            found[fd] = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             pass  # the listing's own descriptor, closed since
-    return count
+    return {fd: what for fd, what in found.items() if "numafast-pinned-" not in what}
 
 # A hang says where, before the test's timeout: what the children wait in, then
 # every thread's stack here, and exit.
@@ -118,12 +118,15 @@ del kept, batch, loader
 gc.collect()
 closed = numafast.torch.close_idle_pools()
 gc.collect()
-for thread in threading.enumerate():  # a closed queue's feeder thread closes its pipe when it next runs
-    if thread.name == "QueueFeederThread":
+# A closed queue's feeder thread closes its pipe when it next runs, and a worker start
+# watch its tokens at its next look (up to POLL_S away), once its iterator is gone.
+for thread in threading.enumerate():
+    if thread.name in ("QueueFeederThread", "numafast worker start"):
         thread.join(5)
+left_open = sorted(what for fd, what in fds().items() if fds_before.get(fd) != what)
 print(" | ".join(seen))
 print(f"closed {closed} mappings {len(pool_mappings())} locked_kib {locked()} children {len(children())} "
-      f"fds {fds() - fds_before}")
+      f"fds {len(left_open)}{' ' + str(left_open) if left_open else ''}")
 sys.stdout.flush()
 """
 
