@@ -187,7 +187,7 @@ first, second = loader_iterated(), loader_iterated()
 del first
 gc.collect()
 print("idle", len(_process.idle_pools))
-for lock in ("reserved_mutex", "idle_mutex"):  # the second's pools replace the first's idle ones, which close
+for lock in ("reserved_mutex", "idle_mutex"):  # at first, the second's pools replace the first's idle ones, which close
     del second
     with getattr(_process, lock):
         gc.collect()
