@@ -401,6 +401,28 @@ def test_kept_small_batches_grow_small_slots_in_pools_taken_over_with_large_ones
 
 
 @SEMANTICS
+def test_idle_pools_past_a_new_loaders_max_pinned_bytes_are_closed_not_taken_over() -> None:
+    """The idle pools of a gone loader (1 MiB slots) would pass the next loader's
+    max_pinned_bytes: they are closed, and its own pools stay within it."""
+    gc.collect()
+    numafast.torch.close_idle_pools()
+    large = numafast.torch.NumaLoader(DataLoader(LargeImages(), batch_size=1, num_workers=2))
+    assert sum(1 for _batch in large) == 8
+    left = large.stats().pinned_bytes
+    del large
+    gc.collect()
+    cap = 2 << 20
+    assert left > cap
+    small = numafast.torch.NumaLoader(DataLoader(Images(64), batch_size=8, num_workers=2), max_pinned_bytes=cap)
+    for index, (images, labels) in enumerate(small):
+        assert labels.tolist() == list(range(8 * index, 8 * index + 8))
+        assert all(torch.equal(image, torch.full((3, 32, 32), float(label))) for image, label in zip(images, labels))
+    stats = small.stats()
+    assert not small.pools.taken_over and stats.unpinned == 0 and stats.landed + stats.copied == 8, stats
+    assert stats.pinned_bytes <= cap, stats
+
+
+@SEMANTICS
 def test_the_boards_limit_on_pools_is_never_silent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(node_pools_module, "BOARD_ENTRIES", 2)
     loader = numafast.torch.NumaLoader(DataLoader(Images(64), batch_size=4), slots=2)

@@ -781,14 +781,15 @@ def node_pools(
 ) -> NodePools:
     """Pools for a new loader on ``node`` whose DataLoader may hold ``in_flight`` batches
     unread: the idle ones a gone loader left there (warm, and sized by its batches) when
-    they have ``slots`` slots or more, else new ones."""
+    they have ``slots`` slots or more and this process's pools, theirs among them, stay
+    within ``max_pinned_bytes``; else new ones."""
     cap = check_max_pinned_bytes(max_pinned_bytes)
     key = (node, parse_mode(lock, LockMode, "lock"), parse_mode(register, RegisterMode, "register"))
     idle = cast("NodePools | None", owner_process_pools.take_idle(key))  # as NodePools put it there
-    if idle is not None and idle.slots >= slots:
+    if idle is not None and idle.slots >= slots and (cap is None or node_budget.process_reserved() <= cap):
         with idle._mutex:
             idle._start(in_flight, cap, taken_over=True)
         return idle
-    if idle is not None:  # the new loader keeps more batches in flight
+    if idle is not None:  # the new loader keeps more batches in flight, or has room for fewer bytes
         idle.close()
     return NodePools(node, slots, in_flight=in_flight, lock=key[1], register=key[2], max_pinned_bytes=cap)
