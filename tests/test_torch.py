@@ -79,6 +79,13 @@ def test_empty_refuses_what_is_no_torch_dtype_naming_it(dtype: object) -> None:
         numafast.torch.empty(16, dtype=dtype)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("dtype", [torch.quint8, "qint8", torch.qint32, "torch.quint4x2"])
+def test_empty_refuses_a_quantized_dtype_naming_it(dtype: object) -> None:
+    # Old code: torch.frombuffer of a quantized dtype, a segmentation fault.
+    with pytest.raises(TypeError, match=r"dtype torch\.q\w+ is quantized: .*\(torch\.quantize_per_tensor\)"):
+        numafast.torch.empty(16, dtype=dtype)  # type: ignore[arg-type]
+
+
 def test_a_tensor_view_keeps_the_memory_and_shares_it_without_copy() -> None:
     tensor = numafast.torch.empty(1 << 20, dtype=torch.uint8, node=NODE)
     start = tensor.data_ptr()

@@ -45,12 +45,21 @@ zeros = empty
 
 def _dtype(dtype: object) -> torch.dtype:
     """A torch.dtype, or one named as torch names it ("float32", "torch.float32")."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if isinstance(named, torch.dtype):
+    named = dtype if isinstance(dtype, torch.dtype) else None
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.removeprefix("torch."), None)
+        named = found if isinstance(found, torch.dtype) else None
+    if named in _QUANTIZED:  # torch.frombuffer of one crashes the process
+        raise TypeError(
+            f"dtype {named} is quantized: its tensors carry a scale and zero point, which raw memory does not; "
+            "make a float tensor here and quantize it (torch.quantize_per_tensor)"
+        )
+    if named is not None:
         return named
     raise TypeError(
         f"dtype {dtype!r} is not a torch dtype; give a torch.dtype or its name: "
         "'float32', 'float16', 'bfloat16', 'float64', 'uint8', 'int8', 'int32', 'int64', 'bool', ..."
     )
+
+
+_QUANTIZED = {getattr(torch, name) for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, name)}
