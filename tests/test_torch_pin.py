@@ -157,6 +157,17 @@ def test_leaves_pin_cannot_see_into_are_named_once(pool: Any) -> None:
     assert [warning.filename for warning in said] == [__file__]  # the caller's line
 
 
+def test_numpy_arrays_pin_cannot_place_are_named_once(pool: Any) -> None:
+    # Arrays of objects or of fields were left where they were without a word.
+    fields, objects = np.zeros(4, dtype=[("a", "f4"), ("b", "i8")]), np.array(["a", None], dtype=object)
+    with pytest.warns(RuntimeWarning, match=r"pin\(\) leaves numpy.ndarray of dtype \[\('a', '<f4'\), \('b', '<i8'\)\], "
+                      r"numpy.ndarray of dtype object where they are: it places tensors and NumPy arrays of plain "
+                      r"numbers") as said:
+        pinned = numafast.torch.pin({"x": np.ones(3), "fields": fields, "objects": objects}, pool)
+    assert pool.contains(pinned["x"].ctypes.data) and pinned["fields"] is fields and pinned["objects"] is objects
+    assert [warning.filename for warning in said] == [__file__]
+
+
 def test_pin_refuses_what_is_not_a_pool() -> None:
     with pytest.raises(TypeError, match="pin\\(\\) copies into a numafast.PinnedPool, not a dict"):
         numafast.torch.pin([torch.ones(2)], {})  # type: ignore[arg-type]
@@ -165,6 +176,9 @@ def test_pin_refuses_what_is_not_a_pool() -> None:
 def test_tensors_that_cannot_be_pinned_are_refused(pool: Any) -> None:
     with pytest.raises(numafast.InvalidBufferError, match="tensor 0 of the batch is torch.sparse_coo"):
         numafast.torch.pin({"x": torch.eye(3).to_sparse()}, pool)
+    # Was torch's "Internal error: NestedTensorImpl doesn't support sizes".
+    with pytest.raises(numafast.InvalidBufferError, match="tensor 0 of the batch is a nested tensor: only dense"):
+        numafast.torch.pin({"x": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}, pool)
     with pytest.raises(numafast.PoolClosedError):
         closed = numafast.PinnedPool(NODES[0], 4096, 1)
         closed.close()

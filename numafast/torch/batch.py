@@ -33,7 +33,8 @@ def flatten(
     """The distinct tensors of ``batch`` (with ``arrays``, its plain NumPy arrays too) in
     a fixed order, and a function that rebuilds the structure with other values in
     their places (a leaf found twice is one entry). ``opaque`` receives the type names
-    of leaves the walk cannot see into."""
+    of leaves the walk cannot see into (with ``arrays``, of NumPy arrays that are not
+    plain numbers too)."""
     leaves: list[Any] = []
     positions: dict[int, int] = {}
     # A walk with a stack, not a recursive closure: a closure that calls itself is a
@@ -46,6 +47,10 @@ def flatten(
             if id(item) not in positions:
                 positions[id(item)] = len(leaves)
                 leaves.append(item)
+            continue
+        if arrays and isinstance(item, np.ndarray):  # of objects or of fields: not raw numbers
+            if opaque is not None:
+                opaque.add(f"numpy.ndarray of dtype {item.dtype}")
             continue
         children = list(_children(item))
         if opaque is not None and not children and _opaque(item):
@@ -152,7 +157,8 @@ def pin(batch: Batch, pool: PinnedPool, *, threads: int | None = None, timeout: 
 
     def warn(opaque: set[str]) -> None:
         warnings.warn(
-            f"pin() leaves {', '.join(sorted(opaque))} where they are: it places tensors and NumPy arrays inside "
+            f"pin() leaves {', '.join(sorted(opaque))} where they are: it places tensors and NumPy arrays of plain "
+            "numbers inside "
             "dicts, lists, tuples, namedtuples and dataclasses", RuntimeWarning, stacklevel=4,  # pin's caller
         )
 

@@ -97,8 +97,8 @@ _NOT_PLACED = (
     "consumer as the collate function made them"
 )
 _OPAQUE = (
-    "batch leaves of type {} are not pinned: numafast places tensors and NumPy arrays inside dicts, lists, tuples, "
-    "namedtuples and dataclasses"
+    "batch leaves of type {} are not pinned: numafast places tensors and NumPy arrays of plain numbers inside dicts, "
+    "lists, tuples, namedtuples and dataclasses"
 )
 
 

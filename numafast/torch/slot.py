@@ -128,6 +128,8 @@ def fill(
             raise InvalidBufferError(f"tensor {index} of the batch is on {leaf.device}: only host tensors are pinned")
         if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
             raise InvalidBufferError(f"tensor {index} of the batch is {leaf.layout}: only dense tensors are pinned")
+        if isinstance(leaf, torch.Tensor) and leaf.is_nested:
+            raise InvalidBufferError(f"tensor {index} of the batch is a nested tensor: only dense tensors are pinned")
         if isinstance(leaf, torch.Tensor) and leaf.is_quantized:
             raise InvalidBufferError(f"tensor {index} of the batch is quantized: only plain dense tensors are pinned")
     plan = SlotLayout()
