@@ -318,10 +318,17 @@ def test_a_message_stays_a_message_in_another_process_and_is_its_batch_where_its
     assert isinstance(gone, torch.Tensor) and bool((gone == torch.ones(3)).all())
 
 
-def test_the_hook_checks_its_node_even_where_it_installs_nothing() -> None:
+def test_the_hook_checks_its_node_and_device_even_where_it_installs_nothing() -> None:
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, pin_memory=True)
     with pytest.raises(numafast.InvalidNodeError, match="node 99"):
         numafast.torch.pin_memory_hook(loader, node=99)
+    # Were taken without a look where torch does not pin.
+    with pytest.raises(ValueError, match="device 'bogus' is not a device: give a CUDA device"):
+        numafast.torch.pin_memory_hook(loader, device="bogus")
+    with pytest.raises(ValueError, match="device 'meta': numafast copies batches to a CUDA device"):
+        numafast.torch.pin_memory_hook(loader, device="meta")
+    with pytest.raises(TypeError, match=r"device 1\.5: give a CUDA device"):
+        numafast.torch.pin_memory_hook(loader, device=1.5)
     assert loader.collate_fn is torch.utils.data.default_collate
 
 

@@ -23,13 +23,25 @@ from numafast.pages import local_node
 from numafast.pool import check_visible
 from numafast.topo import topology
 
-__all__ = ["gpu_node", "gpu_usable", "iteration_gpu", "landing_node", "resolve_device", "settled_gpu"]
+__all__ = ["gpu_node", "gpu_usable", "iteration_gpu", "landing_node", "parse_device", "resolve_device", "settled_gpu"]
 
 
 def resolve_device(device: object) -> torch.device | None:
     """None for host batches (``None`` or ``"cpu"``), else the CUDA device with its index
     as given (``"cuda"`` stays the current device, read at first iteration). Asks
     nothing that initialises CUDA."""
+    resolved = parse_device(device)
+    if resolved is None:
+        return None
+    if not cuda.usable():
+        raise CudaUnavailable(f"device {device!r}: {cuda.why_not_usable()}")
+    if resolved.index is not None:
+        check_visible(resolved.index, cuda.device_count(), f"device {device!r}")
+    return resolved
+
+
+def parse_device(device: object) -> torch.device | None:
+    """:func:`resolve_device` without asking CUDA anything: what ``device`` names."""
     if device is None:
         return None
     if isinstance(device, bool) or not isinstance(device, (str, numbers.Integral, torch.device)):
@@ -44,11 +56,7 @@ def resolve_device(device: object) -> torch.device | None:
     if resolved.type == "cpu":
         return None
     if resolved.type != "cuda":
-        raise ValueError(f"device {device!r}: NumaLoader copies to a CUDA device or yields host batches (None, 'cpu')")
-    if not cuda.usable():
-        raise CudaUnavailable(f"device {device!r}: {cuda.why_not_usable()}")
-    if resolved.index is not None:
-        check_visible(resolved.index, cuda.device_count(), f"device {device!r}")
+        raise ValueError(f"device {device!r}: numafast copies batches to a CUDA device or yields host batches (None, 'cpu')")
     return resolved
 
 

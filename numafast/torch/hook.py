@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from numafast._validate import check_node, positive_int
 from numafast.binding import bind_if_permitted
-from numafast.torch.device import gpu_node, iteration_gpu, resolve_device
+from numafast.torch.device import gpu_node, iteration_gpu, parse_device, resolve_device
 from numafast.torch.message import in_pin_thread
 from numafast.torch.owner_pools import LoaderStats, node_pools
 from numafast.torch.worker_collate import SlotCollate
@@ -89,7 +89,8 @@ def pin_memory_hook(
     if isinstance(loader.collate_fn, SlotCollate):
         raise ValueError("this DataLoader already has a numafast pin_memory_hook")
     slots = _batches_read_ahead(loader) + 2 if slots is None else positive_int(slots, "slots", or_none=True)
-    checked = check_node(node) if node is not None else None  # a bad node is refused here too
+    checked = check_node(node) if node is not None else None  # a bad node or device is refused here too
+    parse_device(device)
     why_not = _why_torch_will_not_pin()
     if why_not:
         warnings.warn(f"numafast.torch.pin_memory_hook installs nothing: {why_not}", RuntimeWarning, stacklevel=2)
