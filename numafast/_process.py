@@ -169,29 +169,47 @@ class ForkGuard:
     forked; the child closes it once its copy is made, so the read end kept here reads
     end-of-file then, or when the child exits or execs (a child that could not copy)."""
 
-    __slots__ = ("_read", "__weakref__")
+    __slots__ = ("_read", "_mutex", "__weakref__")
 
     def __init__(self, read: int) -> None:
         self._read = read
+        self._mutex = threading.Lock()
         fork_guards.add(self)
 
     def ended(self, wait_s: float = 0.0) -> bool:
-        """Whether no process holds the write end any more, waiting up to ``wait_s``."""
-        if self._read < 0:
-            return True
+        """Whether no process holds the write end any more, waiting up to ``wait_s``. Two
+        threads may ask at once (the forking one waits here while a receiving one looks):
+        the read end is read and closed under the guard's mutex, and the wait, outside it,
+        only ends early where another thread closed it meanwhile."""
         if wait_s > 0:
-            waiting = select.poll()  # not select(): a descriptor numbered past 1023 is refused there
-            waiting.register(self._read, select.POLLIN)
+            with self._mutex:
+                if self._read < 0:
+                    return True
+                waiting = select.poll()  # not select(): a descriptor numbered past 1023 is refused there
+                waiting.register(self._read, select.POLLIN)
             waiting.poll(wait_s * 1000)
-        try:
-            if os.read(self._read, 1):
-                return False  # nothing is ever written; a byte changes nothing
-        except BlockingIOError:
-            return False
-        self.close()
-        return True
+        with self._mutex:
+            if self._read < 0:
+                return True
+            try:
+                if os.read(self._read, 1):
+                    return False  # nothing is ever written; a byte changes nothing
+            except BlockingIOError:
+                return False
+            self._close()
+            return True
 
     def close(self) -> None:
+        with self._mutex:
+            self._close()
+
+    def forget(self) -> None:
+        """In a forked child: close its copy of the read end, and take a new mutex (another
+        thread of the parent may have held the old one at the fork)."""
+        self._mutex = threading.Lock()
+        self._close()
+
+    def _close(self) -> None:
         read, self._read = self._read, -1
         if read >= 0:
             os.close(read)
@@ -366,7 +384,7 @@ def _forked() -> None:
     _pools_made_private()
     _copied_guarded()
     for guard in list(fork_guards):
-        guard.close()  # the parent's read ends: its pools are not this child's to reuse
+        guard.forget()  # the parent's read ends: its pools are not this child's to reuse
     ledgers_mutex, reserved_mutex, idle_mutex = DeferringLock(), DeferringLock(), DeferringLock()
     making_batch = threading.Lock()
     reserved = 0

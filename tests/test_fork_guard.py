@@ -7,12 +7,17 @@ every slot it could."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
+
+from numafast import _process
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.host_only("fork and copy-on-write are alike on any kernel; ~5 s a script under TCG")
@@ -230,3 +235,28 @@ def test_a_loaders_batch_a_forked_child_inherited_reads_its_own_samples(persiste
         "copied {}",
         "warnings []",
     ]
+
+
+def test_a_guard_closed_while_another_thread_waits_on_it_ends_that_wait_without_error() -> None:
+    """The forking thread waits on the guard while a receiving thread finds it ended and
+    closes it: the wait says ended. (It read the closed descriptor: OSError EBADF, in
+    an after-fork handler, which skipped handing the guarded slots out again.)"""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    guard = _process.ForkGuard(read)
+    said: list[object] = []
+
+    def wait() -> None:
+        try:
+            said.append(guard.ended(0.5))
+        except OSError as error:
+            said.append(error)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)
+    guard.close()
+    waiter.join(10)
+    os.close(write)
+    assert said == [True]
+    assert guard.ended() and guard.ended(0.1)
