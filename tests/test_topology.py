@@ -7,7 +7,10 @@ from __future__ import annotations
 import ast
 import filecmp
 import json
+import re
 import shutil
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -177,6 +180,7 @@ def test_cuda_visible_devices_reorders_and_filters(visible: str, physical: list[
         ("0,MIG-3f2e9c1a-0000-1111-2222-333344445555", "matches none of the GPUs here", 1),
         ("1,1", "repeats a device", 1),
         ("0,banana", "is not a device", 1),
+        ("--1", r"entry '--1' \(position 0\) is not a device", 0),  # CUDA stops at an entry it cannot read
     ],
 )
 def test_unusable_cuda_visible_devices_entries_say_why(visible: str, message: str, kept: int) -> None:
@@ -342,6 +346,22 @@ def test_a_gpu_memory_node_the_topology_lacks_is_unknown_with_a_warning(tmp_path
     status.write_text("Status:    offline\n")  # a driver that has not onlined the GPU's memory
     topology, messages = load_quietly(root)
     assert topology.gpus[0].memory_node is None and messages == []
+
+
+def test_damaged_nvidia_driver_files_are_skipped_with_a_warning(tmp_path: Path) -> None:
+    root = tmp_path / "gh200"
+    shutil.copytree(FIXTURES / "gh200", root)
+    gpus = root / "proc/driver/nvidia/gpus"
+    information = gpus / "0009:01:00.0/information"
+    information.write_text("GPU UUID: GPU-0a0b0c0d-1111-2222-3333-444455550000\nBus Location: zz:qq:00.0\n")
+    (gpus / "xx:yy:zz").mkdir()
+    (gpus / "xx:yy:zz/numa_status").write_text("Node: 1\n")
+    topology, messages = load_quietly(root)
+    assert [(g.address, g.uuid, g.memory_node) for g in topology.gpus] == [("0009:01:00.0", None, 1)]
+    assert messages == [
+        f"{information}: 'zz:qq:00.0' is not a PCI address (like 0000:3b:00.0); GPU skipped",
+        f"{gpus / 'xx:yy:zz'}: 'xx:yy:zz' is not a PCI address (like 0000:3b:00.0); GPU skipped",
+    ]
 
 
 # ---------------------------------------------------------------- containers: cgroup cpusets

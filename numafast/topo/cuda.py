@@ -12,6 +12,7 @@ the live machine.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -20,13 +21,30 @@ from numafast.topo.files import read_fields, warn
 from numafast.topo.model import AMD, AMD_COMPUTE_CLASSES, NVIDIA, Gpu, PciDevice
 
 NVIDIA_GPU_INFO = Path("proc/driver/nvidia/gpus")
+# A PCI address as NVML and the driver write it: [domain:]bus:slot.function, in hex.
+PCI_ADDRESS = re.compile(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
+# A CUDA_VISIBLE_DEVICES index, as CUDA reads one (ASCII digits; a negative one hides the rest).
+DEVICE_INDEX = re.compile(r"-?[0-9]+")
 
 
 def normalize_address(address: str) -> str:
-    """'00000000:3B:00.0' (NVML's busId) -> '0000:3b:00.0' (sysfs's name)."""
-    domain, _, rest = address.strip().lower().rpartition(":")
-    domain, _, bus = domain.rpartition(":")
-    return f"{int(domain or '0', 16):04x}:{bus}:{rest}"
+    """'00000000:3B:00.0' (NVML's busId) -> '0000:3b:00.0' (sysfs's name); ValueError
+    naming the text for anything that is not a PCI address."""
+    match = PCI_ADDRESS.fullmatch(address.strip().lower())
+    if match is None:
+        raise ValueError(f"{address!r} is not a PCI address (like 0000:3b:00.0)")
+    domain, bus, slot, function = match.groups()
+    return f"{int(domain or '0', 16):04x}:{bus}:{slot}.{function}"
+
+
+def _driver_address(written: str, source: Path) -> str | None:
+    """:func:`normalize_address` of an address the driver wrote (``source``: the file or
+    directory name it is in); None, with a warning, when it is damaged."""
+    try:
+        return normalize_address(written)
+    except ValueError as error:
+        warn(f"{source}: {error}; GPU skipped")
+        return None
 
 
 def driver_uuids(root: Path) -> dict[str, str]:
@@ -38,8 +56,9 @@ def driver_uuids(root: Path) -> dict[str, str]:
     for path in sorted(directory.iterdir()):
         fields = read_fields(path / "information") or {}
         uuid = fields.get("GPU UUID")
-        if uuid:
-            uuids[uuid] = normalize_address(fields.get("Bus Location", path.name))
+        written, source = (fields["Bus Location"], path / "information") if "Bus Location" in fields else (path.name, path)
+        if uuid and (address := _driver_address(written, source)):
+            uuids[uuid] = address
     return uuids
 
 
@@ -55,7 +74,7 @@ def driver_memory_nodes(root: Path, node_ids: Sequence[int]) -> dict[str, int]:
         return nodes
     for path in sorted(directory.iterdir()):
         value = (read_fields(path / "numa_status") or {}).get("Node", "")
-        if not value.isdecimal():
+        if not value.isdecimal() or (address := _driver_address(path.name, path)) is None:
             continue
         if int(value) not in node_ids:
             warn(
@@ -63,7 +82,7 @@ def driver_memory_nodes(root: Path, node_ids: Sequence[int]) -> dict[str, int]:
                 f"(nodes {format_ids(node_ids)}); memory node unknown"
             )
             continue
-        nodes[normalize_address(path.name)] = int(value)
+        nodes[address] = int(value)
     return nodes
 
 
@@ -169,7 +188,7 @@ def visible_gpus(
     for position, raw in enumerate(cuda_visible_devices.split(",")):
         entry = raw.strip()
         stop = f"CUDA sees no device from index {len(gpus)} on, nor does this topology"
-        if entry.lstrip("-").isdecimal():
+        if DEVICE_INDEX.fullmatch(entry):
             number = int(entry)
             if not 0 <= number < len(physical):
                 if number >= 0:  # a negative index is the usual way to hide every GPU
