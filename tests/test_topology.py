@@ -490,6 +490,15 @@ def test_damaged_snapshot_gives_a_best_effort_answer_and_warnings() -> None:
         assert any(fragment in m for m in messages), (fragment, messages)
 
 
+def test_a_meminfo_number_in_other_digits_is_no_size(tmp_path: Path) -> None:
+    root = tmp_path / "xeon"
+    shutil.copytree(FIXTURES / "xeon-2s-smt", root)
+    (root / "sys/devices/system/node/node0/meminfo").write_text("Node 0 MemTotal:  \u00b2 kB\n")
+    topology, messages = load_quietly(root)
+    assert topology.node(0).mem_total is None and topology.node(1).mem_total is not None
+    assert any("node0/meminfo: no MemTotal field" in m for m in messages), messages
+
+
 # ---------------------------------------------------------------- mask-only trees, legacy cpusets, caches
 
 NODE0_OF_48 = (*range(12), *range(24, 36))  # socket 0 of the 48-CPU Xeon E5 (make_fixtures.masks_only)

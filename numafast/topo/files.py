@@ -160,7 +160,7 @@ def read_meminfo(path: Path) -> dict[str, int] | None:
     sizes: dict[str, int] = {}
     for name, value in fields.items():
         words = value.split()
-        if name and words and words[0].isdigit():
+        if name and words and words[0].isdecimal():
             sizes[name.split()[-1]] = int(words[0]) * (1024 if words[-1] == "kB" else 1)
     if "MemTotal" not in sizes:
         warn(f"{path}: no MemTotal field; memory treated as unknown")
