@@ -499,6 +499,14 @@ def test_a_meminfo_number_in_other_digits_is_no_size(tmp_path: Path) -> None:
     assert any("node0/meminfo: no MemTotal field" in m for m in messages), messages
 
 
+@pytest.mark.parametrize("root", [None, 5, b"/"])
+def test_from_sysfs_names_the_root_it_takes(root: object) -> None:
+    with pytest.raises(TypeError, match=r"root must be a str or os.PathLike .*, not " + re.escape(repr(root))):
+        Topology.from_sysfs(root)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cuda_visible_devices must be a str as CUDA_VISIBLE_DEVICES holds"):
+        load("dgx-h100", cuda_visible_devices=0)
+
+
 # ---------------------------------------------------------------- mask-only trees, legacy cpusets, caches
 
 NODE0_OF_48 = (*range(12), *range(24, 36))  # socket 0 of the 48-CPU Xeon E5 (make_fixtures.masks_only)

@@ -26,6 +26,13 @@ def read_topology(
     ``live`` takes the allowed sets from the calling thread (sched_getaffinity)
     instead of the files.
     """
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a str or os.PathLike (a directory holding sys/ and proc/), not {root!r}")
+    if cuda_visible_devices is not None and not isinstance(cuda_visible_devices, str):
+        raise TypeError(
+            f"cuda_visible_devices must be a str as CUDA_VISIBLE_DEVICES holds ('0,1', 'GPU-...') or None, "
+            f"not {cuda_visible_devices!r}"
+        )
     base = Path(root)
     if not (base / "sys").is_dir():
         raise FileNotFoundError(f"{base / 'sys'} is not a directory: {base} holds no copy of a machine's sys/")
