@@ -507,6 +507,23 @@ def test_from_sysfs_names_the_root_it_takes(root: object) -> None:
         load("dgx-h100", cuda_visible_devices=0)
 
 
+def test_topology_warnings_point_at_the_callers_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        Topology.from_sysfs(FIXTURES / "damaged")
+    assert caught and {(w.filename, w.lineno) for w in caught} == {(__file__, line)}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "--1")
+    try:
+        with pytest.warns(TopologyWarning, match="'--1' .* is not a device") as record:
+            line = sys._getframe().f_lineno + 1
+            numafast.topology(refresh=True)
+        assert {(w.filename, w.lineno) for w in record} == {(__file__, line)}
+    finally:
+        monkeypatch.undo()
+        numafast.topology(refresh=True)
+
+
 # ---------------------------------------------------------------- mask-only trees, legacy cpusets, caches
 
 NODE0_OF_48 = (*range(12), *range(24, 36))  # socket 0 of the 48-CPU Xeon E5 (make_fixtures.masks_only)
@@ -541,6 +558,16 @@ def test_text_that_is_no_mask_is_refused(text: str) -> None:
 
     with pytest.raises(ValueError):
         parse_mask(text)
+
+
+def test_masks_up_to_65536_bits_are_read_in_linear_time_and_wider_ones_refused() -> None:
+    from numafast.topo.files import parse_mask
+
+    started = time.monotonic()
+    assert parse_mask(",".join(["ffffffff"] * 2048)) == list(range(1 << 16))
+    with pytest.raises(ValueError, match="a mask of 20000 words is wider than any kernel's \\(at most 65536 bits\\)"):
+        parse_mask(",".join(["ffffffff"] * 20000))  # 180 KB of garbage: quadratic, it took seconds
+    assert time.monotonic() - started < 1
 
 
 def test_a_snapshot_with_only_masks_reads_like_one_with_lists() -> None:

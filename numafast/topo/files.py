@@ -8,6 +8,7 @@ it could read: a topology that is partly known beats a crash in a launcher.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections.abc import Callable
@@ -15,14 +16,18 @@ from pathlib import Path
 
 from numafast._validate import format_ids, parse_ids
 from numafast.errors import TopologyWarning
+from numafast.private import stacklevel_outside
 
 # One word of the kernel's hex mask format: up to 32 bits, in hex.
 MASK_WORD = re.compile(r"[0-9a-fA-F]{1,8}")
+# The widest mask read: 8x the largest NR_CPUS any architecture builds (8192).
+MAX_MASK_BITS = 1 << 16
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # warnings point past it, at the user's line
 
 
 def warn(message: str) -> None:
-    """Report damage in the files a topology was read from."""
-    warnings.warn(message, TopologyWarning, stacklevel=3)
+    """Report damage in the files a topology was read from, at the caller's line outside numafast."""
+    warnings.warn(message, TopologyWarning, stacklevel=stacklevel_outside((_PACKAGE,)))
 
 
 def read_text(path: Path) -> str | None:
@@ -80,15 +85,20 @@ def parse_mask(text: str) -> list[int]:
     ``/proc/PID/status``) print the bitmap as comma-separated 32-bit words in hex,
     most significant first; as many words as the bitmap's width needs (nr_cpu_ids
     or MAX_NUMNODES bits), the first one only as wide as its bits ('ff' on an
-    8-CPU kernel, '0000,00000fff' on a 48-CPU one). ValueError for anything else.
+    8-CPU kernel, '0000,00000fff' on a 48-CPU one). ValueError for anything else,
+    and for a mask wider than :data:`MAX_MASK_BITS`.
     """
     text = text.strip().strip("\x00")
-    value = 0
-    for word in text.split(",") if text else ():
+    words = text.split(",") if text else []
+    if len(words) * 32 > MAX_MASK_BITS:
+        raise ValueError(f"a mask of {len(words)} words is wider than any kernel's (at most {MAX_MASK_BITS} bits)")
+    ids: list[int] = []
+    for position, word in enumerate(reversed(words)):  # least significant first: ids come out sorted
         if not MASK_WORD.fullmatch(word.strip()):
             raise ValueError(f"{word!r} is not a 32-bit hex word")
-        value = value << 32 | int(word, 16)
-    return [bit for bit in range(value.bit_length()) if value >> bit & 1]
+        bits = int(word, 16)
+        ids.extend(32 * position + bit for bit in range(bits.bit_length()) if bits >> bit & 1)
+    return ids
 
 
 def id_set(list_text: str | None, mask_text: str | None, list_source: str, mask_source: str) -> list[int] | None:
