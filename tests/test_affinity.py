@@ -5,12 +5,14 @@ semantics (PyTorch's torch/numa/binding.py, NVIDIA gpu_affinity's set_affinity).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+import numafast
 from numafast import InvalidGpuError, PlacementError, Topology, cpus_for_gpu, plan
 from numafast.cli import main
 
@@ -205,6 +207,32 @@ def test_bad_arguments_name_the_allowed_values() -> None:
         cpus_for_gpu(3, topology=dgx(), nproc_per_node=2)
     with pytest.raises(InvalidGpuError, match="nproc_per_node=9 but this topology has 8 CUDA devices"):
         cpus_for_gpu(0, topology=dgx(), nproc_per_node=9)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"mode": "all", "min_cores": 5, "max_cores": 2}, "min_cores=5 exceeds max_cores=2: no rank can get at least 5"),
+        ({"mode": "node", "max_cores": 2}, "max_cores=2 does nothing in mode node (PyTorch's modes"),
+        ({"mode": "exclusive", "min_cores": 2}, "min_cores=2 does nothing in mode exclusive"),
+        ({"mode": "single", "max_cores": 4}, "max_cores=4 does nothing in mode single: it gives each rank one core"),
+    ],
+)
+def test_core_counts_that_contradict_or_that_the_mode_ignores_are_refused(knobs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpus_for_gpu(0, topology=dgx(), **knobs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan(topology=dgx(), **knobs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("given", ["tests/fixtures/dgx-h100", 5])
+def test_a_topology_that_is_no_topology_is_refused_naming_the_type(given: object) -> None:
+    message = rf"topology must be a numafast.Topology .* or None for this machine's, not {re.escape(repr(given))}"
+    for call in (cpus_for_gpu, numafast.plan_rank, numafast.bind_rank):
+        with pytest.raises(TypeError, match=message):
+            call(0, topology=given)  # type: ignore[operator]
+    with pytest.raises(TypeError, match=message):
+        plan(topology=given)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- plan()

@@ -160,13 +160,14 @@ def test_plan_on_this_machine_without_gpus(capsys: pytest.CaptureFixture[str]) -
         (["--mode", "single", "--max-cores", "4"], "--max-cores 4 does nothing in mode single: it gives each rank one core"),
         (["--mode", "node", "--max-cores", "4"], "--max-cores 4 does nothing in mode node"),
         (["--mode", "exclusive", "--min-cores", "2"], "--min-cores 2 does nothing in mode exclusive"),
+        (["--mode", "all", "--min-cores", "5", "--max-cores", "2"], "--min-cores 5 exceeds --max-cores 2: no rank can"),
     ],
 )
 def test_plan_refuses_a_core_count_its_mode_would_ignore(
     capsys: pytest.CaptureFixture[str], options: list[str], message: str
 ) -> None:
     code, out, err = plan_output(capsys, "--sysfs", str(TESTS / "fixtures" / "dgx-h100"), *options)
-    assert (code, out) == (1, "") and message in err, err
+    assert (code, out) == (2, "") and err.startswith("usage: numafast plan") and f"numafast plan: error: {message}" in err, err
 
 
 @pytest.mark.host_only("reads a snapshot")

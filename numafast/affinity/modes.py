@@ -140,6 +140,7 @@ def cpus_for_gpu(
     min_cores = _core_count(min_cores, "min_cores", 1)
     if max_cores is not None:
         max_cores = _core_count(max_cores, "max_cores", 1)
+    check_core_counts(chosen_mode, min_cores, max_cores)
     site = site_of(machine, gpus[gpu])
     # The other GPUs count where their node is known; one with an unknown node only
     # fails a request about itself.
@@ -173,11 +174,58 @@ def _core_count(value: object, name: str, least: int) -> int:
 
 
 _PYTORCH_MODES = (AffinityMode.NODE, AffinityMode.SOCKET, AffinityMode.EXCLUSIVE, AffinityMode.CORE_COMPLEX)
+# The modes in which max_cores caps a rank's cores: NVIDIA's modes that give several.
+CAPPED_MODES = (AffinityMode.ALL, AffinityMode.UNIQUE_CONTIGUOUS, AffinityMode.UNIQUE_INTERLEAVED)
+ONE_CORE_MODES = (AffinityMode.SINGLE, AffinityMode.SINGLE_UNIQUE)
+
+
+def check_core_counts(mode: AffinityMode, min_cores: int, max_cores: int | None, *, cli: bool = False) -> None:
+    """Refuse core counts that contradict each other or that ``mode`` would ignore: a
+    placement must not quietly differ from what was asked. ValueError naming the knobs,
+    spelled as ``numafast plan``'s options with ``cli``."""
+
+    def spelled(name: str) -> str:
+        return f"--{name.replace('_', '-')}" if cli else name
+
+    def knob(name: str, value: object) -> str:
+        return f"{spelled(name)} {value}" if cli else f"{name}={value!r}"
+
+    def example(*knobs: str) -> str:
+        return " ".join(("--mode all", *knobs)) if cli else ", ".join(("mode='all'", *knobs))
+
+    if max_cores is not None and min_cores > max_cores:
+        raise ValueError(
+            f"{knob('min_cores', min_cores)} exceeds {knob('max_cores', max_cores)}: no rank can get at least "
+            f"{min_cores} and at most {max_cores} physical cores; give {spelled('min_cores')} <= {spelled('max_cores')}"
+        )
+    capped = ", ".join(m.value for m in CAPPED_MODES)
+    if mode in ONE_CORE_MODES and max_cores is not None and max_cores > 1:
+        raise ValueError(
+            f"{knob('max_cores', max_cores)} does nothing in mode {mode.value}: it gives each rank one core; "
+            f"{spelled('max_cores')} caps the modes that give several ({capped}), "
+            f"e.g. {example(knob('max_cores', max_cores))}"
+        )
+    ignored = [knob(name, value) for name, value in (("min_cores", min_cores), ("max_cores", max_cores))
+               if value is not None and (name == "max_cores" or value > 1)]  # fmt: skip
+    if mode in _PYTORCH_MODES and ignored:
+        verb = "does" if len(ignored) == 1 else "do"
+        raise ValueError(
+            f"{' and '.join(ignored)} {verb} nothing in mode {mode.value} (PyTorch's modes take whole nodes, "
+            f"sockets or shares); they apply to NVIDIA's modes, e.g. {example(*ignored)}"
+        )
 
 
 def resolve_topology(given: Topology | None) -> Topology:
-    """The topology a planning call was given, else this machine's (cached)."""
-    return given if given is not None else topology()
+    """The topology a planning call was given, else this machine's (cached); TypeError
+    for anything else (a path is read with Topology.from_sysfs)."""
+    if given is None:
+        return topology()
+    if not isinstance(given, Topology):
+        raise TypeError(
+            f"topology must be a numafast.Topology (numafast.topology(), or Topology.from_sysfs(ROOT) "
+            f"for a snapshot) or None for this machine's, not {given!r}"
+        )
+    return given
 
 
 def _cores_for(

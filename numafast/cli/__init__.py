@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from numafast.cli import bench, check, plan, run, show
+from numafast.cli.arguments import UsageError
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = [show, plan, run, check, bench]
@@ -30,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except BrokenPipeError:  # `numafast show | head`
         return 0
+    except UsageError as error:
+        command = subparsers.choices[args.command]
+        command.print_usage(sys.stderr)
+        print(f"{command.prog}: error: {error}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as error:
         print(f"numafast {args.command}: {error}", file=sys.stderr)
         return 1

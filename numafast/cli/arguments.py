@@ -14,6 +14,11 @@ from collections.abc import Callable
 from numafast._validate import allowed_nodes, parse_list
 
 
+class UsageError(ValueError):
+    """Options that contradict each other: reported as argparse reports a bad one (its
+    usage line, then the message; exit status 2)."""
+
+
 def node_list(text: str) -> list[int]:
     """A node list as numactl reads it (all, 0-2,5, !1, +0-1), within the cpuset's nodes."""
     try:

@@ -8,15 +8,11 @@ from collections.abc import Iterator
 
 from numafast._validate import format_ids
 from numafast.affinity import AffinityMode, MemoryPolicy, Plan, Smt, plan
-from numafast.cli.arguments import count
+from numafast.affinity.modes import check_core_counts
+from numafast.cli.arguments import UsageError, count
 from numafast.cli.show import add_topology_arguments, load_topology
 from numafast.topo import Topology
 from numafast.topo.cuda import cuda_devices
-
-# The modes in which --max-cores caps a rank's cores: NVIDIA's modes that give several.
-CAPPED_MODES = (AffinityMode.ALL, AffinityMode.UNIQUE_CONTIGUOUS, AffinityMode.UNIQUE_INTERLEAVED)
-ONE_CORE_MODES = (AffinityMode.SINGLE, AffinityMode.SINGLE_UNIQUE)
-
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("plan", help="plan each local rank's CPUs and memory from its GPU")
@@ -37,7 +33,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    check_core_counts(AffinityMode(args.mode), args.min_cores, args.max_cores)
+    try:
+        check_core_counts(AffinityMode(args.mode), args.min_cores, args.max_cores, cli=True)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     machine = load_topology(args)
     if not machine.gpus:
         raise ValueError(no_gpus(machine, "this machine" if args.sysfs is None else f"the snapshot {args.sysfs}"))
@@ -48,24 +47,6 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(render(result)))
     return 0
-
-
-def check_core_counts(mode: AffinityMode, min_cores: int, max_cores: int | None) -> None:
-    """Refuse a core count the mode would ignore: the plan must not quietly differ from what was asked."""
-    capped = ", ".join(m.value for m in CAPPED_MODES)
-    if mode in ONE_CORE_MODES and max_cores is not None and max_cores > 1:
-        raise ValueError(
-            f"--max-cores {max_cores} does nothing in mode {mode.value}: it gives each rank one core; "
-            f"--max-cores caps the modes that give several ({capped}), e.g. --mode all --max-cores {max_cores}"
-        )
-    nvidia_only = [f"--{name} {value}" for name, value in (("min-cores", min_cores), ("max-cores", max_cores))
-                   if value is not None and (name == "max-cores" or value > 1)]  # fmt: skip
-    if mode not in CAPPED_MODES + ONE_CORE_MODES and nvidia_only:
-        verb = "does" if len(nvidia_only) == 1 else "do"
-        raise ValueError(
-            f"{' and '.join(nvidia_only)} {verb} nothing in mode {mode.value} (PyTorch's modes take whole nodes, "
-            f"sockets or shares); they apply to NVIDIA's modes, e.g. --mode all {' '.join(nvidia_only)}"
-        )
 
 
 def no_gpus(machine: Topology, name: str) -> str:
