@@ -51,7 +51,8 @@ def bench_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str,
         # Refused as the options are read (argparse: exit status 2, the usage first).
         (["--nodes", "3-1"], "argument --nodes: node list '3-1' is neither a number nor a range A-B with A <= B"),
         (["--threads", "0"], "argument --threads: '0': give an integer >= 1"),
-        (["--repetitions", "0"], "argument --repetitions: '0': give an integer >= 1"),
+        (["--repetitions", "0"], "argument --repetitions: '0': give an integer from 1 to 10000"),
+        (["--repetitions", "99999999999999999999"], "argument --repetitions: '99999999999999999999': give an integer from 1 to 10000"),
         (["--expect-local-ratio", "0.5"], "argument --expect-local-ratio: '0.5': give a finite number >= 1"),
         (["--expect-local-ratio", "inf"], "argument --expect-local-ratio: 'inf': give a finite number >= 1"),
         (["--expect-h2d", "-1"], "argument --expect-h2d: '-1': give a finite number > 0"),
@@ -66,6 +67,21 @@ def test_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str], args: li
         code, out, err = exit.code, *capsys.readouterr()
     assert code == (2 if message.startswith("argument") else 1) and out == ""
     assert message in err, err
+
+
+@pytest.mark.parametrize("repetitions", [0, 10_001, 2**40, 2**64])
+def test_python_api_refuses_repetitions_out_of_range_before_measuring(repetitions: int) -> None:
+    message = f"repetitions must be a whole number from 1 to 10000, not {repetitions}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        numafast.bench(repetitions=repetitions, matrices=["latency_ns"], quick=True)
+
+
+def test_python_api_takes_one_matrix_name_and_names_what_matrices_takes() -> None:
+    assert list(numafast.bench(matrices="latency_ns", quick=True, repetitions=1).matrices) == ["latency_ns"]
+    with pytest.raises(TypeError, match=r"matrices must be a matrix name or a list of them \(latency_ns, read_gbps"):
+        numafast.bench(matrices=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="matrix 'read': choose among latency_ns, read_gbps"):
+        numafast.bench(matrices=["read"])
 
 
 def test_python_api_refuses_bad_thresholds() -> None:

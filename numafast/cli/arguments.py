@@ -37,19 +37,21 @@ def cpu_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def count(least: int) -> Callable[[str], int]:
-    """An integer argument of at least ``least`` (``--max-cores 0`` would leave no CPU)."""
+def count(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An integer argument of at least ``least`` (``--max-cores 0`` would leave no CPU)
+    and at most ``most``."""
+    allowed = f">= {least}" if most is None else f"from {least} to {most}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = least - 1
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= {least}")
+        if value < least or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"{text!r}: give an integer {allowed}")
         return value
 
-    parse.__name__ = f"integer >= {least}"
+    parse.__name__ = f"integer {allowed}"
     return parse
 
 

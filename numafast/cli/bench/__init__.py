@@ -37,7 +37,7 @@ from numafast.cli.bench.health import (
 )
 from numafast.cli.bench.measure import bench, cuda_problem
 from numafast.cli.bench.result import MATRICES, BenchResult
-from numafast.cli.bench.settings import COPY_BY
+from numafast.cli.bench.settings import COPY_BY, MAX_REPETITIONS
 from numafast.cli.bench.table import render
 
 __all__ = ["BenchResult", "bench"]
@@ -67,7 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )  # fmt: skip
     parser.add_argument("--threads", type=count(1), metavar="N", help="at most N threads per cell (default: all allowed CPUs of the node)")
     parser.add_argument("--size", type=parse_size, metavar="BYTES", help="bytes per buffer, e.g. 512M (default: 4x the LLC, >= 64M)")
-    parser.add_argument("--repetitions", type=count(1), metavar="N", help="timed repetitions after one warm-up (default: 5 latency, 10 bandwidth)")
+    parser.add_argument("--repetitions", type=count(1, MAX_REPETITIONS), metavar="N", help=f"timed repetitions after one warm-up, at most {MAX_REPETITIONS} (default: 5 latency, 10 bandwidth)")
     parser.add_argument("--quick", action="store_true", help="8 MiB buffers and 2 repetitions: a smoke test; where 8 MiB is under 4x the LLC, says it measured the caches")
     parser.add_argument("--copy-by", choices=COPY_BY, default="destination", help="node_copy_gbps: whose CPUs copy (default: destination)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON (schema numafast.bench/1)")

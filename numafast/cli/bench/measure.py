@@ -129,7 +129,7 @@ def live_topology() -> Topology:
 def bench(
     *,
     nodes: Iterable[int] | None = None,
-    matrices: Iterable[str] | None = None,
+    matrices: str | Iterable[str] | None = None,
     threads: int | None = None,
     size: int | None = None,
     repetitions: int | None = None,
@@ -139,14 +139,14 @@ def bench(
 ) -> BenchResult:
     """Measure latency and bandwidth between every pair of ``nodes`` (default: all).
 
-    ``matrices``: names among latency_ns, read_gbps, copy_gbps, node_copy_gbps (and
-    h2d_gbps, d2h_gbps, h2d_concurrent_gbps, d2h_concurrent_gbps with CUDA);
-    default: all that can be measured here.
+    ``matrices``: a name or a list of names among latency_ns, read_gbps, copy_gbps,
+    node_copy_gbps (and h2d_gbps, d2h_gbps, h2d_concurrent_gbps, d2h_concurrent_gbps
+    with CUDA); default: all that can be measured here.
     ``threads``: at most this many threads per cell (default: every allowed CPU of the
     node; latency always uses one). ``size``: bytes per buffer (default: 4x the
     largest last-level cache, at least 64 MiB; a smaller one is refused unless
-    ``quick``). ``repetitions``: timed repetitions after one warm-up (default 5 for
-    latency, 10 for bandwidth). ``quick``: 8 MiB buffers and 2 repetitions, for a
+    ``quick``). ``repetitions``: timed repetitions after one warm-up, at most 10000
+    (default 5 for latency, 10 for bandwidth). ``quick``: 8 MiB buffers and 2 repetitions, for a
     smoke test (the figures then measure caches as much as memory). ``copy_by``:
     whose CPUs do node_copy_gbps's copies, "destination" or "source".
     ``progress(done, total, label)`` is called after each cell.

@@ -25,6 +25,7 @@ WARMUP = 1
 REPETITIONS = {"latency_ns": 5, "read_gbps": 10, "copy_gbps": 10, "node_copy_gbps": 10}
 GPU_REPETITIONS = 7  # each GPU matrix: the median of these
 QUICK_REPETITIONS = 2
+MAX_REPETITIONS = 10_000  # per cell: more is hours of a run, not a better median
 COPY_BY = ("destination", "source")
 
 CPU_MATRICES = ("latency_ns", "read_gbps", "copy_gbps", "node_copy_gbps")
@@ -59,13 +60,28 @@ class Settings:
         }
 
 
-def _positive(name: str, value: object) -> int | None:
+def _positive(name: str, value: object, most: int | None = None) -> int | None:
+    """``value`` (None, or a whole number of at least 1 and at most ``most``) as an int."""
     if value is None:
         return None
     number = integer(value)
-    if number is None or number < 1:
-        raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
+    if number is None or number < 1 or (most is not None and number > most):
+        bound = "of at least 1" if most is None else f"from 1 to {most}"
+        raise ValueError(f"{name} must be a whole number {bound}, not {value!r}")
     return number
+
+
+def _matrix_names(matrices: str | Iterable[str]) -> list[str]:
+    """The names ``matrices`` holds, each once (one name stands for itself)."""
+    choices = ", ".join(MATRICES)
+    try:
+        names = [matrices] if isinstance(matrices, str) else list(matrices)
+    except TypeError:
+        raise TypeError(f"matrices must be a matrix name or a list of them ({choices}), not {matrices!r}") from None
+    for name in names:
+        if not isinstance(name, str) or name not in MATRICES:
+            raise ValueError(f"matrix {name!r}: choose among {choices}")
+    return list(dict.fromkeys(names))
 
 
 def _buffer_size(size: object, minimum: int, llc: int, quick: bool) -> int:
@@ -88,7 +104,7 @@ def resolve_settings(
     gpu_problem: str | None,
     *,
     nodes: int | Iterable[int] | None,
-    matrices: Iterable[str] | None,
+    matrices: str | Iterable[str] | None,
     threads: int | None,
     size: int | None,
     repetitions: int | None,
@@ -102,10 +118,8 @@ def resolve_settings(
     if matrices is None:
         names = list(CPU_MATRICES) + ([] if gpu_problem else list(GPU_MATRICES))
     else:
-        names = list(dict.fromkeys(matrices))
+        names = _matrix_names(matrices)
         for name in names:
-            if name not in MATRICES:
-                raise ValueError(f"matrix {name!r}: choose among {', '.join(MATRICES)}")
             if name in GPU_MATRICES and gpu_problem:
                 raise ValueError(f"{name} needs CUDA: {gpu_problem}")
         if not names:
@@ -123,7 +137,7 @@ def resolve_settings(
         matrices=names,
         size=-(-size // PAGE_SIZE) * PAGE_SIZE,
         threads=_positive("threads", threads),
-        repetitions=_positive("repetitions", repetitions),
+        repetitions=_positive("repetitions", repetitions, MAX_REPETITIONS),
         quick=bool(quick),
         copy_by=copy_by,
     )
