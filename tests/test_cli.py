@@ -10,13 +10,15 @@ import errno
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from numafast import capabilities, topology
+from numafast import _validate
+from numafast import TopologyWarning, capabilities, topology
 from numafast._validate import parse_list
 from numafast.cli import SUBCOMMANDS, main
 from sysfs_truth import node_cpus, online_nodes
@@ -111,6 +113,40 @@ def test_run_takes_numactls_node_list_syntax() -> None:
 def test_run_refuses_malformed_lists_naming_the_value(options: list[str], message: str) -> None:
     result = numafast("run", *options, "--", "true")
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+@pytest.mark.host_only("argparse refuses them before anything is bound")
+@pytest.mark.parametrize(
+    "options", [["run", "--membind", "0-99999999999"], ["run", "--physcpubind", "0-99999999999"], ["bench", "--nodes", "0-99999999999"]]
+)
+def test_a_list_the_parser_refuses_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], options: list[str]
+) -> None:
+    """The list parser refuses a range too wide to hold (numafast._validate): the CLI says so as argparse does."""
+
+    def refuse(text: str) -> list[int]:
+        raise ValueError(f"{text!r} spans too many ids")
+
+    monkeypatch.setattr(_validate, "parse_ids", refuse)
+    with pytest.raises(SystemExit) as exit:
+        main([*options, "--", "true"] if options[0] == "run" else options)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and f"argument {options[1]}: " in err and "'0-99999999999' spans too many ids" in err, err
+
+
+@pytest.mark.host_only("reads a snapshot")
+def test_show_warns_about_damaged_gpu_files_and_cuda_visible_devices(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    root = tmp_path / "gh200"
+    shutil.copytree(TESTS / "fixtures" / "gh200", root)
+    (root / "proc/driver/nvidia/gpus/0009:01:00.0/information").write_text("GPU UUID: GPU-0a\nBus Location: zz:qq:00.0\n")
+    with pytest.warns(TopologyWarning, match="'zz:qq:00.0' is not a PCI address"):
+        assert main(["show", "--sysfs", str(root)]) == 0
+    with pytest.warns(TopologyWarning, match="'--1' .* is not a device"):
+        assert main(["show", "--sysfs", str(TESTS / "fixtures" / "dgx-h100"), "--cuda-visible-devices=--1"]) == 0
+    capsys.readouterr()
+    live = subprocess.run([sys.executable, "-m", "numafast", "show"], capture_output=True, text=True, cwd=TESTS.parent,
+                          env={**ENV, "CUDA_VISIBLE_DEVICES": "--1"}, timeout=300)  # fmt: skip
+    assert live.returncode == 0 and "'--1' (position 0) is not a device" in live.stderr, live.stderr
 
 
 @pytest.mark.host_only("reads a snapshot")
