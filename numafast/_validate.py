@@ -15,6 +15,8 @@ from enum import Enum
 from functools import cache
 from typing import TypeVar
 
+import numpy as np
+
 from numafast import _libnuma
 from numafast.errors import InvalidCpuSetError, InvalidNodeError, InvalidSizeError, NodeNotAllowedError
 
@@ -110,6 +112,16 @@ def integer(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a bool when it is one, Python's or NumPy's; else TypeError naming
+    ``name`` (1, "yes" or None would otherwise pass for a choice they do not make)."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, not {value!r}")
 
 
 def positive_int(value: object, what: str, *, minimum: int = 1, or_none: bool = False) -> int:

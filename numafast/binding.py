@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from numafast import _libnuma
-from numafast._validate import allowed_nodes, check_cpus, cpus_near, format_ids, id_list, integer, parse_ids
+from numafast._validate import allowed_nodes, check_bool, check_cpus, cpus_near, format_ids, id_list, integer, parse_ids
 from numafast._validate import check_nodes as _check_nodes
 from numafast.capabilities import capabilities, memory_placement_refused
 from numafast.errors import (
@@ -276,12 +276,13 @@ def numa_local(node: int, *, strict: bool = False) -> Placement:
     (CXL or HBM memory, Grace-Hopper GPU memory) runs on its nearest CPU node(s)
     by numa_distance and allocates on itself.
     """
-    placement = _numa_local_placements.get((node, strict)) if type(node) is int else None
+    placement = _numa_local_placements.get((node, strict)) if type(node) is int and type(strict) is bool else None
     if placement is None:
+        strict = check_bool("strict", strict)
         checked = _check_node(node)
         cpus = _node_cpus(checked, cpus_allowed())
-        placement = Placement(cpus, _BIND if strict is True else _PREFERRED, [checked])
-        _numa_local_placements[(checked, strict is True)] = placement
+        placement = Placement(cpus, _BIND if strict else _PREFERRED, [checked])
+        _numa_local_placements[(checked, strict)] = placement
     return placement
 
 
@@ -292,8 +293,9 @@ def numa_local_if_permitted(node: int, *, strict: bool = False) -> Placement:
     The caller says so once (:func:`numafast.capabilities.warn_unplaced`); an explicit
     numa_local raises PolicyNotPermitted instead, and so does ``strict=True``, which asks
     for the node or nothing."""
+    strict = check_bool("strict", strict)
     placement = numa_local(node, strict=strict)
-    if strict is True or not memory_placement_refused():
+    if strict or not memory_placement_refused():
         return placement
     return Placement(placement._cpus, None, [])
 
@@ -436,6 +438,7 @@ def bind_process(node: int, *, strict: bool = False, migrate: bool = False) -> l
     also moves pages already touched on other nodes to ``node``. Returns the ids
     of the threads that were moved.
     """
+    migrate = check_bool("migrate", migrate)
     placement = numa_local(node, strict=strict)
     cpus, nodes = placement._cpus, placement._nodes
     moved = move_every_thread(cpus)  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from numpy.typing import DTypeLike
 
 from numafast import _libnuma
 from numafast._buffers import PAGE_SIZE, Span, flat_bytes, require_whole_pages
-from numafast._validate import allowed_cpus, check_node, check_nodes, cpus_near, format_ids, integer
+from numafast._validate import allowed_cpus, check_bool, check_node, check_nodes, cpus_near, format_ids, integer
 from numafast.errors import (
     InvalidNodeError,
     InvalidSizeError,
@@ -134,6 +134,8 @@ def allocate(
     if size is None or size <= 0:
         raise InvalidSizeError(f"cannot allocate {nbytes!r} bytes: the size must be a positive integer")
     nbytes = size
+    hugepages, pretouch = check_bool("hugepages", hugepages), check_bool("pretouch", pretouch)
+    unplaced_ok = check_bool("unplaced_ok", unplaced_ok)
     targets = _target_nodes(node, nodes)
     thp = _thp_size(THP_ENABLED_FILE if shared_file is None else THP_SHMEM_FILE)
     # Whole pages: mbind and madvise act on the pages wholly inside a buffer, and the
@@ -237,6 +239,7 @@ def mbind(
         choices = ", ".join(m.value for m in MBIND_MODES)
         raise ValueError(f"mode {str(getattr(mode, 'value', mode))!r}: choose one of {choices}")
     mode = Mode(mode)
+    move = check_bool("move", move)
     targets = check_nodes(nodes)
     if mode is Mode.PREFERRED and len(targets) != 1:
         raise InvalidNodeError(f"mode 'preferred' takes one node, not {format_ids(targets)}")

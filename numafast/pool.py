@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 from numafast import _libnuma, _process
 from numafast._buffers import PAGE_SIZE
-from numafast._validate import allowed_cpus, check_node, cpus_near, positive_int
+from numafast._validate import allowed_cpus, check_bool, check_node, cpus_near, positive_int
 from numafast.errors import (
     CudaUnavailable,
     InvalidGpuError,
@@ -373,6 +373,7 @@ class PinnedPool:
         node = check_node(node)
         slot_bytes = positive_int(slot_bytes, "slot_bytes")
         slots = positive_int(slots, "slots")
+        hugepages, prefault = check_bool("hugepages", hugepages), check_bool("prefault", prefault)
         lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
         register_mode: RegisterMode = parse_mode(register, RegisterMode, "register")
         self._wait = _wait_of(timeout)
@@ -536,7 +537,7 @@ class PinnedPool:
         """Free the slots whose GPU copies are done (workers lease only free slots); with
         ``wait`` and none free, wait for the oldest copy first. From any thread (it
         records no fence); nothing without CUDA."""
-        self._slots.reap(wait)
+        self._slots.reap(check_bool("wait", wait))
 
     def guard_held(self, guard: _process.ForkGuard) -> int:
         """Before a fork: keep the slots held now out of use, once given back, until

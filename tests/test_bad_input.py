@@ -43,6 +43,16 @@ CASES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("numafast.numa_local([0, 1])", "InvalidNodeError",
      ("node [0, 1] is not an integer node id", "to run on CPUs [0, 1], use cpubind(cpus=[0, 1])", "nodes here: ")),
     ("numafast.topolgy", "AttributeError", ("module 'numafast' has no attribute 'topolgy'",)),
+    # flags are bools: 1, "yes" or None are no answer to a yes-or-no question; NumPy's bools are bools
+    (f"numafast.numa_local({NODE}, strict=np.True_)", None, ()),
+    (f"numafast.numa_local({NODE}, strict=1)", "TypeError", ("strict must be True or False, not 1",)),
+    (f"numafast.numa_local({NODE}, strict='yes')", "TypeError", ("strict must be True or False, not 'yes'",)),
+    (f"numafast.bind({NODE}, strict=None)", "TypeError", ("strict must be True or False, not None",)),
+    (f"numafast.bind_process({NODE}, migrate='no')", "TypeError", ("migrate must be True or False, not 'no'",)),
+    ("numafast.empty(4096, 'uint8', hugepages='no')", "TypeError", ("hugepages must be True or False, not 'no'",)),
+    (f"numafast.mbind(numafast.empty(8192, 'uint8'), {NODE}, move=0)", "TypeError", ("move must be True or False, not 0",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1, prefault=None)", "TypeError", ("prefault must be True or False, not None",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 1).reap(wait='yes')", "TypeError", ("wait must be True or False, not 'yes'",)),
     # CPU arguments
     (f"numafast.cpubind(cpus={CPU})", None, ()),
     (f"numafast.cpubind(cpus=[np.int64({CPU})])", None, ()),

@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import numafast
@@ -186,6 +187,22 @@ def test_bad_input_names_the_value_and_what_is_allowed(make, error, message) -> 
     before = state()
     with pytest.raises(error, match=message):
         make()
+    assert state() == before
+
+
+def test_numpy_bools_are_bools_and_other_values_of_strict_are_refused() -> None:
+    numafast.binding._numa_local_placements.clear()  # np.True_ must not depend on a cached strict=True
+    with numafast.numa_local(NODE, strict=np.True_):
+        assert thread_policy() == (_libnuma.MPOL_BIND, [NODE])
+    with numafast.numa_local(NODE, strict=np.False_):
+        assert thread_policy() == (_libnuma.MPOL_PREFERRED, [NODE])
+    with numafast.numa_local(NODE, strict=True):  # 1 == True: the cache must not answer for it
+        pass
+    before = state()
+    with pytest.raises(TypeError, match="strict must be True or False, not 1"):
+        numafast.numa_local(NODE, strict=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="migrate must be True or False, not 'yes'"):
+        numafast.bind_process(NODE, migrate="yes")  # type: ignore[arg-type]
     assert state() == before
 
 
