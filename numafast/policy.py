@@ -76,9 +76,13 @@ _TAKE_NO_NODES = (Mode.DEFAULT, Mode.LOCAL)
 
 def mode_flags(flags: Iterable[ModeFlag | str] | ModeFlag | str) -> frozenset[ModeFlag]:
     """Mode flags given as members or names (one, or an iterable); ValueError naming a bad
-    one and the allowed names."""
-    given = [flags] if isinstance(flags, str) else list(flags)
-    return frozenset(member(ModeFlag, flag, "flag") for flag in given)
+    one and the allowed names, TypeError for neither a name nor an iterable of them."""
+    if isinstance(flags, str):
+        return frozenset((member(ModeFlag, flags, "flag"),))
+    if isinstance(flags, Iterable) and not isinstance(flags, (bytes, bytearray)):
+        return frozenset(member(ModeFlag, flag, "flag") for flag in flags)
+    names = ", ".join(repr(flag.value) for flag in ModeFlag)
+    raise TypeError(f"flags={flags!r}: give a flag name or a list of them (() for none); flags: {names}")
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,14 @@ class Policy:
     @classmethod
     def from_kernel(cls, mode_word: int, nodes: Iterable[int]) -> Policy:
         """The policy get_mempolicy(2) reported as a mode word (flags OR'd in) and nodes."""
-        flags = frozenset(flag for flag, bit in FLAG_BITS.items() if mode_word & bit)
-        return cls(_MODES_BY_NUMBER[mode_word & ~_ALL_FLAG_BITS], tuple(sorted(nodes)), flags)
+        word = integer(mode_word)
+        mode = None if word is None else _MODES_BY_NUMBER.get(word & ~_ALL_FLAG_BITS)
+        if word is None or mode is None:
+            modes = ", ".join(f"{number} ({known.value})" for known, number in MODE_NUMBERS.items())
+            bits = ", ".join(f"{bit:#x} ({flag.value})" for flag, bit in FLAG_BITS.items())
+            raise ValueError(f"mode word {mode_word!r} holds no known mode; modes: {modes}; flag bits OR'd in: {bits}")
+        flags = frozenset(flag for flag, bit in FLAG_BITS.items() if word & bit)
+        return cls(mode, tuple(sorted(nodes)), flags)
 
     def to_kernel(self) -> tuple[int, list[int]]:
         """(mode word with the flags OR'd in, nodes): the arguments of set_mempolicy(2)."""
@@ -129,6 +139,8 @@ def get_policy() -> Policy:
 
 def set_policy(policy: Policy) -> None:
     """Make ``policy`` the calling thread's memory policy; nodes are validated first."""
+    if not isinstance(policy, Policy):
+        raise TypeError(f"set_policy takes a numafast.Policy, like Policy('bind', (0,)), not {policy!r}")
     if policy.mode in _NEED_NODES and not policy.nodes:
         raise InvalidNodeError(
             f"mode {policy.mode.value!r} needs at least one node, none given; nodes here: {format_ids(online_nodes())}"

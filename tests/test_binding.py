@@ -179,6 +179,7 @@ release.set()
         (lambda: numafast.cpubind(cpus=[0], nodes=[0]), TypeError, "exactly one"),
         (lambda: numafast.membind([NODE], flags=["sticky"]), ValueError, "flag='sticky' is not one of 'static_nodes', 'relative_nodes'"),
         (lambda: numafast.interleave([NODE], weights=[1, 2]), numafast.InvalidWeightsError, "2 weights for 1 nodes"),
+        (lambda: numafast.membind([NODE], flags=None), TypeError, "flags=None: give a flag name or a list"),
     ],
 )
 def test_bad_input_names_the_value_and_what_is_allowed(make, error, message) -> None:  # type: ignore[no-untyped-def]
