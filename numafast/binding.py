@@ -355,8 +355,9 @@ def interleave(
     checked = _check_nodes(given)
     if weights is None:
         return Placement(None, _mode_word(Mode.INTERLEAVE, flags), checked)
+    wanted = _check_weights([int(node) for node in given], weights)  # type: ignore[call-overload]
     _require("weighted_interleave")
-    _check_weights([integer(node) for node in given], list(weights))
+    _match_system_weights(wanted)
     return Placement(None, _mode_word(Mode.WEIGHTED_INTERLEAVE, flags), checked)
 
 
@@ -371,15 +372,26 @@ def _require(feature: str) -> None:
         raise PolicyUnsupported(f"{feature} is not available here: {capability.reason}")
 
 
-def _check_weights(nodes: list[int | None], weights: list[object]) -> None:
-    if len(weights) != len(nodes):
-        raise InvalidWeightsError(f"{len(weights)} weights for {len(nodes)} nodes {nodes}; give one per node")
-    for weight in weights:
-        value = integer(weight)
+def _check_weights(nodes: list[int], weights: object) -> dict[int, int]:
+    """{node: its weight}, one integer in 1..255 for each node given once; else InvalidWeightsError."""
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
+        raise InvalidWeightsError(f"weights {weights!r} is not a list: give one weight (1..255) per node, in order")
+    given = list(weights)
+    if len(given) != len(nodes):
+        raise InvalidWeightsError(f"{len(given)} weights for {len(nodes)} nodes {nodes}; give one per node")
+    values = [integer(weight) for weight in given]
+    for weight, value in zip(given, values):
         if value is None or not 1 <= value <= 255:
             raise InvalidWeightsError(f"weight {weight!r} is not an integer in 1..255")
-    system = {node: int((WEIGHTS_DIR / f"node{node}").read_text()) for node in nodes}
-    wanted = {node: integer(weight) for node, weight in zip(nodes, weights)}
+    if len(set(nodes)) != len(nodes):
+        twice = format_ids(node for node in nodes if nodes.count(node) > 1)
+        raise InvalidWeightsError(f"node {twice} given more than once in {nodes}: with weights, give each node once")
+    return dict(zip(nodes, values))  # type: ignore[arg-type]
+
+
+def _match_system_weights(wanted: dict[int, int]) -> None:
+    """InvalidWeightsError unless the kernel's system-wide weights are ``wanted``."""
+    system = {node: int((WEIGHTS_DIR / f"node{node}").read_text()) for node in wanted}
     if system != wanted:
         commands = "; ".join(f"echo {w} > {WEIGHTS_DIR}/node{n}" for n, w in wanted.items())
         raise InvalidWeightsError(
