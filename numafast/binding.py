@@ -209,10 +209,15 @@ class Placement(ContextDecorator):
 
     def __exit__(self, *exc_info: object) -> None:
         stack = _entries.stack
-        entered, saved = stack.pop()
-        if entered is not self:  # blocks left out of order (generators): find ours
-            stack.append((entered, saved))
-            index = max(i for i, (placement, _) in enumerate(stack) if placement is self)
+        if stack and stack[-1][0] is self:
+            saved = stack.pop()[1]
+        else:  # blocks left out of order (generators): find ours
+            index = max((i for i, (placement, _) in enumerate(stack) if placement is self), default=-1)
+            if index < 0:
+                raise RuntimeError(
+                    "this placement block was not entered in this thread: a block is left by the thread that "
+                    "entered it, once for each time it entered (affinity and memory policy are per thread)"
+                )
             saved = stack.pop(index)[1]
         saved_cpus, cpus_changed, saved_policy = saved
         try:

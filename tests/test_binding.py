@@ -206,6 +206,28 @@ def test_numpy_bools_are_bools_and_other_values_of_strict_are_refused() -> None:
     assert state() == before
 
 
+def test_leaving_a_block_not_entered_in_this_thread_says_so() -> None:
+    placement = numafast.membind(NODE)
+    with pytest.raises(RuntimeError, match="not entered in this thread"):
+        placement.__exit__(None, None, None)
+    errors: list[BaseException] = []
+
+    def leave() -> None:
+        try:
+            placement.__exit__(None, None, None)
+        except BaseException as error:
+            errors.append(error)
+
+    with placement:
+        inside = thread_policy()
+        thread = threading.Thread(target=leave)
+        thread.start()
+        thread.join()
+        assert thread_policy() == inside  # nothing of this thread's was restored by the other
+    assert [type(e) for e in errors] == [RuntimeError] and "not entered in this thread" in str(errors[0])
+    assert thread_policy() == (_libnuma.MPOL_DEFAULT, [])
+
+
 def test_weighted_interleave_uses_the_kernels_system_wide_weights() -> None:
     if not numafast.capabilities().weighted_interleave.available:
         with pytest.raises(numafast.PolicyUnsupported, match="needs Linux 6.9"):
