@@ -422,6 +422,12 @@ def check_dtype(dtype: object) -> np.dtype:
         ) from None
     if checked.hasobject:
         raise TypeError(f"dtype {checked} holds Python objects, which cannot live in raw memory; give a numeric dtype")
+    if checked.subdtype is not None:
+        base, shape = checked.subdtype
+        raise TypeError(f"dtype {dtype!r} is a subarray dtype ({base} elements in shape {shape}); give the element dtype "
+                        f"{str(base)!r} and add {shape} to the shape")  # fmt: skip
+    if checked.itemsize == 0:
+        raise TypeError(f"dtype {dtype!r} has no size (0 bytes an element); give a length, like 'S16', 'U8' or 'V4'")
     return checked
 
 

@@ -89,6 +89,13 @@ CASES: list[tuple[str, str | None, tuple[str, ...]]] = [
     ("numafast.empty(0)", "InvalidSizeError", ("shape 0 holds no element",)),
     ("numafast.empty(16, 'flaot32')", "TypeError", ("dtype 'flaot32' is not a NumPy data type", "'float32', 'uint8'")),
     ("numafast.empty(16, object)", "TypeError", ("holds Python objects", "give a numeric dtype")),
+    ("numafast.empty(4096, 'f4,(2,)f4')", None, ()),
+    ("numafast.empty(4096, np.dtype(('f4', (2,))))", "TypeError",
+     ("is a subarray dtype", "give the element dtype 'float32' and add (2,) to the shape")),
+    ("numafast.zeros((2, 3), '(2,)f4')", "TypeError", ("dtype '(2,)f4' is a subarray dtype",)),
+    ("numafast.empty(4096, 'S')", "TypeError", ("dtype 'S' has no size (0 bytes an element)", "'S16'")),
+    ("numafast.empty(4096, 'U')", "TypeError", ("dtype 'U' has no size",)),
+    ("numafast.empty(4096, 'V0')", "TypeError", ("dtype 'V0' has no size",)),
     # pinned pools: NumPy integers are sizes
     (f"numafast.PinnedPool({NODE}, np.int64(4096), np.int32(2), timeout=np.int64(1)).acquire(np.int64(100)).nbytes",
      None, ()),
