@@ -373,6 +373,7 @@ class PinnedPool:
         node = check_node(node)
         slot_bytes = positive_int(slot_bytes, "slot_bytes")
         slots = positive_int(slots, "slots")
+        size = pool_bytes(slot_bytes, slots)
         hugepages, prefault = check_bool("hugepages", hugepages), check_bool("prefault", prefault)
         lock_mode: LockMode = parse_mode(lock, LockMode, "lock")
         register_mode: RegisterMode = parse_mode(register, RegisterMode, "register")
@@ -390,7 +391,7 @@ class PinnedPool:
             resources.fd = os.memfd_create(f"{MEMFD_PREFIX}{node}", os.MFD_CLOEXEC)
             # A child forked before the next line finds the mapping in /proc/self/maps.
             resources.region = region = allocate(
-                pool_bytes(slot_bytes, slots),
+                size,
                 node=node,
                 hugepages=hugepages,
                 shared_file=resources.fd,
@@ -727,8 +728,16 @@ def whole_pages(nbytes: int) -> int:
 
 
 def pool_bytes(slot_bytes: int, slots: int) -> int:
-    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then whole-page slots."""
-    return _libnuma.slot_table_bytes(slots) + whole_pages(slot_bytes) * slots
+    """The bytes a pool of ``slots`` x ``slot_bytes`` maps: its slot table, then whole-page
+    slots; InvalidSizeError when that is more than an address space holds."""
+    if slots <= sys.maxsize // PAGE_SIZE:  # a slot takes a page at least: beyond, no pool fits
+        size = _libnuma.slot_table_bytes(slots) + whole_pages(slot_bytes) * slots
+        if size <= sys.maxsize:
+            return size
+    raise InvalidSizeError(
+        f"{slots} slots of {slot_bytes} bytes (each in whole pages of {PAGE_SIZE} bytes, after the slot table) "
+        f"are more than an address space holds ({sys.maxsize} bytes)"
+    )
 
 
 def pool_of(address: int) -> PinnedPool | None:

@@ -17,6 +17,7 @@ cimport cython
 from libc.stdint cimport int64_t
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetObject
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from cpython.ref cimport Py_DECREF, Py_INCREF
 
 
@@ -182,7 +183,12 @@ cdef inline uint64_t _state(uint64_t word) noexcept nogil:
 
 
 def slot_table_bytes(Py_ssize_t count) -> int:
-    """Bytes before slot 0 in a pool of ``count`` slots: the table, in whole pages."""
+    """Bytes before slot 0 in a pool of ``count`` slots: the table, in whole pages;
+    InvalidSizeError for a count whose table no address space holds."""
+    cdef Py_ssize_t most = (PY_SSIZE_T_MAX - <Py_ssize_t>_PAGE) // 16 - _TABLE_HEADER_WORDS
+    if count < 0 or count > most:
+        from numafast.errors import InvalidSizeError
+        raise InvalidSizeError(f"a slot table of {count} slots: the count must be 0 to {most}")
     return <Py_ssize_t>(((_TABLE_HEADER_WORDS + 2 * count) * 8 + _PAGE - 1) & ~(_PAGE - 1))
 
 

@@ -100,6 +100,10 @@ CASES: list[tuple[str, str | None, tuple[str, ...]]] = [
     (f"numafast.PinnedPool({NODE}, np.int64(4096), np.int32(2), timeout=np.int64(1)).acquire(np.int64(100)).nbytes",
      None, ()),
     (f"numafast.PinnedPool({NODE}, 4096.0, 2)", "InvalidSizeError", ("slot_bytes must be a positive integer, not 4096.0",)),
+    (f"numafast.PinnedPool({NODE}, 4096, 2**63)", "InvalidSizeError",
+     ("9223372036854775808 slots of 4096 bytes", "more than an address space holds")),
+    (f"numafast.PinnedPool({NODE}, 2**63, 2)", "InvalidSizeError", ("2 slots of 9223372036854775808 bytes",)),
+    ("_libnuma.slot_table_bytes(2**60)", "InvalidSizeError", ("a slot table of 1152921504606846976 slots", "the count must be 0 to")),
     (f"numafast.PinnedPool({NODE}, 4096, 1).acquire(-1)", "InvalidSizeError", ("nbytes must be a non-negative integer, not -1",)),
     # the pool's calls for the processes that share it: the C slot table's refusals, named
     (f"numafast.PinnedPool({NODE}, 4096, 1).adopt('0', 0, 4096)", "InvalidSizeError", ("index must be a non-negative integer, not '0'",)),
