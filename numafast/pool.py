@@ -463,12 +463,18 @@ class PinnedPool:
     def adopt(self, index: int, generation: int, nbytes: int) -> Slot:
         """Slot ``index``, leased by a worker in ``generation`` (see :meth:`share`) and filled
         with ``nbytes`` bytes, as a slot of this process. LookupError when that lease has
-        ended (the worker died and the slot was reclaimed, or it was adopted already)."""
+        ended (the worker died and the slot was reclaimed, or it was adopted already);
+        InvalidSizeError for an index this pool does not have, SlotTooSmallError for
+        ``nbytes`` larger than a slot."""
         self._check(closed_ok=not self._slots.drained)  # a closed pool still takes its workers' batches
         index, generation, nbytes = _c_integers(("index", index, 63), ("generation", generation, 64),
                                                 ("nbytes", nbytes, 64))  # fmt: skip
         try:
             slot: Slot = self._slots.adopt(index, generation, nbytes)
+        except (IndexError, ValueError) as error:  # the extension's refusals, in numafast's classes
+            raise (InvalidSizeError if isinstance(error, IndexError) else SlotTooSmallError)(
+                f"node-{self.node} pool: {error}"
+            ) from None
         except LookupError as error:
             raise LookupError(f"node-{self.node} pool: {error}; its batch cannot be read any more") from None
         self._fault_in(index, nbytes, filled=True)  # the worker faulted them in: they enter this process's tables
@@ -497,9 +503,13 @@ class PinnedPool:
     def end_lease(self, index: int, generation: int, pid: int) -> bool:
         """End process ``pid``'s lease of slot ``index`` in ``generation`` whose batch this
         process will not take over (it failed on arrival): the slot is free again. False
-        when that lease had ended already (adopted, reclaimed)."""
+        when that lease had ended already (adopted, reclaimed); InvalidSizeError for an index
+        this pool does not have."""
         lease = _c_integers(("index", index, 63), ("generation", generation, 64), ("pid", pid, 63))
-        return self._resources.owner_pid == _process.pid and bool(self._slots.reclaim(*lease))
+        try:
+            return self._resources.owner_pid == _process.pid and bool(self._slots.reclaim(*lease))
+        except IndexError as error:
+            raise InvalidSizeError(f"node-{self.node} pool: {error}") from None
 
     def release_with(self, reservation: Releasable) -> None:
         """Call ``reservation.release()`` once this pool's memory is released (unmapped, its
