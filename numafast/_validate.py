@@ -45,10 +45,14 @@ def format_ids(ids: Iterable[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) or "(none)"
 
 
+# CPU and node ids are below this: 8x the largest NR_CPUS any architecture builds (8192).
+ID_LIMIT = 1 << 16
+
+
 def parse_ids(text: str) -> list[int]:
     """'0-2,5' -> [0, 1, 2, 5], the kernel's list format; tolerates the trailing newline
     and NUL bytes sysfs files may carry. ValueError naming the text for anything else
-    ('3-1', '0-1-2', '0-', 'x')."""
+    ('3-1', '0-1-2', '0-', 'x', an id no kernel has: from :data:`ID_LIMIT` on)."""
     ids: list[int] = []
     for part in text.strip().strip("\x00").split(","):
         part = part.strip()
@@ -59,7 +63,10 @@ def parse_ids(text: str) -> list[int]:
             where = "" if part == text.strip() else f" in {text.strip()!r}"
             raise ValueError(f"{part!r}{where} is neither a number nor a range A-B with A <= B (a list is like 0-2,5)")
         first = int(match[1])
-        ids.extend(range(first, int(match[2] or first) + 1))
+        last = int(match[2] or first)
+        if last >= ID_LIMIT:
+            raise ValueError(f"{part!r} names ids up to {last}: no kernel has one past {ID_LIMIT - 1}")
+        ids.extend(range(first, last + 1))
     return ids
 
 

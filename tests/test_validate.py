@@ -18,6 +18,14 @@ def test_parse_and_format_round_trip(text: str, ids: list[int]) -> None:
         assert parse_ids(format_ids(ids)) == ids
 
 
+@pytest.mark.parametrize("text", ["65536", "0-70000", "1,3-65536"])
+def test_ids_no_kernel_has_are_refused_before_they_are_counted(text: str) -> None:
+    # They were counted out: 0-3000000000 built a list of 3e9 ids (MemoryError, or all memory).
+    with pytest.raises(ValueError, match=r"names ids up to \d+: no kernel has one past 65535"):
+        parse_ids(text)
+    assert parse_ids("65535") == [65535]
+
+
 def test_online_nodes_pass() -> None:
     assert check_nodes(reversed(online_nodes())) == online_nodes()
 

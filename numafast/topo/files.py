@@ -14,14 +14,13 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from numafast._validate import format_ids, parse_ids
+from numafast._validate import ID_LIMIT, format_ids, parse_ids
 from numafast.errors import TopologyWarning
 from numafast.private import stacklevel_outside
 
 # One word of the kernel's hex mask format: up to 32 bits, in hex.
 MASK_WORD = re.compile(r"[0-9a-fA-F]{1,8}")
-# The widest mask read: 8x the largest NR_CPUS any architecture builds (8192).
-MAX_MASK_BITS = 1 << 16
+MAX_MASK_BITS = ID_LIMIT  # the widest mask read
 _PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # warnings point past it, at the user's line
 
 
