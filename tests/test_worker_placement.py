@@ -9,6 +9,7 @@ import os
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 
 from sysfs_truth import node_cpus, online_nodes, thread_policy
@@ -16,6 +17,7 @@ from sysfs_truth import node_cpus, online_nodes, thread_policy
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+import numafast.torch  # noqa: E402
 from numafast.torch import WorkerPlacement  # noqa: E402
 
 NODE = online_nodes()[-1]
@@ -62,3 +64,22 @@ def test_each_worker_runs_and_allocates_on_the_node_then_calls_the_users_functio
 def test_a_placement_survives_pickling_for_spawned_workers() -> None:
     placement = WorkerPlacement(NODE, strict=True, then=user_init)
     assert pickle.loads(pickle.dumps(placement)) == placement
+
+
+@pytest.mark.parametrize(("options", "error", "said"), [
+    ({"node": 4096}, "InvalidNodeError", "node 4096 does not exist"),
+    ({"node": NODE, "strict": "yes"}, "TypeError", "strict must be True or False, not 'yes'"),
+    ({"node": NODE, "then": 5}, "TypeError", "then must be the user's worker_init_fn"),
+])  # fmt: skip
+def test_a_placement_is_checked_where_it_is_made(options: dict[str, Any], error: str, said: str) -> None:
+    # Each was taken as given, to fail (or, strict="yes", bind loosely) in every worker.
+    with pytest.raises(Exception, match=said) as raised:
+        WorkerPlacement(**options)
+    assert type(raised.value).__name__ == error
+
+
+def test_numa_loaders_strict_takes_only_a_bool() -> None:
+    # strict="yes" was kept as given, and its workers' memory only preferred the node.
+    with pytest.raises(TypeError, match="strict must be True or False, not 'yes'"):
+        numafast.torch.NumaLoader(WhereAmI(), strict="yes")
+    assert numafast.torch.NumaLoader(WhereAmI(), strict=np.bool_(True)).strict is True

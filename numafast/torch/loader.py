@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate, default_convert
 
 from numafast import _process, cuda
-from numafast._validate import check_node, positive_int
+from numafast._validate import check_bool, check_node, positive_int
 from numafast.binding import bind, numa_local_if_permitted
 from numafast.capabilities import memory_placement_refused, warn_unplaced
 from numafast.errors import LoaderHint, MemlockError
@@ -78,6 +78,14 @@ class WorkerPlacement:
     node: int
     strict: bool = False
     then: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked here, not first in each worker, where a mistake ends every worker.
+        object.__setattr__(self, "node", check_node(self.node))
+        object.__setattr__(self, "strict", check_bool("strict", self.strict))
+        if self.then is not None and not callable(self.then):
+            raise TypeError(f"then must be the user's worker_init_fn (a callable taking the worker id) or None, "
+                            f"not {self.then!r}")  # fmt: skip
 
     def __call__(self, worker_id: int) -> None:
         bind(self.node, strict=self.strict)
@@ -240,7 +248,7 @@ class NumaLoader(DataLoader[T_co]):
         if node is None:
             node, self._node_guessed = landing_node(self.device)
         self.node: int = check_node(node)
-        self.strict: bool = strict
+        self.strict: bool = check_bool("strict", strict)
         self.lock: str | bool = lock
         workers = settings["num_workers"]
         self._in_flight = (settings["prefetch_factor"] or 2) * workers if workers else 0
