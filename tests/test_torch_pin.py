@@ -325,7 +325,7 @@ def test_the_hook_checks_its_node_and_device_even_where_it_installs_nothing() ->
     # Were taken without a look where torch does not pin.
     with pytest.raises(ValueError, match="device 'bogus' is not a device: give a CUDA device"):
         numafast.torch.pin_memory_hook(loader, device="bogus")
-    with pytest.raises(ValueError, match="device 'meta': numafast copies batches to a CUDA device"):
+    with pytest.raises(ValueError, match="device 'meta': numafast copies to a CUDA device"):
         numafast.torch.pin_memory_hook(loader, device="meta")
     with pytest.raises(TypeError, match=r"device 1\.5: give a CUDA device"):
         numafast.torch.pin_memory_hook(loader, device=1.5)

@@ -56,7 +56,7 @@ def parse_device(device: object) -> torch.device | None:
     if resolved.type == "cpu":
         return None
     if resolved.type != "cuda":
-        raise ValueError(f"device {device!r}: numafast copies batches to a CUDA device or yields host batches (None, 'cpu')")
+        raise ValueError(f"device {device!r}: numafast copies to a CUDA device or yields host batches (None, 'cpu')")
     return resolved
 
 
