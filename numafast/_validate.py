@@ -126,7 +126,7 @@ def check_bool(name: str, value: object) -> bool:
     ``name`` (1, "yes" or None would otherwise pass for a choice they do not make)."""
     if type(value) is bool:
         return value
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, np.bool_):
         return bool(value)
     raise TypeError(f"{name} must be True or False, not {value!r}")
 

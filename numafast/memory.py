@@ -56,7 +56,6 @@ RETRY_DELAYS_S = (0.001, 0.004, 0.016, 0.064, 0.25)
 # Without THP, pages still move in runs this long where each run has one node.
 MOVE_RUN_BYTES = 512 * PAGE_SIZE
 
-_PACKAGE = os.path.dirname(__file__) + os.sep  # where warnings are said from, not pointed at
 
 
 # The set_mempolicy(2) modes that mbind(2) takes with a set of nodes.
@@ -186,7 +185,7 @@ def _bind_fresh(buffer: _libnuma.MappedBuffer, mode: Mode, targets: list[int], u
     except LibnumaError as error:
         if error.errno == errno.ENOSYS or (error.errno == errno.EPERM and unplaced_ok):
             refused = memory_placement_refused() or [("mbind", Capability(False, str(error), error.errno))]
-            warn_unplaced(targets, refused, stacklevel=stacklevel_outside((_PACKAGE,)))
+            warn_unplaced(targets, refused, stacklevel=stacklevel_outside())
             return
         raise_explained(error, f"mbind ({mode.value} {buffer.size} fresh bytes to node {format_ids(targets)})")
 

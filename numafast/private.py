@@ -16,6 +16,7 @@ runtime object ``torch.cuda.cudart()`` returns (or one passed in its place).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from types import FrameType, ModuleType
@@ -30,7 +31,11 @@ start watch's walk to the Process being started and to torch's iterator forking
 (torch/fork_watch.py ``_process_forking``, ``_found_watch``)."""
 
 
-def stacklevel_outside(prefixes: tuple[str, ...], start: int = 1) -> int:
+NUMAFAST_DIR = os.path.dirname(__file__) + os.sep
+"""numafast's own files, which a warning points past (see :func:`stacklevel_outside`)."""
+
+
+def stacklevel_outside(prefixes: tuple[str, ...] = (NUMAFAST_DIR,), start: int = 1) -> int:
     """The ``stacklevel``, counted from the function ``start`` frames above this call (1:
     the one calling it), of the first caller whose file is under none of ``prefixes``:
     the user's line, which a warning points at; 2 where none is (a library's thread)."""

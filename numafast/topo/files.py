@@ -8,7 +8,6 @@ it could read: a topology that is partly known beats a crash in a launcher.
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from collections.abc import Callable
@@ -20,13 +19,11 @@ from numafast.private import stacklevel_outside
 
 # One word of the kernel's hex mask format: up to 32 bits, in hex.
 MASK_WORD = re.compile(r"[0-9a-fA-F]{1,8}")
-MAX_MASK_BITS = ID_LIMIT  # the widest mask read
-_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # warnings point past it, at the user's line
 
 
 def warn(message: str) -> None:
     """Report damage in the files a topology was read from, at the caller's line outside numafast."""
-    warnings.warn(message, TopologyWarning, stacklevel=stacklevel_outside((_PACKAGE,)))
+    warnings.warn(message, TopologyWarning, stacklevel=stacklevel_outside())
 
 
 def read_text(path: Path) -> str | None:
@@ -85,12 +82,12 @@ def parse_mask(text: str) -> list[int]:
     most significant first; as many words as the bitmap's width needs (nr_cpu_ids
     or MAX_NUMNODES bits), the first one only as wide as its bits ('ff' on an
     8-CPU kernel, '0000,00000fff' on a 48-CPU one). ValueError for anything else,
-    and for a mask wider than :data:`MAX_MASK_BITS`.
+    and for a mask wider than :data:`~numafast._validate.ID_LIMIT` bits.
     """
     text = text.strip().strip("\x00")
     words = text.split(",") if text else []
-    if len(words) * 32 > MAX_MASK_BITS:
-        raise ValueError(f"a mask of {len(words)} words is wider than any kernel's (at most {MAX_MASK_BITS} bits)")
+    if len(words) * 32 > ID_LIMIT:
+        raise ValueError(f"a mask of {len(words)} words is wider than any kernel's (at most {ID_LIMIT} bits)")
     ids: list[int] = []
     for position, word in enumerate(reversed(words)):  # least significant first: ids come out sorted
         if not MASK_WORD.fullmatch(word.strip()):
