@@ -128,6 +128,7 @@ def gather_copy(
 
 SLOT_STATES: dict[str, int]
 LEASE_STARTED_BITS: int
+FENCE_WAIT_S: float
 
 def mlock(buf: _BufferLike, on_fault: bool = False) -> None: ...
 def munlock(buf: _BufferLike) -> None: ...

@@ -205,9 +205,9 @@ class _Fence:
 
     ``record()`` records them; a fence made while its thread captures a CUDA graph
     (see :func:`capturing`) records at its first question after the capture, covering
-    all the work queued by then. While capturing, it is never done and is not waited for:
-    a closed pool whose fences were not waited for is released only once its device
-    is idle (numafast.pool, _Resources.release)."""
+    all the work queued by then. While capturing, :meth:`query` answers None: it cannot
+    be asked (an open pool keeps the slot fenced; a closed pool goes on, its memory
+    released only after the capture: numafast.pool, _release_deferred)."""
 
     __slots__ = ("_pending", "device", "events")
 
@@ -222,9 +222,12 @@ class _Fence:
             with on_device(self.device):
                 self.events = pending()
 
-    def query(self) -> bool:
+    def query(self) -> bool | None:
+        """Whether the work these events follow is done; None while this thread captures a
+        CUDA graph. Never waits: numafast polls fences, for a bounded time (an event's
+        own synchronize has no end)."""
         if capturing():
-            return False
+            return None
         self.record()
         with on_device(self.device):
             return all(event.query() for event in self.events)

@@ -343,7 +343,9 @@ class PinnedPool:
 
     ``lock`` / ``register`` take a :class:`LockMode` / :class:`RegisterMode` (or True /
     False). ``timeout``, when every slot is in use: None waits as long as it takes, t
-    waits up to t seconds (0: not at all), then raises :class:`PoolExhaustedError`.
+    waits up to t seconds (0: not at all), then raises :class:`PoolExhaustedError`; so
+    does a wait for a copy to the GPU still running ``_libnuma.FENCE_WAIT_S`` after its
+    slot came back (a kernel that does not end), whatever the timeout.
     ``hugepages`` uses transparent huge pages where the kernel allows.
 
     ``device`` (default: the calling thread's current one) is the CUDA device whose
@@ -434,6 +436,8 @@ class PinnedPool:
             wait = _wait_of(timeout)
         try:
             slot: Slot = slots.acquire(size, wait)
+        except PoolExhaustedError as error:  # a copy to the GPU that does not end (see _libnuma.FENCE_WAIT_S)
+            raise PoolExhaustedError(f"node-{self.node} pool: {error}") from None
         except TimeoutError as error:
             raise PoolExhaustedError(
                 f"node-{self.node} pool: {error}; drop references to earlier batches, or make the pool larger"
@@ -546,9 +550,13 @@ class PinnedPool:
 
     def reap(self, *, wait: bool = False) -> None:
         """Free the slots whose GPU copies are done (workers lease only free slots); with
-        ``wait`` and none free, wait for the oldest copy first. From any thread (it
-        records no fence); nothing without CUDA."""
-        self._slots.reap(check_bool("wait", wait))
+        ``wait`` and none free, wait for the oldest copy first, until
+        ``_libnuma.FENCE_WAIT_S`` after its slot came back: then PoolExhaustedError. From
+        any thread (it records no fence); nothing without CUDA."""
+        try:
+            self._slots.reap(check_bool("wait", wait))
+        except PoolExhaustedError as error:
+            raise PoolExhaustedError(f"node-{self.node} pool: {error}") from None
 
     def guard_held(self, guard: _process.ForkGuard) -> int:
         """Before a fork: keep the slots held now out of use, once given back, until
@@ -643,8 +651,10 @@ class PinnedPool:
 
     def close(self) -> None:
         """Hand out no more slots (waiters raise PoolClosedError), wait for GPU work in
-        flight, and release the memory once the last slot is gone. Idempotent; in a
-        forked child it only marks the child's copy closed."""
+        flight, and release the memory once the last slot is gone. A copy still running
+        ``_libnuma.FENCE_WAIT_S`` after its slot came back is waited for no longer: the
+        memory stays until a later :meth:`settle` finds it done. Idempotent; in a forked
+        child it only marks the child's copy closed."""
         self._slots.close()
 
     def __enter__(self) -> PinnedPool:

@@ -12,6 +12,11 @@
 # call) or at the next acquire(), settle() or close(). The cycle collector clears
 # neither a Slot, its pool, nor the pool's table, which holds the mapping (no_gc_clear):
 # the Slot's deallocator needs them whole.
+#
+# A fence is asked (query()), never waited on: an event's own wait has no end, and a
+# copy behind a kernel that does not end would hang whoever waits. Each wait for one
+# polls, the GIL let go between questions and Ctrl-C heard, and lasts no longer than
+# FENCE_WAIT_S after the slot came back (see there for what each caller does then).
 
 cimport cython
 from libc.stdint cimport int64_t
@@ -133,6 +138,18 @@ cdef double _monotonic() noexcept nogil:
 # (Ctrl-C) and at fences again.
 cdef double _WAIT_STEP_S = 0.05
 cdef double _FENCE_POLL_S = 0.0005
+
+# How long numafast waits for one copy to the GPU: FENCE_WAIT_S after a slot came back,
+# a fence still not done is taken for a kernel that does not end (or a collective
+# waiting for a rank that is gone), and no wait for that copy goes on. acquire() and
+# reap(wait=True) then raise PoolExhaustedError naming the slot; a closed pool's
+# settle() keeps the slot fenced and the memory in place (unregistering or unmapping
+# memory a copy still reads is undefined) for a later settle to ask again; a loader's
+# batch goes unpinned (numafast.torch.owner_pools); a pool released during a CUDA graph
+# capture stays deferred (numafast.pool, _release_deferred). Slots held by arrays or
+# tensors are not bound by it: timeout=None waits as long as they are held. A Python
+# name, read at each wait: a test may lower it.
+FENCE_WAIT_S = 60.0
 
 # The slot table at the start of a pool's mapping: a header, then one 64-bit word per
 # slot, ``generation << 40 | state << 32 | pid``, then one per slot for its leaser,
@@ -356,9 +373,11 @@ cdef class SlotPool:
     """``count`` slots of ``slot_bytes`` in ``region``, after its slot table, handed out as
     :class:`Slot` objects (:meth:`acquire`, or :meth:`adopt` for a worker's lease).
 
-    ``fence(index)``, when given, returns for a slot given back an object with
-    ``query()`` and ``synchronize()`` (CUDA events on the streams reading it): the slot
-    is reused once it is done. A slot held at a fork and given back is reused once
+    ``fence(index)``, when given, returns for a slot given back an object whose
+    ``query()`` says whether the GPU work reading it is done (CUDA events on the streams
+    reading it; None: it cannot be asked now, the thread capturing a CUDA graph): the
+    slot is reused once it is done. Fences are only asked, for FENCE_WAIT_S at most
+    (see the top of this file). A slot held at a fork and given back is reused once
     the guards of those forks ended (:meth:`guard_held`, :meth:`unguard`).
     ``on_drained()`` is called once the pool is closed and no slot is out (held, in
     flight or leased): the memory may go. Only :meth:`settle` calls them; a SlotPool
@@ -386,6 +405,7 @@ cdef class SlotPool:
     cdef readonly double waited_seconds
     cdef object fence
     cdef dict fences  # index: the fence recorded for it, oldest first
+    cdef dict fenced_at  # index: when its fence was recorded (monotonic s), for FENCE_WAIT_S
     cdef object on_drained
     cdef readonly pid_t owner_pid
     cdef readonly bint closed
@@ -409,6 +429,7 @@ cdef class SlotPool:
         self.base = region.address + self.table.header_bytes
         self.fence = fence
         self.fences = {}
+        self.fenced_at = {}
         self.guards = {}
         self.on_drained = on_drained
 
@@ -439,7 +460,9 @@ cdef class SlotPool:
 
     def acquire(self, size_t nbytes, double timeout=-1.0) -> Slot:
         """A free slot exporting its first ``nbytes`` bytes, waiting up to ``timeout`` s
-        (< 0: forever) for one, then TimeoutError; RuntimeError once the pool is closed."""
+        (< 0: as long as slots are held) for one, then TimeoutError; RuntimeError once the
+        pool is closed. PoolExhaustedError (a TimeoutError) sooner when none is free and the
+        oldest copy to the GPU has not finished FENCE_WAIT_S after its slot came back."""
         cdef Py_ssize_t index
         self._check_owner(nbytes)
         index = -1 if self.closed else self._take()
@@ -496,12 +519,14 @@ cdef class SlotPool:
                     self.unguard()
                 if self.fenced:
                     self._fence_returned()
-                    self.reap(timeout < 0)
+                    self.reap()  # this loop asks the fences again every _FENCE_POLL_S
                 if self.closed:
                     raise RuntimeError("the pool was closed while waiting for a slot")
                 index = self._take()
                 if index >= 0:
                     return index
+                if self.fences:
+                    self._check_overdue()
                 if not counted:
                     counted = True
                     self.waits += 1
@@ -529,6 +554,7 @@ cdef class SlotPool:
         """Free a fenced slot whose fence is done, unless another thread just did."""
         if self.fences.get(index) is fence:
             del self.fences[index]
+            del self.fenced_at[index]
             self.fenced -= 1
             self._make_free(index, nf_load64(self.table._slot_word(index)), _FENCED)
 
@@ -581,9 +607,9 @@ cdef class SlotPool:
             Py_DECREF(self)  # never the last reference: the caller holds one
 
     cdef int _fence_returned(self) except -1:
-        """Record a fence for each returned slot (a closed pool waits for it at once: nothing
-        would reap it). A slot whose fence cannot be recorded is retired: handing it out
-        again could overwrite a copy still in flight."""
+        """Record a fence for each returned slot (a closed pool's settle() asks it). A slot
+        whose fence cannot be recorded is retired: handing it out again could overwrite a
+        copy still in flight."""
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef object fence
@@ -597,8 +623,6 @@ cdef class SlotPool:
                 continue  # not returned, or another thread (while a fence let go of the GIL) took it
             try:
                 fence = self.fence(index)
-                if self.closed:
-                    fence.synchronize()
             except BaseException as error:
                 self.table._change(index, _generation(word), _FENCED, owner, _RETIRED, 0, False)
                 self.fenced -= 1
@@ -608,9 +632,51 @@ cdef class SlotPool:
                               RuntimeWarning, stacklevel=2)
                 continue
             self.fences[index] = fence
-            if self.closed:
-                self._unfence(index, fence)
+            self.fenced_at[index] = _monotonic()
         return 0
+
+    cdef object _await_fence(self, Py_ssize_t index, object fence):
+        """Ask slot ``index``'s ``fence`` until it is done (True) or cannot be asked now (None:
+        this thread captures a CUDA graph), or until FENCE_WAIT_S after the slot came back
+        (False: the copy is overdue). Between questions it sleeps with the GIL let go
+        (another thread may free the slot meanwhile: done then), and Ctrl-C ends it."""
+        cdef double pause = _FENCE_POLL_S
+        cdef double left
+        cdef timespec step
+        while self.fences.get(index) is fence:
+            done = fence.query()
+            if done is None:
+                return None
+            if done:
+                return True
+            left = self.fenced_at[index] + FENCE_WAIT_S - _monotonic()
+            if left <= 0:
+                return False
+            left = min(left, pause)
+            pause = min(2 * pause, _WAIT_STEP_S)
+            step.tv_sec = <time_t>left
+            step.tv_nsec = <long>((left - step.tv_sec) * 1e9)
+            with nogil:
+                nanosleep(&step, NULL)
+            PyErr_CheckSignals()  # Ctrl-C ends the wait
+        return True
+
+    cdef int _check_overdue(self) except -1:
+        """No slot could be taken: PoolExhaustedError when the oldest fence's copy, asked once
+        more, has not finished FENCE_WAIT_S after its slot came back."""
+        index, fence = next(iter(self.fences.items()))
+        if _monotonic() - self.fenced_at[index] >= FENCE_WAIT_S and not fence.query():
+            raise self._overdue(index)
+        return 0
+
+    cdef object _overdue(self, Py_ssize_t index):
+        from numafast.errors import PoolExhaustedError
+        return PoolExhaustedError(
+            f"a copy to the GPU from slot {index} has not finished {FENCE_WAIT_S:g} s after the slot came back (a "
+            f"kernel that does not end? a collective waiting for a rank that is gone?), and no other of the "
+            f"{self.table.count} slots is free ({self.fenced} in flight, {self.in_use} held): a slot is not reused "
+            f"while a copy may still read it. Find what the GPU is stuck on (py-spy dump --native shows where each "
+            f"thread waits)")
 
     def guard_held(self, object guard) -> int:
         """Keep each slot this process holds now out of use, once given back, until
@@ -666,23 +732,31 @@ cdef class SlotPool:
     def reap(self, bint wait=False) -> None:
         """Free the fenced slots whose GPU work is done; with ``wait`` and no slot free, wait
         for the oldest fence first (letting go of the GIL: another thread may reap the same
-        slots, each freed once). Records no fence: one is recorded on the recording
+        slots, each freed once), until FENCE_WAIT_S after its slot came back: then, none
+        free still, PoolExhaustedError. Records no fence: one is recorded on the recording
         thread's current stream, which must be the main thread's (settle)."""
         cdef Py_ssize_t index
+        cdef Py_ssize_t overdue = -1
         if not self._owned() or not self.fenced:
             return
         if wait and self.fences and _FREE not in self.table.states():
-            next(iter(self.fences.values())).synchronize()
+            index, fence = next(iter(self.fences.items()))
+            if self._await_fence(index, fence) is False:
+                overdue = index
         for index, fence in list(self.fences.items()):
             if fence.query():
                 self._unfence(index, fence)
+        if overdue >= 0 and _FREE not in self.table.states():
+            raise self._overdue(overdue)
 
     def settle(self) -> bool:
         """Record the returned slots' fences and free the slots whose GPU work is done; a
-        closed pool instead waits for its fences, retires its free slots, and calls
-        on_drained once every slot is retired. True once drained. A worker may lease a
-        free slot even after close: the compare-and-swap that retires it then fails, and
-        the memory goes only once every slot is retired, a state no process leaves."""
+        closed pool instead waits for its fences (until FENCE_WAIT_S after each slot came
+        back: one overdue stays fenced, the memory kept, for a later settle to ask again),
+        retires its free slots, and calls on_drained once every slot is retired. True once
+        drained. A worker may lease a free slot even after close: the compare-and-swap
+        that retires it then fails, and the memory goes only once every slot is retired,
+        a state no process leaves."""
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef bint retired = True
@@ -704,8 +778,11 @@ cdef class SlotPool:
         self.guards.clear()  # a closed pool reuses no slot: its guarded ones retire below
         self._fence_returned()
         for index, fence in list(self.fences.items()):
-            fence.synchronize()
-            self._unfence(index, fence)
+            # A fence that cannot be asked now (this thread captures a CUDA graph) counts as
+            # done: on_drained then releases the memory only after the capture, once a fence
+            # past every stream that may read it is done (numafast.pool, _release_deferred).
+            if self._await_fence(index, fence) is not False:
+                self._unfence(index, fence)
         for index in range(self.table.count):
             while True:
                 word = nf_load64(self.table._slot_word(index))

@@ -227,9 +227,6 @@ class Fence:
     def query(self) -> bool:
         return self.done.is_set()
 
-    def synchronize(self) -> None:
-        assert self.done.wait(30)
-
 
 def test_a_fenced_slot_is_reused_only_once_its_fence_is_done() -> None:
     fences: list[Fence] = []
@@ -301,9 +298,6 @@ def test_a_failing_fence_surfaces_from_acquire_and_leaves_the_pool_usable() -> N
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
             return True
 
-        def synchronize(self) -> None:
-            pass
-
     region = _libnuma.mmap_anonymous(_libnuma.slot_table_bytes(1) + PAGE_SIZE)
     slots = _libnuma.SlotPool(region, PAGE_SIZE, 1, lambda index: Broken())
     slots.acquire(PAGE_SIZE, 0)  # handed out and given back at once: fenced
@@ -343,13 +337,14 @@ def test_threads_waiting_on_the_same_fences_each_get_a_slot_once() -> None:
 
 def test_a_slot_dropped_in_another_thread_runs_no_python_in_its_deallocator() -> None:
     """A Slot's deallocator runs in whichever thread drops it (a pin thread, the cycle
-    collector): it only marks the slot returned. Recording its fence, waiting for it
-    (a closed pool) and releasing the memory run in the main thread, outside it."""
-    where: dict[str, list[int]] = {"fence": [], "synchronize": [], "drained": []}
+    collector): it only marks the slot returned. Recording its fence, asking it (a
+    closed pool waits for it) and releasing the memory run in the main thread, outside it."""
+    where: dict[str, list[int]] = {"fence": [], "query": [], "drained": []}
 
     class Recorded(Fence):
-        def synchronize(self) -> None:
-            where["synchronize"].append(threading.get_ident())
+        def query(self) -> bool:
+            where["query"].append(threading.get_ident())
+            return True
 
     def fence(index: int) -> Fence:
         where["fence"].append(threading.get_ident())
@@ -364,7 +359,7 @@ def test_a_slot_dropped_in_another_thread_runs_no_python_in_its_deallocator() ->
     dropper.join()
     slots.settle()  # done already if the main thread ran its pending call
     main = threading.get_ident()
-    assert where == {"fence": [main], "synchronize": [main], "drained": [main]}, (where, main, dropper.ident)
+    assert where == {"fence": [main], "query": [main], "drained": [main]}, (where, main, dropper.ident)
     assert slots.drained and slots.in_use == 0 and slots.fenced == 0
 
 
