@@ -49,11 +49,17 @@ class HandFence:
 
 class HandFences:
     """What a pool calls as each slot comes back (``fence(index)``): a hand fence, never
-    done until :meth:`complete` (those made after it are done at once)."""
+    done until :meth:`complete` (those made after it are done at once). A PinnedPool
+    given it (see the loader's test) asks its ``device`` and, at exit, ``at_exit()``."""
+
+    device = 0
 
     def __init__(self) -> None:
         self.made: list[HandFence] = []
         self.all_done = False
+
+    def at_exit(self) -> HandFence:
+        return HandFence(self.all_done)
 
     def __call__(self, index: int) -> HandFence:
         self.made.append(HandFence(self.all_done))
@@ -183,3 +189,46 @@ def test_a_closed_pool_whose_copy_never_ends_keeps_its_memory_for_a_later_settle
     fences.complete()
     assert slots.settle() is True
     assert drained == [True] and states(slots) == ["retired", "retired"] and slots.fenced == 0
+
+
+def test_a_loaders_batch_arrives_unpinned_when_every_slot_stays_in_flight(
+    fences: HandFences, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NodePools copying a batch in finds every slot in flight behind a copy that never
+    ends: once the bound passes, the batch reaches the consumer as it is (unpinned), with
+    the unpinned warning saying why, rather than the receiving thread waiting with no end
+    (was: acquire(nbytes, None) on the busy pool). The pools' fences are the hand ones:
+    PinnedPool takes them where registering would give it CUDA's (numafast.pool._register,
+    replaced; nothing is registered, no CUDA call is made)."""
+    torch = pytest.importorskip("torch")
+    from numafast import pool as pool_module
+    from numafast.pages import local_node
+    from numafast.torch.owner_pools import NodePools
+
+    monkeypatch.setattr(pool_module, "_registering_device", lambda mode, device: 0)
+    monkeypatch.setattr(pool_module, "_register", lambda *args, **kwargs: fences)
+    pools = NodePools(local_node(), 2, lock="off", register="off")
+    try:
+        copied = [pools._copy(torch.full((1024,), float(index)), None) for index in range(2)]
+        assert [batch.tolist() for batch in copied] == [[0.0] * 1024, [1.0] * 1024]
+        made = pools.pools[0]
+        assert len(pools.pools) == 1 and made._fences is fences and made.in_use == 2
+        del copied  # both slots given back while "copies to the GPU still read them"
+        made.settle()
+        assert made.stats().in_flight == 2
+        batch = torch.full((1024,), 7.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            arrived = ends_within(GUARD_S, lambda: pools._copy(batch, None))
+        assert arrived is batch and pools.unpinned == 1  # as the DataLoader made it
+        said = [str(warning.message) for warning in caught if "unpinned" in str(warning.message)]
+        assert len(said) == 1 and "copy to the GPU from slot 0 has not finished" in said[0], said
+        assert made.stats().in_flight == 2  # no slot handed out under a running copy
+        fences.complete()  # the copies end: the pools go on pinned
+        pinned = pools._copy(torch.full((1024,), 8.0), None)
+        assert pinned is not batch and made.contains(pinned.data_ptr()) and pinned.tolist() == [8.0] * 1024
+        del pinned
+    finally:
+        fences.complete()
+        pools.close()
+    assert made.settle() and made.stats().bytes_mapped == 0

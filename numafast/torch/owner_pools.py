@@ -48,7 +48,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 import numafast
-from numafast import _process, node_budget
+from numafast import _libnuma, _process, node_budget
 from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import (
     MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode,
@@ -387,7 +387,9 @@ class NodePools:
         """make_room, under ``_making`` (``ahead``: see :meth:`_grow_ahead`)."""
         if more and not ahead:  # workers lease only free slots: free those whose copy to the GPU is done, waiting for the oldest
             for pool in self.pools:
-                pool.reap(wait=True)
+                # A copy past FENCE_WAIT_S keeps its slot in flight: _acquire says so, unpinned.
+                with contextlib.suppress(PoolExhaustedError):
+                    pool.reap(wait=True)
         self._unguard()
         self._reclaim()
         room = self._room()  # read outside the mutex: /proc says which processes live
@@ -613,7 +615,9 @@ class NodePools:
 
     def _acquire(self, nbytes: int) -> tuple[Slot, PinnedPool]:
         """A slot of ``nbytes`` for a copy here: a free one, else one in flight to the GPU
-        (free soon), else a new pool's; _NoRoom, saying why, when no room may be made."""
+        (free soon: waited for up to ``_libnuma.FENCE_WAIT_S``, a copy that does not end
+        sending the batch unpinned), else a new pool's; _NoRoom, saying why, when no room
+        may be made."""
         for _attempt in range(_ACQUIRE_ATTEMPTS):
             self._reclaim()
             with self._mutex:
@@ -625,7 +629,12 @@ class NodePools:
                             return pool.acquire(nbytes, 0), pool
                 busy = [pool for pool, stats in self._counted(nbytes) if stats.in_flight]
             if busy:
-                return busy[0].acquire(nbytes, None), busy[0]
+                try:
+                    return busy[0].acquire(nbytes, _libnuma.FENCE_WAIT_S), busy[0]
+                except PoolExhaustedError as error:  # a copy that does not end, or the slot came free for a worker
+                    with self._mutex:
+                        self.refused = str(error)
+                    break
             if not self.make_room(nbytes, more=True):
                 break
         # Refused, or each new slot was taken by a worker before this thread: the batch goes unpinned.
