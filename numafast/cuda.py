@@ -37,7 +37,6 @@ __all__ = [
     "usable",
     "why_not_usable",
     "register_ranges",
-    "synchronize",
     "wait_fences",
 ]
 
@@ -232,14 +231,6 @@ class _Fence:
         with on_device(self.device):
             return all(event.query() for event in self.events)
 
-    def synchronize(self) -> None:
-        if capturing():
-            return
-        self.record()
-        with on_device(self.device):
-            for event in self.events:  # waits with the GIL released
-                event.synchronize()
-
 
 class SlotEvents:
     """A pool's fences: ``self(index)``, as slot ``index`` comes back, records events on
@@ -272,7 +263,8 @@ class SlotEvents:
     def at_exit(self) -> _Fence:
         """A fence, recorded now, past every copy that may read a slot: on the device's
         current and default streams and on every stream ever named a reader (held slots
-        and slots already back alike)."""
+        and slots already back alike). At exit, and after a CUDA graph capture for a pool
+        released during it (numafast.pool, _release_deferred)."""
         readers = [torch.cuda.current_stream(self.device), torch.cuda.default_stream(self.device), *self.streams]
         unique = [stream for position, stream in enumerate(readers) if stream not in readers[:position]]
         fence = _Fence(lambda: [_recorded(stream) for stream in unique], self.device)
@@ -355,12 +347,6 @@ def wait_fences(fences: Sequence[_Fence], seconds: float) -> bool:
         time.sleep(min(pause, left))
         pause = min(pause * 2, 0.05)
     return True
-
-
-def synchronize(device: int) -> None:
-    """Wait until every stream of ``device`` has finished the work queued on it (torch
-    makes ``device`` current for the wait: no context on another device)."""
-    torch.cuda.synchronize(device)
 
 
 def device_count() -> int:

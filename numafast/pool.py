@@ -27,6 +27,7 @@ import os
 import resource
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ from numafast.pool_worker import MADV_POPULATE_READ, PoolHandle
 from numafast.topo.files import read_fields
 
 if TYPE_CHECKING:
-    from numafast.cuda import Registration, SlotEvents
+    from numafast.cuda import Registration, SlotEvents, _Fence
 
 __all__ = ["LockMode", "PinnedPool", "PoolStats", "RegisterMode", "Slot"]
 
@@ -167,6 +168,10 @@ class _Resources:
         self.region: _libnuma.MappedBuffer | None = None
         self.locked = False
         self.registration: Registration | None = None
+        self.events: SlotEvents | None = None  # the slots' fences, where registered
+        # Released during a CUDA graph capture: a fence recorded after it, past every stream
+        # that may read the memory, and until when it is waited for (see _release_deferred).
+        self.after_capture: tuple[_Fence, float] | None = None
         self.reservation: Releasable | None = None  # given back once the memory is released
         self.released = False
         self.lock = threading.Lock()
@@ -268,10 +273,14 @@ _held_warnings = threading.local()  # .messages: the MemlockWarnings held back i
 FORK_REMAP_FAILED_STATUS = _process.FORK_REMAP_FAILED_STATUS
 
 
-def _release_deferred() -> None:
+def _release_deferred(*, wait: bool = True) -> None:
     """Release the pools drained during a CUDA graph capture (unregistering then would
-    have invalidated it; their fences were not waited for), once this thread captures
-    none: after their devices finished the work queued on them."""
+    have invalidated it; their fences could not be asked), once this thread captures
+    none and a fence recorded then, past every stream that may read them
+    (SlotEvents.at_exit), is done. That fence is waited for until
+    ``_libnuma.FENCE_WAIT_S`` after it was recorded (without ``wait``, only asked),
+    never longer: a pool whose copies have not finished stays deferred, asked again at
+    the next call (a pool made or settled, and at exit)."""
     if not _released_later:
         return
     from numafast import cuda
@@ -280,10 +289,19 @@ def _release_deferred() -> None:
         return
     deferred = list(_released_later)
     del _released_later[:]
-    for device in sorted({resources.registration.device for resources in deferred if resources.registration}):
-        cuda.synchronize(device)
+    kept = []
     for resources in deferred:
-        resources.release()
+        if resources.events is None:  # its pool was never made: no slot was ever read
+            resources.release()
+            continue
+        if resources.after_capture is None:
+            resources.after_capture = resources.events.at_exit(), time.monotonic() + _libnuma.FENCE_WAIT_S
+        fence, deadline = resources.after_capture
+        if cuda.wait_fences([fence], deadline - time.monotonic() if wait else 0.0):
+            resources.release()
+        else:
+            kept.append(resources)
+    _released_later.extend(kept)
 
 
 EXIT_WAIT_S = 30.0
@@ -297,22 +315,29 @@ def _close_at_exit() -> None:
     holds), and stays mapped until the process ends, since an object freed later in
     shutdown may still point into it. Past :data:`EXIT_WAIT_S` (a copy behind a hung
     kernel), such pools stay registered and locked too, said once: unregistering memory
-    a copy still reads is undefined, and the process's end releases both anyway."""
-    _release_deferred()
+    a copy still reads is undefined, and the process's end releases both anyway. So do
+    pools released during a CUDA graph capture whose copies are still running (see
+    _release_deferred), waited for alike."""
+    _release_deferred(wait=False)
     held = []
     for pool in list(_live_pools):
         pool.close()
         if not pool._slots.drained:
             held.append(pool)
     registered = [pool for pool in held if pool._fences is not None]
-    if registered:
+    deferred = [resources.after_capture[0] for resources in _released_later if resources.after_capture]
+    if registered or deferred:
         from numafast import cuda
 
-        if not cuda.wait_fences([pool._fences.at_exit() for pool in registered if pool._fences], EXIT_WAIT_S):
+        fences = [*(pool._fences.at_exit() for pool in registered if pool._fences), *deferred]
+        if cuda.wait_fences(fences, EXIT_WAIT_S):
+            _release_deferred(wait=False)
+        else:
+            captured = f" and {len(deferred)} released during a CUDA graph capture" if deferred else ""
             warnings.warn(
-                f"numafast: at exit, copies from {len(registered)} pinned pool(s) still held had not finished "
-                f"after {EXIT_WAIT_S:g} s (a kernel that does not end?): their memory is left registered, locked "
-                "and mapped until the process ends, rather than unregistered under a running copy",
+                f"numafast: at exit, copies from {len(registered)} pinned pool(s) still held{captured} had not "
+                f"finished after {EXIT_WAIT_S:g} s (a kernel that does not end?): their memory is left registered, "
+                "locked and mapped until the process ends, rather than unregistered under a running copy",
                 RuntimeWarning, stacklevel=1,
             )  # fmt: skip
             held = [pool for pool in held if pool._fences is None]
@@ -403,7 +428,7 @@ class PinnedPool:
             self._lock_note = resources.lock_pages(lock_mode, on_fault=not prefault)
             self._fences: SlotEvents | None = None
             if device is not None:
-                self._fences = _register(resources, device, register_mode, slot_bytes, slots)
+                self._fences = resources.events = _register(resources, device, register_mode, slot_bytes, slots)
             self._slots = _libnuma.SlotPool(region, slot_bytes, slots, self._fences, resources.release)
             self._slots.defer_settle = _process.defer_until_unlocked  # see _process.DeferringLock
             # Dropped: closed then, and released once its last slot is back, leases or not;

@@ -141,15 +141,12 @@ def test_a_fence_is_asked_under_its_pools_device(monkeypatch: pytest.MonkeyPatch
             assert entered, "asked outside the device guard"
             return True
 
-        def synchronize(self) -> None:
-            assert entered, "waited on outside the device guard"
-
     monkeypatch.setattr(cuda, "on_device", on_device)
     fence = cuda._Fence(lambda: [Event(), Event()], 3)
     fence.record()
     assert fence.query()
-    fence.synchronize()
-    assert entered == [3, 3, 3]  # recorded, asked, waited on
+    assert fence.query()
+    assert entered == [3, 3, 3]  # recorded, asked twice (a fence is only asked, never waited on)
 
 
 def test_a_refused_registration_with_register_auto_leaves_the_pools_unregistered_said_once() -> None:
@@ -186,17 +183,15 @@ def test_a_refused_registration_with_register_auto_leaves_the_pools_unregistered
 
 def test_a_fence_made_during_a_graph_capture_records_and_answers_only_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """While the thread captures a CUDA graph (numafast's own ``capturing()`` set to say
-    so: no GPU is involved or pretended), a fence neither records, nor is asked, nor
-    waits: each would invalidate the capture. After it, its first question records."""
+    so: no GPU is involved or pretended), a fence neither records nor is asked: either
+    would invalidate the capture; it answers None (cannot be asked now). After it, its
+    first question records."""
     asked: list[str] = []
 
     class Event:
         def query(self) -> bool:
             asked.append("query")
             return True
-
-        def synchronize(self) -> None:
-            asked.append("synchronize")
 
     def record() -> list[Event]:
         asked.append("record")
@@ -209,10 +204,8 @@ def test_a_fence_made_during_a_graph_capture_records_and_answers_only_after_it(m
     monkeypatch.setattr(cuda, "on_device", on_device)
     monkeypatch.setattr(cuda, "capturing", lambda: True)
     fence = cuda._Fence(record, 0)
-    assert not fence.query()  # never done while capturing: the slot stays fenced
-    fence.synchronize()  # not waited for (a closed pool's memory waits for its device instead)
+    assert fence.query() is None  # cannot be asked while capturing: an open pool's slot stays fenced
     assert asked == []
     monkeypatch.setattr(cuda, "capturing", lambda: False)
-    assert fence.query()
-    fence.synchronize()
-    assert asked == ["record", "query", "synchronize"]
+    assert fence.query() is True
+    assert asked == ["record", "query"]

@@ -50,7 +50,8 @@ class HandFence:
 class HandFences:
     """What a pool calls as each slot comes back (``fence(index)``): a hand fence, never
     done until :meth:`complete` (those made after it are done at once). A PinnedPool
-    given it (see the loader's test) asks its ``device`` and, at exit, ``at_exit()``."""
+    given it (the tests below that need one) asks its ``device``, and ``at_exit()`` for a
+    fence past every copy."""
 
     device = 0
 
@@ -59,7 +60,8 @@ class HandFences:
         self.all_done = False
 
     def at_exit(self) -> HandFence:
-        return HandFence(self.all_done)
+        self.made.append(HandFence(self.all_done))
+        return self.made[-1]
 
     def __call__(self, index: int) -> HandFence:
         self.made.append(HandFence(self.all_done))
@@ -232,3 +234,50 @@ def test_a_loaders_batch_arrives_unpinned_when_every_slot_stays_in_flight(
         fences.complete()
         pools.close()
     assert made.settle() and made.stats().bytes_mapped == 0
+
+
+def test_a_pool_released_during_a_graph_capture_waits_for_its_copies_within_the_bound(
+    fences: HandFences, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registered pool drained while its thread captures a CUDA graph is released only
+    after the capture, once a fence recorded then past every stream that may read it is
+    done: waited for until the bound (was: torch.cuda.synchronize, with no end), then
+    kept deferred and asked again, without waiting, at each pool's settle. The capture
+    is numafast's own ``capturing()`` set to say so, the registration and fences are the
+    test's (no GPU is involved or pretended, no CUDA call is made)."""
+    pytest.importorskip("torch")
+    from numafast import cuda, pool as pool_module
+    from numafast.pages import local_node
+
+    unregistered: list[int] = []
+
+    class HandRegistration:
+        device = 0
+
+        def unregister(self) -> None:
+            unregistered.append(1)
+
+    pool = pool_module.PinnedPool(local_node(), PAGE_SIZE, 2, lock="off", register="off")
+    resources = pool._resources
+    resources.registration = HandRegistration()  # type: ignore[assignment]
+    resources.events = fences  # type: ignore[assignment]
+    try:
+        monkeypatch.setattr(cuda, "capturing", lambda: True)
+        pool.close()  # drained at once (no slot out), inside the capture: released later
+        assert resources in pool_module._released_later and pool.stats().bytes_mapped > 0
+        monkeypatch.setattr(cuda, "capturing", lambda: False)
+        started = time.monotonic()
+        assert ends_within(GUARD_S, pool.settle) is True  # the slots' part is drained
+        assert time.monotonic() - started >= BOUND_S * 0.9  # its after-capture fence waited for, to the bound
+        assert resources in pool_module._released_later and pool.stats().bytes_mapped > 0 and not unregistered
+        started = time.monotonic()
+        ends_within(GUARD_S, pool.settle)
+        assert time.monotonic() - started < BOUND_S  # overdue: asked, not waited for again
+        assert len(fences.made) == 1 and resources in pool_module._released_later
+        fences.complete()
+        pool.settle()
+        assert resources not in pool_module._released_later
+        assert pool.stats().bytes_mapped == 0 and unregistered == [1] and resources.released
+    finally:
+        fences.complete()
+        pool_module._release_deferred()
