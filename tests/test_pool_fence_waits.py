@@ -180,17 +180,25 @@ def test_a_closed_pool_whose_copy_never_ends_keeps_its_memory_for_a_later_settle
     slots.acquire(PAGE_SIZE)  # slot 0: given back before the close, its copy running
     slots.settle()
     box = [slots.acquire(PAGE_SIZE)]  # slot 1: held at the close, given back after it
-    ends_within(GUARD_S, slots.close)
-    assert slots.closed and not slots.drained and drained == []
-    box.clear()  # its settle (a pending call, or the one below) records its fence and waits
-    assert ends_within(GUARD_S, slots.settle) is False
-    assert states(slots) == ["fenced", "fenced"] and drained == [] and not region.freed
-    started = time.monotonic()
-    assert ends_within(GUARD_S, slots.settle) is False  # both overdue: asked once each
-    assert time.monotonic() - started < BOUND_S
-    fences.complete()
-    assert slots.settle() is True
-    assert drained == [True] and states(slots) == ["retired", "retired"] and slots.fenced == 0
+    try:
+        ends_within(GUARD_S, slots.close)
+        assert slots.closed and not slots.drained and drained == []
+        box.clear()  # its settle (a pending call, or the one below) records its fence and waits
+        assert ends_within(GUARD_S, slots.settle) is False
+        assert states(slots) == ["fenced", "fenced"] and drained == [] and not region.freed
+        started = time.monotonic()
+        assert ends_within(GUARD_S, slots.settle) is False  # both overdue: asked once each
+        assert time.monotonic() - started < BOUND_S
+        fences.complete()
+        assert slots.settle() is True
+        assert drained == [True] and states(slots) == ["retired", "retired"] and slots.fenced == 0
+    finally:
+        # Drained here even when the test fails: else the slot comes back with the failure's
+        # traceback, in the cycle collector, whose pending settle would call on_drained after
+        # the collector cleared it.
+        fences.complete()
+        box.clear()
+        slots.settle()
 
 
 def test_a_loaders_batch_arrives_unpinned_when_every_slot_stays_in_flight(
