@@ -48,7 +48,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 import numafast
-from numafast import _libnuma, _process, node_budget
+from numafast import _process, node_budget
 from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import (
     MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode,
@@ -617,7 +617,7 @@ class NodePools:
         """A slot of ``nbytes`` for a copy here: a free one, else one in flight to the GPU
         (free soon: waited for up to ``_libnuma.FENCE_WAIT_S``, a copy that does not end
         sending the batch unpinned), else a new pool's; _NoRoom, saying why, when no room
-        may be made."""
+        may be made. Never a wait for slots held by tensors: a pool is added for those."""
         for _attempt in range(_ACQUIRE_ATTEMPTS):
             self._reclaim()
             with self._mutex:
@@ -628,13 +628,14 @@ class NodePools:
                         with contextlib.suppress(PoolExhaustedError):
                             return pool.acquire(nbytes, 0), pool
                 busy = [pool for pool, stats in self._counted(nbytes) if stats.in_flight]
-            if busy:
+            if busy:  # wait for its oldest copy, then take that slot, unless a worker took it first
                 try:
-                    return busy[0].acquire(nbytes, _libnuma.FENCE_WAIT_S), busy[0]
-                except PoolExhaustedError as error:  # a copy that does not end, or the slot came free for a worker
+                    busy[0].reap(wait=True)
+                except PoolExhaustedError as error:  # a copy that does not end
                     with self._mutex:
                         self.refused = str(error)
                     break
+                continue
             if not self.make_room(nbytes, more=True):
                 break
         # Refused, or each new slot was taken by a worker before this thread: the batch goes unpinned.
