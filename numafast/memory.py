@@ -57,7 +57,6 @@ RETRY_DELAYS_S = (0.001, 0.004, 0.016, 0.064, 0.25)
 MOVE_RUN_BYTES = 512 * PAGE_SIZE
 
 
-
 # The set_mempolicy(2) modes that mbind(2) takes with a set of nodes.
 MBIND_MODES = (Mode.BIND, Mode.INTERLEAVE, Mode.PREFERRED, Mode.PREFERRED_MANY, Mode.WEIGHTED_INTERLEAVE)
 
