@@ -373,6 +373,35 @@ def test_the_watch_holds_no_iterator_while_it_polls_the_tokens(monkeypatch: pyte
     assert not watch.tokens  # the watch ended with its iterator, its token closed
 
 
+def test_the_watch_holds_no_iterator_while_it_kills_a_doomed_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the iterator shuts down, the watch kills the workers whose start error it
+    queued, and each kill waits (for torch to let its workers go, then for the process).
+    An iterator the consumer drops meanwhile goes in the consumer's thread. Held by the
+    watch, it went in the watch's daemon thread: freeing its batches there as the
+    interpreter exits aborted the process ("terminate called without an active
+    exception", once in ~50 runs of a script whose worker's replacements all died)."""
+
+    class Iterator:
+        _shutdown = True
+
+    held = [Iterator()]  # the consumer's reference
+    made = weakref.ref(held[0])
+    watch = fork_watch._StartWatch(contextlib.nullcontext)
+    watch.workers.append(fork_watch._Worker(0, os.getpid(), None))  # started
+    watch.doomed.append((object(), 0))  # a worker whose error the consumer has not met
+    gone_during_kill: list[bool] = []
+
+    def kill_as_the_consumer_drops_it(process: Any) -> None:
+        held.clear()
+        gone_during_kill.append(made() is None)
+
+    monkeypatch.setattr(fork_watch, "_kill", kill_as_the_consumer_drops_it)
+    thread = threading.Thread(target=watch.run, args=(made,))
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and gone_during_kill == [True]
+
+
 class SlowToStart(torch.utils.data.Dataset[Any]):
     """Each worker's first sample takes ``first_s`` seconds."""
 

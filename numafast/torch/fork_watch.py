@@ -228,14 +228,13 @@ class _StartWatch:
             for worker in self.workers:
                 if worker.token is not None:
                     _process.claim(worker.token.read)
-            iterator = made() if self.doomed else None
             for process, _task in self.doomed:
-                _end(iterator, process)
+                _end_after_shutdown(made, process)
             return False
         for worker, token in late:
             self._late(worker, token, started)
         if late and self.condemned:
-            _wake(made())
+            _wake(made)
         return any(worker.token is not None for worker in self.workers) or bool(self.condemned or self.doomed)
 
     def _release(self, worker: _Worker, token: _Token) -> None:
@@ -520,13 +519,26 @@ def _end(iterator: Any, process: Any) -> None:
     by signal" in the consumer for any registered worker killed, even inside the joins of
     its own shutdown. So the process leaves the registered workers first; once the
     iterator is shutting down (torch unregisters them all at its end), the kill waits for
-    that instead, up to ``_SHUTDOWN_WAIT_S``."""
-    if iterator is not None and getattr(iterator, ITERATOR_SHUTDOWN, False):
-        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
-        while getattr(iterator, ITERATOR_WORKER_PIDS_SET, False) is True and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-    elif iterator is not None and (pids := _worker_pids(iterator)) is not None:
+    that instead (:func:`_end_after_shutdown`)."""
+    if getattr(iterator, ITERATOR_SHUTDOWN, False):
+        _end_after_shutdown(weakref.ref(iterator), process)
+        return
+    if (pids := _worker_pids(iterator)) is not None:
         pids(tuple(worker.pid for worker in getattr(iterator, ITERATOR_WORKERS, []) if worker is not process))
+    _kill(process)
+
+
+def _end_after_shutdown(made: weakref.ref[Any], process: Any) -> None:
+    """:func:`_end` once the iterator ``made`` names shuts down: the kill waits until torch
+    let its workers go, up to ``_SHUTDOWN_WAIT_S``. The iterator is looked at, never held
+    across a wait, so one the consumer drops meanwhile goes in the consumer's thread: in
+    the watch's, a daemon, torch's shutdown and the freeing of its batches could still
+    run as the interpreter exits, and a tensor over a slot freed then aborts the process
+    (its deleter takes the GIL, and a daemon thread taking it then exits by a forced
+    unwind: "terminate called without an active exception")."""
+    deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+    while getattr(made(), ITERATOR_WORKER_PIDS_SET, False) is True and time.monotonic() < deadline:
+        time.sleep(POLL_S)
     _kill(process)
 
 
@@ -633,10 +645,11 @@ def _raise_if_a_worker_died(iterator: Any, error: BaseException) -> None:
         time.sleep(POLL_S)
 
 
-def _wake(iterator: Any) -> None:
-    """Wake the thread that iterates ``iterator`` where it waits for a batch (see :class:`_Iterating`)."""
+def _wake(made: weakref.ref[Any]) -> None:
+    """Wake the thread that iterates the iterator ``made`` names where it waits for a batch
+    (see :class:`_Iterating`); its queue held, not the iterator (see :func:`_end_after_shutdown`)."""
     try:
-        getattr(iterator, ITERATOR_RESULT_QUEUE).put((_WAKE, None))
+        getattr(made(), ITERATOR_RESULT_QUEUE).put((_WAKE, None))
     except Exception:  # noqa: BLE001 - gone, or closed: it waits no more
         pass
 
