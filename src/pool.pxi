@@ -411,6 +411,8 @@ cdef class SlotPool:
     cdef readonly bint closed
     cdef readonly bint drained  # on_drained has run
     cdef bint settle_queued
+    cdef bint settling  # a settle() runs: one entered meanwhile asks it to look again
+    cdef bint settle_again
     cdef bint abandoned
     cdef public object defer_settle  # see _settle_pending
     cdef pthread_mutex_t mutex
@@ -756,14 +758,37 @@ cdef class SlotPool:
         retires its free slots, and calls on_drained once every slot is retired. True once
         drained. A worker may lease a free slot even after close: the compare-and-swap
         that retires it then fails, and the memory goes only once every slot is retired,
-        a state no process leaves."""
+        a state no process leaves.
+
+        Python code runs inside a settle (a fence's question, a warning, the finalizers the
+        collector runs at an allocation, and with them the pending call a returned slot
+        queued), and so may another thread while a fence's wait lets go of the GIL. A
+        settle entered meanwhile only asks the one running to look once more: run through,
+        it could release the memory (on_drained) under the first, which then reads the
+        unmapped slot table (a segfault, seen in a fault soak under load). What comes back
+        during that second look is settled by the next settle (acquire, close, a loader's
+        next batch, the pending call of a slot returned after it)."""
+        if self.drained or not self._owned():
+            return self.drained
+        if self.settling:
+            self.settle_again = True
+            return False
+        self.settling = True
+        try:
+            self.settle_again = False
+            if not self._settle_once() and self.settle_again:
+                self._settle_once()
+            return self.drained
+        finally:
+            self.settling = False
+
+    cdef bint _settle_once(self) except -1:
+        """One look of :meth:`settle`."""
         cdef Py_ssize_t index
         cdef uint64_t word
         cdef bint retired = True
         cdef uint64_t state
         cdef object on_drained
-        if self.drained or not self._owned():
-            return self.drained
         if not self.closed:
             # Workers lease only free slots: a fenced one must be freed by this process once
             # its copy is done, or the workers find every slot taken while the GPU idles.

@@ -12,6 +12,8 @@ an end fails here rather than hangs.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -289,3 +291,42 @@ def test_a_pool_released_during_a_graph_capture_waits_for_its_copies_within_the_
     finally:
         fences.complete()
         pool_module._release_deferred()
+
+
+REENTERED_SETTLE = r"""
+import mmap
+from numafast import _libnuma
+
+PAGE = mmap.PAGESIZE
+region = _libnuma.mmap_anonymous(_libnuma.slot_table_bytes(2) + 2 * PAGE)
+
+
+class SettlesAgain:
+    # A fence whose first question runs Python code that settles the same pool.
+    pool = None
+    asked = False
+
+    def query(self):
+        if not self.asked:
+            self.asked = True
+            self.pool.settle()
+        return True
+
+
+fence = SettlesAgain()
+slots = _libnuma.SlotPool(region, PAGE, 2, lambda index: fence, on_drained=region.free)
+fence.pool = slots
+slots.acquire(PAGE)  # given back at once: fenced as the pool closes
+slots.close()
+print(slots.drained, region.freed, slots.table.states() if not region.freed else "")
+"""
+
+
+def test_a_settle_entered_during_a_settle_leaves_the_memory_to_the_first() -> None:
+    """Python code runs inside settle() (here a fence's question; in a loader, the
+    finalizers the collector runs, and the pending call a returned slot queued). A
+    settle entered there ran through and released the memory (on_drained) under the
+    first, which then read the unmapped slot table: a segfault (seen once in a fault soak
+    under load). In a child process, where that would kill only the child."""
+    result = subprocess.run([sys.executable, "-c", REENTERED_SETTLE], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.split()) == (0, ["True", "True"]), (result.returncode, result.stderr)
