@@ -497,3 +497,32 @@ def test_pytorchs_shuffler_iterdatapipe_test_through_numaloader() -> None:
     assert result.stdout.split("\n")[-2] == "waited []", result.stdout
     # Its kept batches' slots come back as the interpreter ends: nothing may fail then.
     assert "Exception ignored" not in result.stderr, result.stderr
+
+
+@SEMANTICS
+def test_a_pool_with_fewer_slots_than_asked_says_so_once_at_the_users_line() -> None:
+    """slots= more than max_pinned_bytes holds: the pool holds what fits, every batch
+    still lands in order, and one warning names both counts and the limit (it was a
+    silent clamp: slots=10**12 made a pool of what the budget held, unsaid)."""
+    gc.collect()
+    numafast.torch.close_idle_pools()
+    cap = 1 << 20
+    loader = numafast.torch.NumaLoader(DataLoader(Images(64), batch_size=8, num_workers=2), slots=10**12,
+                                       max_pinned_bytes=cap)  # fmt: skip
+    for _epoch in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for index, (images, labels) in enumerate(loader):
+                assert labels.tolist() == list(range(8 * index, 8 * index + 8))
+                assert all(torch.equal(image, torch.full((3, 32, 32), float(label))) for image, label in zip(images, labels))
+        said = [warning for warning in caught if "asked for" in str(warning.message)]
+        if _epoch:
+            assert not said, numafast_warnings(caught)  # once
+            continue
+        stats = loader.stats()
+        slots = stats.pools[0].slots
+        assert len(stats.pools) == 1 and 2 <= slots < 10**12 and stats.pinned_bytes <= cap, stats
+        assert len(said) == 1 and said[0].filename == __file__, numafast_warnings(caught)
+        message = str(said[0].message)
+        assert f"holds {slots} slots" in message and "not the 1000000000000 asked" in message, message
+        assert f"max_pinned_bytes is {cap} bytes" in message and f"slots={slots} or fewer, or max_pinned_bytes=" in message, message

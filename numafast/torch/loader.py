@@ -171,8 +171,9 @@ class NumaLoader(DataLoader[T_co]):
     usable, else the calling thread's. Neither building nor pickling a loader
     initialises CUDA: the current device is read at the first iteration. ``slots``
     per pinned pool defaults to ``prefetch_factor`` x ``num_workers`` (+ ``prefetch``
-    with a device) + 2, the batch being filled and the one the consumer holds; a
-    consumer that keeps more gets another pool, released once it lets them go.
+    with a device) + 2, the batch being filled and the one the consumer holds (fewer,
+    said once, where ``max_pinned_bytes`` does not hold them); a consumer that keeps
+    more gets another pool, released once it lets them go.
     ``strict`` binds the workers' memory to the node instead of preferring it (and
     raises where the kernel refuses memory policies, as a container without
     CAP_SYS_NICE does; otherwise the loader runs unplaced there and says so once);

@@ -196,6 +196,7 @@ class NodePools:
         # A pool's MemlockWarning, held back to be said at the next batch (_warn_unlocked_pool),
         # and whether that pool was one added for kept batches.
         self._unlocked: tuple[str, bool] | None = None
+        self._fewer_slots = ""  # why a pool holds fewer slots than asked, to be said at the next batch
         self.before_receive: Callable[[], None] = lambda: None  # the hook binds PyTorch's pin thread
         self.taken_over = taken_over
         self.user_thread = threading.current_thread()  # see the NOTE at the top: the loader's maker, until it iterates
@@ -290,6 +291,9 @@ class NodePools:
             self._warn_kept()
         if self._unlocked is not None:
             self._warn_unlocked_pool()
+        if self._fewer_slots:
+            self._warn_once("fewer slots", self._fewer_slots)
+            self._fewer_slots = ""
         if not self.received() % SHRINK_EVERY:
             owner_process_pools.shrink_all(self)
         self._settle_retired()
@@ -398,6 +402,8 @@ class NodePools:
             if not isinstance(wanted, tuple):
                 return wanted
         slot_bytes, count, resize = wanted
+        if resize and 0 < count < self.slots:  # said at the next batch, at the user's line (_after_batch)
+            self._fewer_slots = self._fewer(slot_bytes, count)
         reservation = None
         if count:
             reservation = node_budget.reserve(self.node, pool_bytes(slot_bytes, count), self.node_budget, self.cap)
@@ -464,19 +470,30 @@ class NodePools:
             room = min(room, self.cap - node_budget.process_reserved())
         return room
 
-    def _over(self, slot_bytes: int) -> str:
-        """Why another pool of ``slot_bytes`` slots does not fit."""
-        pool = pool_bytes(slot_bytes, 1)
+    def _over(self, slot_bytes: int, slots: int = 1) -> str:
+        """Why another pool of ``slots`` slots of ``slot_bytes`` does not fit."""
+        pool = pool_bytes(slot_bytes, slots)
+        what = f"another pool of {slot_bytes}-byte slots" if slots == 1 else f"a pool of {slots} {slot_bytes}-byte slots"
         if self.cap is not None and node_budget.process_reserved() + pool > self.cap:
             return (
                 f"max_pinned_bytes is {self.cap} bytes and this process's loader pools map "
-                f"{node_budget.process_reserved()} already; another pool of {slot_bytes}-byte slots would go past it"
+                f"{node_budget.process_reserved()} already; {what} would go past it"
             )
         ledger = node_budget.ledger(self.node)
         return (
             f"node {self.node}'s pinned memory budget is {self.node_budget} bytes, shared by the numafast processes "
-            f"on it, and their loader pools hold {ledger.total()} ({ledger.mine()} this process's); another pool of "
-            f"{slot_bytes}-byte slots would go past it"
+            f"on it, and their loader pools hold {ledger.total()} ({ledger.mine()} this process's); {what} would go "
+            f"past it"
+        )
+
+    def _fewer(self, slot_bytes: int, count: int) -> str:
+        """Why the pool for batches of up to ``slot_bytes`` holds ``count`` slots, fewer than asked."""
+        needed = node_budget.process_reserved() + pool_bytes(slot_bytes, self.slots)
+        room = "" if self.cap is None or needed <= self.cap else f", or max_pinned_bytes={needed} or more"
+        return (
+            f"its pool holds {count} slots of {format_size(slot_bytes)}, not the {self.slots} asked for (slots=, by "
+            f"default prefetch_factor x num_workers + 2): {self._over(slot_bytes, self.slots)}. Pass slots={count} "
+            f"or fewer{room} (each slot holds one batch, in flight or held by the consumer)"
         )
 
     def _refuse(self, why: str) -> bool:
