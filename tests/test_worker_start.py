@@ -598,6 +598,56 @@ def test_a_worker_whose_replacements_die_too_is_named_in_the_error() -> None:
     assert "could not replace it" in error and "os.fork()" not in error, outcome
 
 
+IMPORTING_AT_THE_FORK = """
+import importlib.abc, importlib.machinery, sys, threading
+import torch
+from torch.utils.data import DataLoader
+import numafast.torch
+inside, gate = threading.Event(), threading.Event()
+
+class Held(importlib.abc.Loader):  # numpy.random's import stops here, its module lock held, until the gate opens
+    def __init__(self, real):
+        self.real = real
+    def create_module(self, spec):
+        return self.real.create_module(spec)
+    def exec_module(self, module):
+        inside.set()
+        gate.wait(60)
+        self.real.exec_module(module)
+
+class HoldsNumpyRandom(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "numpy.random._pickle" or threading.current_thread().name != "importer":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec.loader = Held(spec.loader)
+        return spec
+
+sys.meta_path.insert(0, HoldsNumpyRandom())
+threading.Thread(target=lambda: __import__("numpy.random"), name="importer", daemon=True).start()
+inside.wait(2)  # numpy.random loaded already: no wait
+loader = numafast.torch.NumaLoader(DataLoader(list(range(16)), batch_size=4, num_workers=2, timeout=15))
+try:
+    print([batch.tolist() for batch in loader])
+except RuntimeError as error:
+    print(error)
+finally:
+    gate.set()
+"""
+
+
+def test_a_thread_importing_numpy_random_at_the_fork_does_not_stop_the_workers() -> None:
+    """torch's worker loop seeds numpy.random: its first import in a worker forked while
+    another thread was importing it waited for that thread's lock forever (here the
+    DataLoader's timeout ended it: "DataLoader timed out after 15 seconds")."""
+    import subprocess
+
+    ran = subprocess.run([sys.executable, "-c", IMPORTING_AT_THE_FORK], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.strip() == str([list(range(n, n + 4)) for n in range(0, 16, 4)]), ran.stdout
+
+
 _forks_from: list[str] = []  # the thread of each fork of this process, in order
 os.register_at_fork(before=lambda: _forks_from.append(threading.current_thread().name))
 

@@ -10,7 +10,10 @@ native thread that calls into Python (torch and NCCL callbacks, tokenizers, tele
 a ctypes callback) does so on every call. If it held the lock at the fork, the child
 waits inside ``os.fork()`` forever, and the DataLoader for its batches. (A C library's
 ``pthread_atfork`` handler waiting on a lock held at the fork ends the same way, on any
-Python.)
+Python.) An import lock held at the fork stops a worker later, past its start: torch's
+worker loop seeds ``numpy.random``, whose first import in a worker forked while another
+thread was importing it waits forever. So it is imported here, before any worker forks
+(which spares each worker that import too).
 
 So each worker claims a start token (a pipe holding one byte) in an after-fork hook,
 which runs before multiprocessing's bootstrap, so before the worker reads any index.
@@ -49,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
+
+import numpy.random  # noqa: F401 - before any worker forks: see above
 
 from numafast import _process
 from numafast.errors import WorkerStartError
