@@ -141,6 +141,17 @@ def test_show_warns_about_damaged_gpu_files_and_cuda_visible_devices(capsys: pyt
 
 
 @pytest.mark.host_only("reads a snapshot")
+def test_the_commands_warnings_say_the_command_not_a_file_and_line() -> None:
+    """A warning of ``numafast show`` reads as its errors do: ``numafast show: Category:
+    message``, not the console script's line or ``<frozen runpy>:88`` under ``python -m``."""
+    result = numafast("show", "--sysfs", str(TESTS / "fixtures" / "damaged"))
+    said = result.stderr.splitlines()
+    assert result.returncode == 0 and said, result.stderr
+    assert all(line.startswith("numafast show: TopologyWarning: ") for line in said), result.stderr
+    assert any(line.endswith("cpulist: contains NUL bytes; reading only what precedes the first one") for line in said)
+
+
+@pytest.mark.host_only("reads a snapshot")
 def test_plan_refuses_a_core_count_that_leaves_no_cpu_naming_the_option() -> None:
     result = numafast("plan", "--sysfs", str(TESTS / "fixtures" / "dgx-h100"), "--mode", "single", "--max-cores", "0")
     assert result.returncode == 2 and "argument --max-cores: '0': give an integer >= 1" in result.stderr

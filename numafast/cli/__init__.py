@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from numafast.cli import bench, check, plan, run, show
 from numafast.cli.arguments import UsageError
@@ -27,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"numafast: no command given, running show (commands: {', '.join(subparsers.choices)}; "
               "numafast --help)", file=sys.stderr)  # fmt: skip
         args = parser.parse_args(["show"])
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = _said_by(f"numafast {args.command}")
     try:
         return int(args.run(args))
     except BrokenPipeError:  # `numafast show | head`
@@ -39,3 +43,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         print(f"numafast {args.command}: {error}", file=sys.stderr)
         return 1
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _said_by(prog: str) -> Callable[..., str]:
+    """A ``warnings.formatwarning`` for a command: ``prog: Category: message``, as its
+    errors are said, not the file and line of the library code that warned (which is
+    the console script's, or ``<frozen runpy>`` under ``python -m``)."""
+
+    def said(message: Warning | str, category: type[Warning], *_where: Any, **_line: Any) -> str:
+        return f"{prog}: {category.__name__}: {message}\n"
+
+    return said
