@@ -172,7 +172,7 @@ class NumaLoader(DataLoader[T_co]):
     initialises CUDA: the current device is read at the first iteration. ``slots``
     per pinned pool defaults to ``prefetch_factor`` x ``num_workers`` (+ ``prefetch``
     with a device) + 2, the batch being filled and the one the consumer holds (fewer,
-    said once, where ``max_pinned_bytes`` does not hold them); a consumer that keeps
+    said once, where the pinned memory allowed does not hold them); a consumer that keeps
     more gets another pool, released once it lets them go.
     ``strict`` binds the workers' memory to the node instead of preferring it (and
     raises where the kernel refuses memory policies, as a container without
