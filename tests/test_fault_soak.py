@@ -57,6 +57,8 @@ def fds():
     # less torch's: as a worker dies, the DataLoader probes the open-files limit with
     # tempfile.NamedTemporaryFile(), and its SIGCHLD handler, raising "is killed by
     # signal" inside one, leaves that file open (3 runs in ~130 here, each with that error).
+    # (tempfile's first use also opens a probe file, of another name: made here, at the
+    # first count, before any worker can die.)
     found = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
