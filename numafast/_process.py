@@ -344,7 +344,8 @@ def _forked() -> None:
     - ``workers_replaced``: 0. It counts the workers of this process's own loaders
       replaced; those its parent replaced are not the child's.
     - The pools (``live_pools``, ``pool_files``, ``released_later``): inherited, and
-      still its parent's; each file's mappings are made private here, so that the child
+      still its parent's; each file's mappings are made private here (those private
+      already stay: a grandchild reads what its parent inherited), so that the child
       only reads the slots it inherited (workers that fill slots map the file again,
       shared). One that cannot exits here, saying why on stderr: an exception raised in
       an at-fork hook is only printed, and the child would go on writing into its

@@ -174,19 +174,25 @@ class _Resources:
         self.after_capture: tuple[_Fence, float] | None = None
         self.reservation: Releasable | None = None  # given back once the memory is released
         self.released = False
+        self.private = False
+        """Whether this process's view of the file is private (made so at a fork), and so
+        is that of every process forked from it."""
         self.lock = threading.Lock()
         _pool_files.add(self)
 
     def view_privately(self) -> None:
         """In a forked child: make every shared mapping of this file private, at the same
         address (OSError when one cannot be). A pool being made at the fork has no region
-        here yet (its thread is not in the child): /proc/self/maps says where it is."""
+        here yet (its thread is not in the child): /proc/self/maps says where it is. A view
+        private already (the parent's parent's pool) stays as it is: mapped anew from the
+        file, it would read what that pool's owner wrote since, not the batch inherited."""
         fd, region = self.fd, self.region
-        if fd < 0:
-            return  # no file yet, or released: nothing of it is mapped
+        if fd < 0 or self.private:
+            return  # no file yet, or released: nothing of it is mapped; or private already
         if region is not None:
             if not region.freed:
                 _libnuma.remap_private(region.address, region.size, fd, 0)
+            self.private = True
             return
         inode = b"%d" % os.fstat(fd).st_ino
         with open("/proc/self/maps", "rb") as maps:
@@ -196,6 +202,7 @@ class _Resources:
             if len(fields) >= 6 and fields[4] == inode and fields[1][3:4] == b"s" and b"/memfd:" in fields[5]:
                 low, high = (int(part, 16) for part in fields[0].split(b"-"))
                 _libnuma.remap_private(low, high - low, fd, int(fields[2], 16))
+        self.private = True
 
     def lock_pages(self, mode: LockMode, *, on_fault: bool) -> str:
         """Lock the whole region or nothing; return why it is not locked ('' when it is)."""

@@ -111,6 +111,34 @@ def test_once_forked_the_parent_hands_the_slot_out_again_at_once() -> None:
     assert lines == ["guarded 0", "child reads 7 7"]
 
 
+def test_a_grandchild_reads_the_batch_its_parent_inherited_not_the_pools_file() -> None:
+    """The child forks in turn (a fork-context Pool, a DataLoader of its own, a fork-based
+    checkpoint saver) after the parent refilled the slot: the grandchild reads the 7 the
+    child inherited (before: 9, its view of the first process's pool made anew from
+    the file, over the child's copy)."""
+    lines = run("""
+        ready, go = os.pipe()
+        answer_read, answer = os.pipe()
+        pid = os.fork()  # the child: `batch`, 7, held at the fork
+        if pid == 0:
+            os.read(ready, 1)
+            grandchild = os.fork()
+            if grandchild == 0:
+                os.write(answer, f"{batch[0]} {batch[-1]}".encode())
+                os._exit(0)
+            os.waitpid(grandchild, 0)
+            os.write(answer, f" child {batch[0]} {batch[-1]}".encode())
+            os._exit(0)
+        del batch
+        again = np.asarray(pool.acquire(timeout=0))
+        again[:] = 9
+        os.write(go, b"x")
+        os.waitpid(pid, 0)
+        print("grandchild reads", os.read(answer_read, 64).decode())
+    """, preamble=FORKED.split("child = fork_reader")[0])  # fmt: skip
+    assert lines == ["grandchild reads 7 7 child 7 7"]
+
+
 # The same, but the child cannot copy the slots (made to fail here, as running out of
 # memory would): the parent keeps them out of use while that child lives.
 UNCOPIED = """
