@@ -164,10 +164,15 @@ class ForkGuard:
     batch there, or see the parent's writes into the batch it holds. So the child copies
     those slots into memory of its own first thing (a pool's ``copy_guarded``), the parent
     waits up to :data:`FORK_COPY_WAIT_S` for that, and each slot given back meanwhile
-    stays out of use (a pool's ``guard_held``) until the guard ends. What tells: a pipe
-    whose write end (close-on-exec) only the child holds, the parent's copy closed once
-    forked; the child closes it once its copy is made, so the read end kept here reads
-    end-of-file then, or when the child exits or execs (a child that could not copy)."""
+    stays out of use (a pool's ``guard_held``) until the guard ends. A NumaLoader's
+    DataLoader worker (a fork the start watch arms) copies as much as
+    :data:`WORKER_COPY_BYTES` (the loop's last batch, still bound as the next epoch
+    forks): past it (a consumer keeping batches), N workers would each copy every held
+    slot before they could start, N times the bytes held; it copies nothing then, is not
+    waited for, and its guard lasts until it exits. What tells: a pipe whose write end (close-on-exec) only the child holds, the parent's
+    copy closed once forked; the child closes it once its copy is made, so the read end
+    kept here reads end-of-file then, or when the child exits or execs (a worker, or a
+    child that could not copy)."""
 
     __slots__ = ("_read", "_mutex", "__weakref__")
 
@@ -220,6 +225,8 @@ class ForkGuard:
 
 fork_guards: weakref.WeakSet[ForkGuard] = weakref.WeakSet()
 """Every fork guard not collected yet (its pools hold it): a child closes its copies."""
+WORKER_COPY_BYTES = 64 << 20
+"""The most a DataLoader worker copies of the slots held at its fork (see :class:`ForkGuard`)."""
 FORK_COPY_WAIT_S = 2.0
 """How long the parent waits, after a fork, for the child's copy of the slots held at
 it (milliseconds, normally; a child stuck in the fork never makes it: see
@@ -229,15 +236,19 @@ child has exited."""
 
 def _guard_held_slots() -> None:
     """Before a fork, in the forking thread: every slot this process holds is guarded
-    for the child (:class:`ForkGuard`); nothing where none is held."""
+    for the child (:class:`ForkGuard`); nothing where none is held. The fork watch's
+    before-fork step (registered later, so run first) has said whether the child is a
+    worker (``forking.pending``)."""
     pools = [pool for pool in list(live_pools) if pool.in_use]
     if not pools:
         return
     read, write = os.pipe()  # both close-on-exec
     os.set_blocking(read, False)
     guard = ForkGuard(read)
-    if sum(pool.guard_held(guard) for pool in pools):
+    held = sum(pool.guard_held(guard) * pool.slot_bytes for pool in pools)
+    if held:
         forking.guard, forking.guard_write = guard, write
+        forking.guard_copied = held <= WORKER_COPY_BYTES or getattr(forking, "pending", None) is None
     else:
         guard.close()
         os.close(write)
@@ -245,24 +256,26 @@ def _guard_held_slots() -> None:
 
 def _guarded_in_parent() -> None:
     """After the fork, in the parent: only the child holds the guard's write end now;
-    wait for its copy, then hand out again what was given back meanwhile."""
+    wait for its copy (not a worker's: it copies nothing), then hand out again what was
+    given back meanwhile."""
     guard, write = getattr(forking, "guard", None), getattr(forking, "guard_write", None)
     forking.guard = forking.guard_write = None
     if guard is None or write is None:
         return
     os.close(write)
-    if guard.ended(FORK_COPY_WAIT_S):
+    if forking.guard_copied and guard.ended(FORK_COPY_WAIT_S):
         for pool in list(live_pools):
             pool.unguard()
 
 
 def _copied_guarded() -> None:
     """In a forked child: the slots held at its fork copied into its own memory, then its
-    guard's write end closed (see :class:`ForkGuard`). Where one cannot be copied, the
-    write end stays open: the parent keeps those slots out of use until this child exits."""
+    guard's write end closed (see :class:`ForkGuard`). Where one cannot be copied, and in
+    a worker, the write end stays open: the parent keeps those slots out of use until
+    this child exits."""
     guard, write = getattr(forking, "guard", None), getattr(forking, "guard_write", None)
     forking.guard = forking.guard_write = None
-    if guard is None or write is None:
+    if guard is None or write is None or not forking.guard_copied:
         return
     try:
         for pool in list(live_pools):

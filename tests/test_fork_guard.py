@@ -265,6 +265,63 @@ def test_a_loaders_batch_a_forked_child_inherited_reads_its_own_samples(persiste
     ]
 
 
+# A consumer keeps the first epoch's 10 batches (80 MiB: more than a worker copies) and
+# lets the dataset hold one of them; the second epoch's workers read it at every
+# sample while the consumer drops the kept batches, and say how much of the pools' files
+# each holds a private copy of.
+KEEPING = """
+import torch
+from torch.utils.data import Dataset
+import numafast.torch
+from numafast.pool import MEMFD_PREFIX
+
+def copied_kib():
+    kib, private = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                private = fields[1].endswith("p") and MEMFD_PREFIX in line
+            elif private and fields[0] == "Private_Dirty:":
+                kib += int(fields[1])
+    return kib
+
+class Tagged(Dataset):
+    kept = None
+    def __len__(self):
+        return 80
+    def __getitem__(self, index):
+        read = None
+        if self.kept is not None:
+            images, labels = self.kept
+            read = (labels.tolist(), sorted(set(images[:, 0].tolist())), copied_kib())
+        return torch.full((1 << 18,), float(index)), index, repr(read)
+
+dataset = Tagged()
+loader = numafast.torch.NumaLoader(dataset, batch_size=8, num_workers=2, timeout=60, node=0)
+kept = list(loader)
+dataset.kept = kept[1][:2]
+reads = set()
+for number, (images, labels, read) in enumerate(loader):
+    assert images[:, 0].tolist() == [float(i) for i in range(8 * number, 8 * number + 8)], number
+    reads.update(read)
+    kept.pop()
+print(sorted(reads))
+"""
+
+
+def test_a_loaders_workers_copy_nothing_of_the_batches_held_and_read_them_whole() -> None:
+    """A NumaLoader's workers, forked while the consumer holds batches, copy none of them
+    (each copied every held slot before it started: N workers times the bytes held, and
+    past the fork watch's deadline a WorkerStartError), and those slots stay out of use
+    while the workers live: a batch the dataset holds reads the same in them at every
+    sample, as the consumer drops the batches and the pools go on."""
+    pytest.importorskip("torch")
+    result = subprocess.run([sys.executable, "-c", KEEPING], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [repr([repr(([8, 9, 10, 11, 12, 13, 14, 15], [float(i) for i in range(8, 16)], 0))])]
+
+
 def test_a_guard_closed_while_another_thread_waits_on_it_ends_that_wait_without_error() -> None:
     """The forking thread waits on the guard while a receiving thread finds it ended and
     closes it: the wait says ended. (It read the closed descriptor: OSError EBADF, in
