@@ -30,7 +30,7 @@ import pytest
 import numafast
 from numafast.binding import cpus_allowed
 from numafast.cli.bench.measure import MEASURERS, live_topology
-from numafast.cli.bench.run import chase_steps
+from numafast.cli.bench.in_progress import chase_steps
 from numafast.cli.bench.settings import REPETITIONS, resolve_settings
 
 REFERENCE = Path(__file__).resolve().parent / "reference"

@@ -10,12 +10,11 @@ import errno
 import operator
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from enum import Enum
 from functools import cache
 from typing import TypeVar
-
-import numpy as np
 
 from numafast import _libnuma
 from numafast.errors import InvalidCpuSetError, InvalidNodeError, InvalidSizeError, NodeNotAllowedError
@@ -43,6 +42,14 @@ def format_ids(ids: Iterable[int]) -> str:
         else:
             ranges.append([i, i])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) or "(none)"
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` as people read it: "4.5 GiB", "6.0 MiB", "512 bytes"."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 # CPU and node ids are below this: 8x the largest NR_CPUS any architecture builds (8192).
@@ -126,7 +133,8 @@ def check_bool(name: str, value: object) -> bool:
     ``name`` (1, "yes" or None would otherwise pass for a choice they do not make)."""
     if type(value) is bool:
         return value
-    if isinstance(value, np.bool_):
+    numpy = sys.modules.get("numpy")  # a NumPy bool exists only once NumPy is imported: not imported here for it
+    if numpy is not None and isinstance(value, numpy.bool_):
         return bool(value)
     raise TypeError(f"{name} must be True or False, not {value!r}")
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 from numafast import _libnuma, _process
 from numafast._buffers import PAGE_SIZE
-from numafast._validate import allowed_cpus, check_bool, check_node, cpus_near, positive_int
+from numafast._validate import allowed_cpus, check_bool, check_node, cpus_near, format_size, positive_int
 from numafast.errors import (
     CudaUnavailable,
     InvalidGpuError,
@@ -896,14 +896,6 @@ def warn_unlocked(message: str, stacklevel: int) -> None:
     by one, are refused alike); ``stacklevel`` as warnings.warn's, from the caller."""
     if _process.first_time("MemlockWarning"):
         warnings.warn(message, MemlockWarning, stacklevel=stacklevel + 1)
-
-
-def format_size(nbytes: int) -> str:
-    """``nbytes`` as people read it: "4.5 GiB", "6.0 MiB", "512 bytes"."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes} bytes"
 
 
 def _memlock_limits() -> tuple[int, int, int | None, bool]:

@@ -23,7 +23,7 @@ from numafast.cli import main
 from numafast.cli.bench import parse_size
 from numafast.cli.bench.health import check_local_ratio, h2d_failures, local_ratio_failures
 from numafast.cli.bench.result import MATRICES, SCHEMA, BenchResult, check_document
-from numafast.cli.bench.run import Run, Unmeasurable, check_threads
+from numafast.cli.bench.in_progress import Run, Unmeasurable, check_threads
 from numafast.cli.bench.settings import Settings
 from numafast.cli.bench.table import render, render_matrix
 from sysfs_truth import node_cpus, node_meminfo, online_nodes
@@ -395,6 +395,7 @@ import json, os, signal, sys, time
 # As at a terminal: a runner started in the background (nohup, `&` without job
 # control) hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+import numpy  # the bench imports it as it starts: its BLAS's threads, made then, are not the bench's
 from numafast.cli import main
 from sysfs_truth import numa_maps, thread_cpus_of_process, thread_policy
 def state():

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import numafast
-from numafast.cli.bench.run import Unmeasurable, check_pages
+from numafast.cli.bench.in_progress import Unmeasurable, check_pages
 from numafast.cli.bench.result import PLACEMENT_FAILED, BenchResult, check_document
 from numafast.memory import allocate
 from sysfs_truth import PAGE_SIZE, node_cpus, node_distances, node_meminfo, online_nodes, pagemap_nodes

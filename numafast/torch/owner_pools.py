@@ -49,9 +49,10 @@ import torch
 
 import numafast
 from numafast import _process, node_budget
+from numafast._validate import format_size
 from numafast.errors import PoolClosedError, PoolExhaustedError
 from numafast.pool import (
-    MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, format_size, memlock_warning_held, parse_mode,
+    MEMFD_PREFIX, LockMode, PinnedPool, PoolStats, RegisterMode, Slot, memlock_warning_held, parse_mode,
     pool_bytes, warn_unlocked,
 )
 from numafast.pool_owner import PoolBoard

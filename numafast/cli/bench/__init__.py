@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from numafast.cli.arguments import count, node_list, threshold
 from numafast.cli.bench.health import (
@@ -35,10 +35,10 @@ from numafast.cli.bench.health import (
     local_ratio_failures,
     local_ratio_unchecked,
 )
-from numafast.cli.bench.measure import bench, cuda_problem
-from numafast.cli.bench.result import MATRICES, BenchResult
-from numafast.cli.bench.settings import COPY_BY, MAX_REPETITIONS
-from numafast.cli.bench.table import render
+from numafast.cli.bench.result import COPY_BY, MATRICES, MAX_REPETITIONS, BenchResult
+
+if TYPE_CHECKING:
+    from numafast.cli.bench.measure import bench
 
 __all__ = ["BenchResult", "bench"]
 
@@ -99,6 +99,8 @@ def check_before_measuring(args: argparse.Namespace) -> None:
     if args.expect_local_ratio is not None:
         check_local_ratio(args.expect_local_ratio)
     if args.expect_h2d is not None:
+        from numafast.cli.bench.measure import cuda_problem
+
         problem = cuda_problem()
         if problem:
             raise ValueError(f"--expect-h2d needs CUDA (the h2d_gbps matrix): {problem}")
@@ -112,6 +114,11 @@ def check_before_measuring(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Here, not above: measuring imports NumPy and the pools, which the other commands,
+    # whose parser is built beside this one's, do without.
+    from numafast.cli.bench.measure import bench
+    from numafast.cli.bench.table import render
+
     progress = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
     try:
         try:
@@ -148,3 +155,12 @@ def run(args: argparse.Namespace) -> int:
     for failure in failures:
         print(f"numafast bench: FAILED {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def __getattr__(name: str) -> object:
+    """``bench``, the Python API, imported on first use (see :func:`run`)."""
+    if name == "bench":
+        from numafast.cli.bench.measure import bench
+
+        return bench
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

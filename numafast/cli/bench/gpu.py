@@ -18,7 +18,7 @@ from functools import partial
 
 from numafast.cli.bench.grid import Cell, measure_grid
 from numafast.cli.bench.result import Matrix
-from numafast.cli.bench.run import Run, check_pages
+from numafast.cli.bench.in_progress import Run, check_pages
 from numafast.cli.bench.settings import WARMUP
 from numafast.topo import Topology
 

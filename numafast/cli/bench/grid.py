@@ -2,7 +2,7 @@
 
 What every matrix shares, CPU x memory node (measure.py) and host node x GPU
 (gpu.py) alike: each cell is measured by a function of (run, row, column) that
-returns a :class:`Cell` or raises :class:`~numafast.cli.bench.run.Unmeasurable`
+returns a :class:`Cell` or raises :class:`~numafast.cli.bench.in_progress.Unmeasurable`
 with the reason, which the matrix keeps in ``missing``.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from numafast.cli.bench.result import Matrix, cell_key
-from numafast.cli.bench.run import Run, Unmeasurable
+from numafast.cli.bench.in_progress import Run, Unmeasurable
 from numafast.cli.bench.settings import WARMUP
 
 

@@ -1,6 +1,6 @@
 """Measuring the matrices of ``numafast bench``: :func:`bench`.
 
-Each cell runs on a :class:`~numafast.cli.bench.run.Run`'s buffers once they pass
+Each cell runs on a :class:`~numafast.cli.bench.in_progress.Run`'s buffers once they pass
 their placement checks; the timed loops are the extension's (src/bench.pxi): C,
 GIL released, threads pinned one to a CPU, all started on a barrier.
 
@@ -22,7 +22,7 @@ from numafast.cli.bench import gpu
 from numafast.cli.bench import machine as machine_summary
 from numafast.cli.bench.grid import Cell, measure_grid
 from numafast.cli.bench.result import MATRICES, BenchResult, Matrix
-from numafast.cli.bench.run import Run, Timings, Unmeasurable, check_pages, check_threads
+from numafast.cli.bench.in_progress import Run, Timings, Unmeasurable, check_pages, check_threads
 from numafast.cli.bench.settings import WARMUP, resolve_settings
 from numafast.topo import Topology
 from numafast.topo.read import read_topology

@@ -67,6 +67,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA = "numafast.bench/1"
+# The values a document's settings may hold (and the options may give: the command's
+# parser reads them here, without importing what measures).
+COPY_BY = ("destination", "source")
+MAX_REPETITIONS = 10_000  # per cell: more is hours of a run, not a better median
 
 
 @dataclass(frozen=True)

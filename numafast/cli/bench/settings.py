@@ -11,7 +11,7 @@ from typing import Any
 from numafast._buffers import PAGE_SIZE
 from numafast._validate import check_nodes, integer
 from numafast.cli.bench.machine import largest_llc
-from numafast.cli.bench.result import MATRICES
+from numafast.cli.bench.result import COPY_BY, MATRICES, MAX_REPETITIONS
 from numafast.errors import InvalidSizeError
 from numafast.topo import Topology
 
@@ -25,8 +25,6 @@ WARMUP = 1
 REPETITIONS = {"latency_ns": 5, "read_gbps": 10, "copy_gbps": 10, "node_copy_gbps": 10}
 GPU_REPETITIONS = 7  # each GPU matrix: the median of these
 QUICK_REPETITIONS = 2
-MAX_REPETITIONS = 10_000  # per cell: more is hours of a run, not a better median
-COPY_BY = ("destination", "source")
 
 CPU_MATRICES = ("latency_ns", "read_gbps", "copy_gbps", "node_copy_gbps")
 GPU_MATRICES = ("h2d_gbps", "d2h_gbps", "h2d_concurrent_gbps", "d2h_concurrent_gbps")

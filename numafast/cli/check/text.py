@@ -3,9 +3,9 @@ and a line for each rank of more than one process."""
 
 from __future__ import annotations
 
+from numafast._validate import format_size
 from numafast.cli.check.classes import MemoryClass
 from numafast.cli.check.result import ClassUsage, ProcessAudit, RankAudit
-from numafast.pool import format_size
 
 
 def memory_line(memory: dict[MemoryClass, ClassUsage]) -> str:

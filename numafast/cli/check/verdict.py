@@ -13,8 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from numafast._validate import format_ids, parse_ids
-from numafast.pool import format_size
+from numafast._validate import format_ids, format_size, parse_ids
 from numafast.cli.check.classes import MemoryClass, classify, label
 from numafast.cli.check.procfs import Mapping, Process
 from numafast.cli.check.result import ClassUsage, PolicyFinding, ProcessAudit, ThreadGroup
