@@ -169,10 +169,10 @@ class ForkGuard:
     :data:`WORKER_COPY_BYTES` (the loop's last batch, still bound as the next epoch
     forks): past it (a consumer keeping batches), N workers would each copy every held
     slot before they could start, N times the bytes held; it copies nothing then, is not
-    waited for, and its guard lasts until it exits. What tells: a pipe whose write end (close-on-exec) only the child holds, the parent's
-    copy closed once forked; the child closes it once its copy is made, so the read end
-    kept here reads end-of-file then, or when the child exits or execs (a worker, or a
-    child that could not copy)."""
+    waited for, and its guard lasts until it exits. What tells: a pipe whose write end
+    (close-on-exec) only the child holds, the parent's copy closed once forked; the
+    child closes it once its copy is made, so the read end kept here reads end-of-file
+    then, or when the child exits or execs (a worker, or a child that could not copy)."""
 
     __slots__ = ("_read", "_mutex", "__weakref__")
 
