@@ -45,7 +45,11 @@ from sysfs_truth import nearest_cpu_nodes, node_cpus, online_nodes
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "frameworks"
 IN_GUEST = os.environ.get("NUMAFAST_GUEST") == "1"
-TIMEOUT_S = 600 if IN_GUEST else 300  # a job's; in the guest its 2 ranks alone take ~2 minutes to import
+# A job's, a guard against a hang. In the guest its 2 ranks alone take ~2 minutes to
+# import. On the host every job starts at once (host_jobs) beside CI's TCG guest: there
+# Ray's local cluster once took 3.5 minutes to start (two startup timeouts), and its job
+# of two runs was killed at 300 s ten seconds into its second run.
+TIMEOUT_S = 600
 SAMPLES, BATCH, WORKERS, EPOCHS = 96, 8, 2, 2
 STEPS_PER_EPOCH = SAMPLES // 2 // BATCH
 MPOL_DEFAULT = 0
