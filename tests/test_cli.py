@@ -40,7 +40,7 @@ def child_placement(*options: str) -> tuple[list[int], list[object]]:
     return cpus, policy
 
 
-# ---------------------------------------------------------------- numactl's list syntax
+# ---------------------------------------------------------------- what placing imports
 
 
 # What a process that only places itself imports, and every name numafast exports.
@@ -62,6 +62,9 @@ def test_placing_imports_neither_numpy_nor_the_pools_and_every_export_resolves()
     result = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=120, env=ENV)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[] []"]
+
+
+# ---------------------------------------------------------------- numactl's list syntax
 
 
 @pytest.mark.host_only("parses text")
