@@ -6,7 +6,7 @@ function; this package adds validation, policy and typed objects on top.
 ``numafast.torch``: ``import numafast`` never imports torch. Nor NumPy: memory,
 pages, pools and bench (:data:`_ON_FIRST_USE`) are imported as first named, so that
 a process that only places itself (``numafast run``, a launcher's rank) starts in
-less than half the time.
+about half the time (bench/bench_startup.py).
 """
 
 from __future__ import annotations
