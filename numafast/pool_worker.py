@@ -74,9 +74,13 @@ class BoardHandle:
 def open_shared_file(owner_pid: int, fd: int, inode: int, what: str) -> int:
     """A read-write descriptor of process ``owner_pid``'s file ``fd`` (inode ``inode``):
     this process's inherited copy (a forked worker), else through /proc (a spawned
-    one). OSError naming ``what`` and why when neither opens."""
+    one). OSError naming ``what`` and why when neither opens. A path is opened only
+    once its stat names that inode: in a spawned worker, descriptor ``fd`` is a file of
+    the worker's own, maybe a device that opening would act on."""
     for path in (f"/proc/self/fd/{fd}", f"/proc/{owner_pid}/fd/{fd}"):
         try:
+            if os.stat(path).st_ino != inode:
+                continue
             opened = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue

@@ -25,7 +25,7 @@ import pytest
 import numafast
 from numafast import _libnuma
 from numafast.pool_owner import PoolBoard
-from numafast.pool_worker import BoardReader, Lease, PoolView
+from numafast.pool_worker import BoardReader, Lease, PoolView, open_shared_file
 from sysfs_truth import node_cpus, online_nodes, pagemap_nodes
 
 TESTS = Path(__file__).resolve().parent
@@ -217,6 +217,42 @@ def test_a_wrong_or_vanished_pool_is_refused_by_name() -> None:
             PoolView(replace(pool.share(), inode=1))
     with pytest.raises(ValueError, match="holds no numafast slot table"):
         _libnuma.SlotTable.attach(_libnuma.mmap_anonymous(4096))
+
+
+def test_looking_for_a_pool_opens_no_file_of_this_process_that_is_not_it(tmp_path: Path) -> None:
+    """In a spawned worker, the owner's descriptor number is a file of the worker's own
+    (a device, maybe): it is told apart by its inode before anything opens it. The
+    kernel's inotify says what was opened."""
+    import ctypes
+    import errno
+    import select
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    in_open, in_nonblock = 0x20, os.O_NONBLOCK
+    own = tmp_path / "own-file"
+    own.write_bytes(b"x")
+    fd = os.open(own, os.O_RDONLY)
+    watch = libc.inotify_init1(in_nonblock)
+    assert watch >= 0, os.strerror(ctypes.get_errno())
+    try:
+        assert libc.inotify_add_watch(watch, bytes(own), in_open) >= 0, os.strerror(ctypes.get_errno())
+
+        def opened() -> int:
+            select.select([watch], [], [], 0.2)
+            try:
+                return len(os.read(watch, 4096))
+            except BlockingIOError as error:
+                assert error.errno == errno.EAGAIN
+                return 0
+
+        with pytest.raises(OSError, match="cannot open the board"):
+            open_shared_file(os.getpid(), fd, os.fstat(fd).st_ino + 1, "the board")
+        assert opened() == 0, "a file that is not the pool's was opened"
+        os.close(open_shared_file(os.getpid(), fd, os.fstat(fd).st_ino, "the board"))
+        assert opened() > 0, "inotify saw no open of the file that is the pool's"
+    finally:
+        os.close(watch)
+        os.close(fd)
 
 
 def test_a_process_that_dies_holding_a_slot_gives_it_back_through_the_owner() -> None:
