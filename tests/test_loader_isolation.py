@@ -6,7 +6,9 @@ unharmed. Every sample carries its index; every batch is checked by content."""
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import select
 import subprocess
 import sys
@@ -21,6 +23,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import numafast.torch  # noqa: E402
+from numafast import _process  # noqa: E402
 from numafast.torch.worker_collate import SlotCollate  # noqa: E402
 
 NODES = online_nodes()
@@ -196,6 +199,45 @@ def test_a_dataloader_over_numafasts_collate_inherited_by_a_forked_process_gives
     assert in_forked_child(child) == "ok"
     assert leases_out(loader) == 0
     assert wrong_batches(cloned(made), in_order(count, size)) == []
+
+
+@SEMANTICS
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_deep_copy_of_a_dataloader_over_numafasts_collate_lands_in_the_same_pools_and_keeps_them(
+    workers: int,
+) -> None:
+    """A framework's DataLoader over a NumaLoader's collate function, deep-copied in the
+    same process: the copy lands its batches in the loader's pools, says nothing, and
+    keeps those pools in use once the loader is gone. Its collate function lost the
+    pools in the copy: it warned that the loader had gone to another process and, with
+    no workers, copied every batch."""
+    import gc
+    import warnings
+
+    count, size = 24, 4
+    dataset = Tagged(count)
+    loader = numafast.torch.NumaLoader(dataset, batch_size=size, num_workers=2, node=NODES[0])
+    pools = loader.pools
+    made = DataLoader(dataset, batch_size=size, num_workers=workers, collate_fn=loader.collate_fn)
+    pickled = pickle.dumps(made.collate_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copied = copy.deepcopy(made)
+        assert wrong_batches(cloned(copied), in_order(count, size)) == []
+        assert loader.stats().landed >= len(copied) - 2 * workers, loader.stats()  # a worker's first may be copied in
+        del loader, made
+        gc.collect()
+        assert numafast.torch.close_idle_pools() == 0  # in use by the copy: not idle
+        landed = pools.stats().landed
+        assert wrong_batches(cloned(copied), in_order(count, size)) == []
+        assert pools.stats().landed >= landed + len(copied) - 2 * workers and not pools.closed
+        del copied
+        gc.collect()
+    assert numafast.torch.close_idle_pools() == 1 and pools.closed
+    late = pickle.loads(pickled)  # a copy made once the pools are closed collates as without numafast
+    _process.done_once.discard("collating after the pools closed")  # said once per process: each case says it
+    with pytest.warns(RuntimeWarning, match="made after the loader's pools were closed"):
+        assert wrong_batches([late([dataset[index] for index in range(size)])], in_order(count, size)[:1]) == []
 
 
 KEEPING_UNDER_A_LOW_NOFILE = """

@@ -79,9 +79,12 @@ def _used_in(pools: LoaderPools, caller: threading.Thread) -> bool:
 
 
 def use(pools: LoaderPools) -> None:
-    """One more loader lands its batches in ``pools``."""
+    """One more loader lands its batches in ``pools``, idle no more if they were."""
     with _process.idle_mutex:
         pools.users += 1
+        key = (pools.node, pools.lock, pools.register)
+        if _idle.get(key) is pools:
+            del _idle[key]
 
 
 def let_go(pools: LoaderPools) -> None:

@@ -28,7 +28,7 @@ from torch.utils.data import default_collate, get_worker_info
 from numafast import _process
 from numafast.binding import bind_if_permitted
 from numafast.pool_worker import BoardHandle, BoardReader, Lease, LeaseMiss
-from numafast.torch.message import Fallback, FallbackReason, SlotBatch
+from numafast.torch.message import Fallback, FallbackReason, SlotBatch, receivers
 from numafast.torch.slot import UNMADE, SlotPacker, bytes_needed
 
 if TYPE_CHECKING:
@@ -63,6 +63,14 @@ class SlotCollate:
     def __getstate__(self) -> dict[str, Any]:
         # _batch names the worker process it was set in: stale elsewhere.
         return {**vars(self), "pools": None, "_packer": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        if self.owner_pid == _process.pid:  # a copy made here (copy.deepcopy): it lands where the original does
+            pools = cast("NodePools | None", receivers.get(self.owner_id))
+            if pools is not None and not pools.closed:
+                self.pools = pools
+                pools.attach(self)
 
     def __call__(self, samples: Any) -> Any:
         info = get_worker_info()
@@ -196,8 +204,15 @@ def _iterating_process() -> int:
 
 
 def _warn_elsewhere(owner_pid: int) -> None:
-    """Once per owner: this process collates for a loader whose pools live in another."""
-    if _process.first_time(f"collating for process {owner_pid}"):
+    """Once per owner: this process collates for a loader whose pools live in another
+    (or were closed before this copy of the collate function was made)."""
+    if owner_pid == _process.pid and _process.first_time("collating after the pools closed"):
+        warnings.warn(
+            "numafast: this copy of a NumaLoader's collate function was made after the loader's pools were "
+            "closed, so its batches are collated as without numafast; iterate a NumaLoader (it makes pools of "
+            "its own) or copy the loader while it lives", RuntimeWarning, stacklevel=3,
+        )
+    elif owner_pid != _process.pid and _process.first_time(f"collating for process {owner_pid}"):
         warnings.warn(
             f"numafast: this loader's pools belong to process {owner_pid}, not to the one iterating it: the "
             "loader was copied to another process (pickled, or inherited through fork), whose batches are "
