@@ -22,11 +22,13 @@ before systemd raised it)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
 import select
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -176,8 +178,10 @@ class ForkGuard:
 
     __slots__ = ("_read", "_mutex", "__weakref__")
 
-    def __init__(self, read: int) -> None:
+    def __init__(self, read: int | None) -> None:
         self._read = read
+        """The pipe's read end; None: no descriptor was free for a pipe at the fork, and
+        the guard never ends (the slots stay out of use until their pool closes)."""
         self._mutex = threading.Lock()
         fork_guards.add(self)
 
@@ -186,6 +190,8 @@ class ForkGuard:
         threads may ask at once (the forking one waits here while a receiving one looks):
         the read end is read and closed under the guard's mutex, and the wait, outside it,
         only ends early where another thread closed it meanwhile."""
+        if self._read is None:
+            return False
         if wait_s > 0:
             with self._mutex:
                 if self._read < 0:
@@ -216,7 +222,7 @@ class ForkGuard:
 
     def _close(self) -> None:
         read, self._read = self._read, -1
-        if read >= 0:
+        if read is not None and read >= 0:
             os.close(read)
 
     def __del__(self) -> None:
@@ -227,6 +233,9 @@ fork_guards: weakref.WeakSet[ForkGuard] = weakref.WeakSet()
 """Every fork guard not collected yet (its pools hold it): a child closes its copies."""
 WORKER_COPY_BYTES = 64 << 20
 """The most a DataLoader worker copies of the slots held at its fork (see :class:`ForkGuard`)."""
+guard_writes: set[int] = set()
+"""The write ends of the guards of forks under way in this process's threads (one
+thread's may be open as another forks: see ``_copied_guarded``)."""
 FORK_COPY_WAIT_S = 2.0
 """How long the parent waits, after a fork, for the child's copy of the slots held at
 it (milliseconds, normally; a child stuck in the fork never makes it: see
@@ -242,16 +251,22 @@ def _guard_held_slots() -> None:
     pools = [pool for pool in list(live_pools) if pool.in_use]
     if not pools:
         return
-    read, write = os.pipe()  # both close-on-exec
-    os.set_blocking(read, False)
+    try:
+        read, write = os.pipe()  # both close-on-exec
+        os.set_blocking(read, False)
+    except OSError:  # no descriptor free (EMFILE): an exception here is only printed, and the fork goes on
+        read, write = None, -1
     guard = ForkGuard(read)
     held = sum(pool.guard_held(guard) * pool.slot_bytes for pool in pools)
     if held:
         forking.guard, forking.guard_write = guard, write
         forking.guard_copied = held <= WORKER_COPY_BYTES or getattr(forking, "pending", None) is None
+        if write >= 0:
+            guard_writes.add(write)
     else:
         guard.close()
-        os.close(write)
+        if write >= 0:
+            os.close(write)
 
 
 def _guarded_in_parent() -> None:
@@ -262,6 +277,16 @@ def _guarded_in_parent() -> None:
     forking.guard = forking.guard_write = None
     if guard is None or write is None:
         return
+    if write < 0:
+        if first_time("fork guard without a pipe"):
+            warnings.warn(
+                "numafast: no file descriptor was free at this fork (the open-files limit, ulimit -n), so the "
+                "pool slots held at it stay out of use until their pool closes, for the child to go on reading "
+                "the batches it inherited; raise the limit (ulimit -n, resource.setrlimit(RLIMIT_NOFILE))",
+                RuntimeWarning, stacklevel=2,
+            )
+        return
+    guard_writes.discard(write)
     os.close(write)
     if forking.guard_copied and guard.ended(FORK_COPY_WAIT_S):
         for pool in list(live_pools):
@@ -272,9 +297,14 @@ def _copied_guarded() -> None:
     """In a forked child: the slots held at its fork copied into its own memory, then its
     guard's write end closed (see :class:`ForkGuard`). Where one cannot be copied, and in
     a worker, the write end stays open: the parent keeps those slots out of use until
-    this child exits."""
+    this child exits. The write ends of forks other threads had under way at this one
+    are their children's to hold: closed here, or those slots would wait for this child."""
     guard, write = getattr(forking, "guard", None), getattr(forking, "guard_write", None)
     forking.guard = forking.guard_write = None
+    for other in guard_writes - {write}:
+        with contextlib.suppress(OSError):
+            os.close(other)
+    guard_writes.clear()
     if guard is None or write is None or not forking.guard_copied:
         return
     try:
@@ -282,7 +312,8 @@ def _copied_guarded() -> None:
             pool.copy_guarded(guard)
     except (OSError, MemoryError):
         return
-    os.close(write)
+    if write >= 0:
+        os.close(write)
 
 
 # ------------------------------------------------------------ the node budget (numafast/node_budget.py)

@@ -198,6 +198,95 @@ def test_closing_the_pool_retires_its_guarded_slot_and_the_child_still_reads_it(
     assert lines == ["released True 0", "child reads 7 7"]
 
 
+def test_a_fork_with_no_descriptor_free_keeps_the_held_slot_for_the_child_and_says_so() -> None:
+    """No descriptor is free for the guard's pipe at the fork (the open-files limit
+    reached): the slot held stays out of use, the child still reads its 7 after the
+    parent refilled every slot it could, and one warning names the limit. (The
+    pipe's OSError was only printed, the fork went on unguarded, and the child read
+    the parent's 9.)"""
+    lines = run("""
+        import resource, warnings
+        ready, go = os.pipe()
+        answer_read, answer = os.pipe()
+        lowest_free = os.open("/dev/null", os.O_RDONLY)
+        os.close(lowest_free)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+            pid = os.fork()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if pid == 0:
+            os.read(ready, 1)
+            os.write(answer, f"{batch[0]} {batch[-1]}".encode())
+            os._exit(0)
+        del batch
+        taken = [np.asarray(pool.acquire(timeout=0)) for _ in range(pool.stats().free)]
+        for memory in taken:
+            memory[:] = 9
+        print("refilled", len(taken), "guarded", pool.stats().guarded)
+        os.write(go, b"x")
+        print("child reads", os.read(answer_read, 64).decode())
+        os.waitpid(pid, 0)
+        print([str(warning.message)[:60] for warning in said], {warning.filename for warning in said})
+    """, slots=2, preamble=FORKED.split("child = fork_reader")[0])  # fmt: skip
+    assert lines == ["refilled 1 guarded 1", "child reads 7 7",
+                     "['numafast: no file descriptor was free at this fork (the open'] {'<string>'}"]  # fmt: skip
+
+
+def test_a_child_forked_by_one_thread_does_not_hold_another_threads_guard() -> None:
+    """Thread B forks a long-lived child while the main thread's fork of the held slot
+    is under way (between its before- and after-fork steps, where the GIL lets another
+    thread in). B's child must not keep the main thread's guard open: it did (the write
+    end is close-on-exec, not closed at fork), so that fork waited its 2 s and the slot,
+    dropped, stayed out of use for as long as B's child lived."""
+    lines = run("""
+        import os, threading, time
+        main = threading.main_thread()
+        fork_b, b_forked = threading.Event(), threading.Event()
+
+        def in_the_middle_of_mains_fork():  # registered before numafast's: runs before its after-fork step
+            if threading.current_thread() is main and not fork_b.is_set():
+                fork_b.set()
+                b_forked.wait(30)
+
+        os.register_at_fork(after_in_parent=in_the_middle_of_mains_fork)
+        import numpy as np
+        import numafast
+        pool = numafast.PinnedPool(0, 4096, 2, lock="off")
+        batch = np.asarray(pool.acquire())
+        batch[:] = 7
+        stop_read, stop = os.pipe()
+        b_child = []
+
+        def thread_b():
+            fork_b.wait(30)
+            pid = os.fork()
+            if pid == 0:
+                os.read(stop_read, 1)  # lives until told
+                os._exit(0)
+            b_child.append(pid)
+            b_forked.set()
+
+        other = threading.Thread(target=thread_b)
+        other.start()
+        began = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        took = time.monotonic() - began
+        other.join(30)
+        os.waitpid(pid, 0)
+        del batch
+        pool.unguard()
+        print("b forked", bool(b_child), "fork under 1 s", took < 1.0, "guarded", pool.stats().guarded,
+              "free", pool.stats().free)
+        os.write(stop, b"x")
+        os.waitpid(b_child[0], 0)
+    """, preamble="")  # fmt: skip
+    assert lines == ["b forked True fork under 1 s True guarded 0 free 2"]
+
+
 def test_a_fork_while_no_slot_is_held_guards_nothing() -> None:
     """No slot held, no guard: nothing is kept, no descriptor is opened."""
     lines = run("""
