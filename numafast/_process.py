@@ -395,7 +395,8 @@ def _forked() -> None:
       an at-fork hook is only printed, and the child would go on writing into its
       parent's slots unseen. The slots the parent held at the fork are then copied
       into the child's own memory, which ends the fork's guard (``ForkGuard``); the
-      child closes its copies of the parent's guards.
+      child closes its copies of the parent's guards, and of the write ends of forks
+      other threads had under way (``guard_writes``).
     - The node budget: the ledgers stay open (the same files, shared); nothing is
       reserved (the parent's pools are not the child's to release); its locks (the
       ledgers', each ledger's claiming lock, the reservation's), which another thread
