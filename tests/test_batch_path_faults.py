@@ -71,12 +71,13 @@ def test_a_copied_collate_functions_batches_reach_the_consumer_after_the_loaders
     stock = values(DataLoader(Tagged(), **options))
     loader = numafast.torch.NumaLoader(DataLoader(Tagged(), **options))
     assert values(loader) == stock
-    copied = pickle.loads(pickle.dumps(loader.collate_fn))  # a framework's copy of the loader's settings
-    assert isinstance(copied, SlotCollate) and copied.pools is None
+    pickled = pickle.dumps(loader.collate_fn)  # a framework's copy of the loader's settings, unpickled later
     del loader
     gc.collect()
     numafast.torch.close_idle_pools()
     gc.collect()
+    copied = pickle.loads(pickled)  # a copy made while the pools live keeps them (test_loader_isolation)
+    assert isinstance(copied, SlotCollate) and copied.pools is None
     assert values(DataLoader(Tagged(), collate_fn=copied, **options)) == stock
 
 
