@@ -238,10 +238,10 @@ def test_a_child_forked_by_one_thread_does_not_hold_another_threads_guard() -> N
     """Thread B forks a long-lived child while the main thread's fork of the held slot
     is under way (between its before- and after-fork steps, where the GIL lets another
     thread in). B's child must not keep the main thread's guard open: it did (the write
-    end is close-on-exec, not closed at fork), so that fork waited its 2 s and the slot,
-    dropped, stayed out of use for as long as B's child lived."""
+    end is close-on-exec, not closed at fork), so that fork waited its 2 s for nothing
+    and the slot, dropped, stayed out of use for as long as B's child lived."""
     lines = run("""
-        import os, threading, time
+        import os, threading
         main = threading.main_thread()
         fork_b, b_forked = threading.Event(), threading.Event()
 
@@ -270,21 +270,18 @@ def test_a_child_forked_by_one_thread_does_not_hold_another_threads_guard() -> N
 
         other = threading.Thread(target=thread_b)
         other.start()
-        began = time.monotonic()
         pid = os.fork()
         if pid == 0:
             os._exit(0)
-        took = time.monotonic() - began
         other.join(30)
         os.waitpid(pid, 0)
         del batch
         pool.unguard()
-        print("b forked", bool(b_child), "fork under 1 s", took < 1.0, "guarded", pool.stats().guarded,
-              "free", pool.stats().free)
+        print("b forked", bool(b_child), "guarded", pool.stats().guarded, "free", pool.stats().free)
         os.write(stop, b"x")
         os.waitpid(b_child[0], 0)
     """, preamble="")  # fmt: skip
-    assert lines == ["b forked True fork under 1 s True guarded 0 free 2"]
+    assert lines == ["b forked True guarded 0 free 2"]
 
 
 def test_a_fork_while_no_slot_is_held_guards_nothing() -> None:
