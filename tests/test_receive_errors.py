@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -241,11 +243,18 @@ def test_a_worker_killed_during_a_take_over_raises_the_dataloaders_error_not_the
         time.sleep(0.1)  # the handler runs at the interpreter's next check: in this loop or this sleep
 
     loader.pools.before_receive = kill_the_worker
-    with pytest.raises(RuntimeError) as raised:
+    with warnings.catch_warnings(record=True) as said, pytest.raises(RuntimeError) as raised:
+        warnings.simplefilter("always")
         next(iterator)
     # The DataLoader's own error for a dead worker, raised from the handler's.
     error = raised.value
-    assert str(error) == f"DataLoader worker (pid(s) {killed.pid}) exited unexpectedly", str(error)
+    named = re.fullmatch(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly", str(error))
+    assert named is not None, str(error)
+    # Killed while it held torch's done-event lock (descheduled there, on a loaded machine), the
+    # worker takes its sibling with it: numafast ends that one, saying so, and the DataLoader names both.
+    held_the_lock = any("the lock of torch's done event stayed taken" in str(warning.message) for warning in said)
+    pids = {int(pid) for pid in named.group(1).split(", ")}
+    assert pids == {killed.pid} or (held_the_lock and killed.pid in pids), (str(error), [str(w.message) for w in said])
     assert str(error.__cause__).startswith(f"DataLoader worker (pid {killed.pid}) is killed by signal: Killed"), repr(
         error.__cause__
     )
