@@ -19,25 +19,25 @@ GROUP = "a new interpreter, start to exit"
 EVERYTHING = "import numafast, numafast.memory, numafast.pages, numafast.pool, numafast.cli.bench.measure"
 
 
-def started(*arguments: str) -> None:
-    subprocess.run([sys.executable, *arguments], check=True, stdout=subprocess.DEVNULL)
+def record_start(benchmark, table, case: str, *arguments: str) -> None:  # type: ignore[no-untyped-def]
+    """Time a new interpreter run with ``arguments``, start to exit, as ``case``."""
+    def start() -> None:
+        subprocess.run([sys.executable, *arguments], check=True, stdout=subprocess.DEVNULL)
+
+    record(benchmark, table, GROUP, case, start, unit="us/op", scale=lambda seconds: seconds * 1e6)
 
 
 def test_everything_eagerly(benchmark, table) -> None:  # type: ignore[no-untyped-def]
-    record(benchmark, table, GROUP, "import numafast and all it loaded before (baseline)",
-           lambda: started("-c", EVERYTHING), unit="us/op", scale=lambda seconds: seconds * 1e6)  # fmt: skip
+    record_start(benchmark, table, "import numafast and all it loaded before (baseline)", "-c", EVERYTHING)
 
 
 def test_import_numafast(benchmark, table) -> None:  # type: ignore[no-untyped-def]
-    record(benchmark, table, GROUP, "import numafast", lambda: started("-c", "import numafast"), unit="us/op",
-           scale=lambda seconds: seconds * 1e6)  # fmt: skip
+    record_start(benchmark, table, "import numafast", "-c", "import numafast")
 
 
 def test_numafast_run(benchmark, table) -> None:  # type: ignore[no-untyped-def]
-    record(benchmark, table, GROUP, "numafast run -- true", lambda: started("-m", "numafast", "run", "--", "true"),
-           unit="us/op", scale=lambda seconds: seconds * 1e6)  # fmt: skip
+    record_start(benchmark, table, "numafast run -- true", "-m", "numafast", "run", "--", "true")
 
 
 def test_bare_interpreter(benchmark, table) -> None:  # type: ignore[no-untyped-def]
-    record(benchmark, table, GROUP, "python -c pass (the floor)", lambda: started("-c", "pass"), unit="us/op",
-           scale=lambda seconds: seconds * 1e6)  # fmt: skip
+    record_start(benchmark, table, "python -c pass (the floor)", "-c", "pass")
