@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from numafast import _libnuma, _process, node_budget
+from numafast.pool import MEMFD_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -271,8 +272,10 @@ def released_under_a_lock(pool: Any, held: Callable[[], bool] = _process.holds_a
 
 
 def maps_inode(inode: int) -> bool:
-    return any(line.split()[4] == str(inode) for line in Path("/proc/self/maps").read_text().splitlines()
-               if len(line.split()) > 5)
+    """Whether a pool's file numbered ``inode`` is mapped here. The number alone could
+    name a mapped library too: file systems number their inodes apart."""
+    return any(fields[4] == str(inode) and fields[5].startswith(f"/memfd:{MEMFD_PREFIX}")
+               for fields in map(str.split, Path("/proc/self/maps").read_text().splitlines()) if len(fields) > 5)
 
 
 def released_soon(inode: int) -> bool:
