@@ -21,7 +21,6 @@ mean nothing in another): processes apart in either do not share a budget.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import random
 import stat
@@ -217,11 +216,13 @@ def _alive(who: int) -> bool:
     return started is not None and started & _LOW_32 == who & _LOW_32
 
 
-def _map(path: Path | None) -> mmap.mmap:
+def _map(path: Path | None) -> _libnuma.MappedBuffer:
     """The ledger at ``path`` mapped shared, made if missing; this process's own memory
-    where ``path`` is None."""
+    where ``path`` is None. Mapped by numafast's extension, which keeps no descriptor
+    (Python's mmap keeps a copy of one, which a forked child that closed its inherited
+    descriptors and opened files of its own would close under one of them)."""
     if path is None:
-        return mmap.mmap(-1, LEDGER_BYTES)
+        return _libnuma.mmap_anonymous(LEDGER_BYTES)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         info = os.fstat(fd)
@@ -229,7 +230,7 @@ def _map(path: Path | None) -> mmap.mmap:
             raise OSError(errno.EPERM, "not a regular file of this user's that only it may write", str(path))
         if info.st_size < LEDGER_BYTES:  # made now (two processes making it both grow it the same)
             os.ftruncate(fd, LEDGER_BYTES)
-        return mmap.mmap(fd, LEDGER_BYTES, mmap.MAP_SHARED)
+        return _libnuma.mmap_shared(LEDGER_BYTES, fd)
     finally:
         os.close(fd)
 

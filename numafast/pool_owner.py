@@ -4,7 +4,6 @@ pool's handle that both sides share, are in :mod:`numafast.pool_worker`."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import weakref
 from collections.abc import Sequence
@@ -27,9 +26,12 @@ class PoolBoard:
         self.owner_pid = _process.pid
         self.fd = os.memfd_create("numafast-pool-board", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, BOARD_BYTES)
-        self.memory = mmap.mmap(self.fd, BOARD_BYTES)
+        # numafast's mapping keeps no descriptor, unlike Python's mmap (see _close_board).
+        self.memory = _libnuma.mmap_shared(BOARD_BYTES, self.fd)
         self.version = 0
-        self._closer = weakref.finalize(self, _close_board, self.memory, self.fd)
+        info = os.fstat(self.fd)
+        file = (info.st_dev, info.st_ino)
+        self._closer = weakref.finalize(self, _close_board, self.memory, self.fd, file, self.owner_pid)
 
     def handle(self) -> BoardHandle:
         return BoardHandle(self.owner_pid, self.fd, os.fstat(self.fd).st_ino)
@@ -47,6 +49,16 @@ class PoolBoard:
         self._closer()
 
 
-def _close_board(memory: mmap.mmap, fd: int) -> None:
-    memory.close()
+def _close_board(memory: _libnuma.MappedBuffer, fd: int, file: tuple[int, int], owner_pid: int) -> None:
+    """Unmap, and close descriptor ``fd`` where it is still the board's ``file`` (device,
+    inode): a forked child may have closed the number it inherited (as a daemon closes
+    every descriptor) and opened a file of its own under it."""
+    memory.free()
+    if owner_pid != _process.pid:
+        try:
+            info = os.fstat(fd)
+        except OSError:
+            return
+        if (info.st_dev, info.st_ino) != file:
+            return
     os.close(fd)

@@ -22,6 +22,7 @@ import pytest
 
 from numafast import _libnuma, _process, node_budget
 from numafast.pool import MEMFD_PREFIX
+from test_pool_fork import descriptors_naming
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -120,6 +121,15 @@ def test_reservations_racing_in_two_processes_never_hold_more_than_the_limit(tmp
     outputs = [child.communicate(timeout=240)[0].split() for child in children]
     for granted, most, left in outputs:
         assert int(granted) > 0 and 0 < int(most) <= limit and int(left) == 0, outputs
+
+
+def test_a_ledger_holds_no_descriptor_a_forked_child_could_have_reused(ledger_dir: Path) -> None:
+    """The ledger is mapped with no descriptor kept open (Python's mmap keeps a copy of
+    one, which a child that closed its inherited descriptors and opened its own files
+    would close under one of them when the ledger it inherited goes)."""
+    book = node_budget.ledger(0)
+    assert book.path is not None and book.path.parent == ledger_dir
+    assert descriptors_naming(str(book.path)) == []
 
 
 def test_a_dead_process_entry_stops_counting_and_is_reused(ledger_dir: Path) -> None:

@@ -192,6 +192,56 @@ def test_a_forked_child_leaves_its_parents_mutex_and_waiters_alone() -> None:
     pool.close()
 
 
+def descriptors_naming(part: str) -> list[int]:
+    """This process's descriptors whose file's name holds ``part``."""
+    named = []
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if part in os.readlink(f"/proc/self/fd/{fd}"):
+                named.append(fd)
+        except OSError:
+            pass  # the one listing the directory, closed by now
+    return named
+
+
+def same_file(fd: int, other: int) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.fstat(other))
+    except OSError:
+        return False  # closed
+
+
+def test_a_child_that_reused_a_boards_descriptor_numbers_keeps_its_own_files(tmp_path: Path) -> None:
+    """A forked child closes the descriptors it inherited (as a daemon does) and opens a
+    file of its own under each number that the loader's pool board held. Dropping the
+    board it inherited must leave those files open: only the board's own file is closed."""
+    from numafast.pool_owner import PoolBoard
+
+    board = PoolBoard()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            log = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT)
+            taken = descriptors_naming("numafast-pool-board")
+            for fd in taken:
+                os.dup2(log, fd)  # closes the inherited one, the number now the child's file
+            board.close()
+            del board
+            gc.collect()
+            kept = [fd for fd in taken if same_file(fd, log)]
+            os.write(write_end, f"{len(taken)} {len(kept)}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as said:
+        taken, kept = said.read().split()
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 and int(taken) >= 1 and kept == taken
+    board.close()
+
+
 # ---------------------------------------------------------------- leases and pids
 
 
