@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = ["LockMode", "PinnedPool", "PoolStats", "RegisterMode", "Slot"]
 
 Slot = _libnuma.Slot
+_HELD = _libnuma.SLOT_STATES["held"]
 
 # The name of every pool's memfd (then the node), as /proc/PID/maps and numa_maps show it.
 MEMFD_PREFIX = "numafast-pool-node"
@@ -592,8 +593,19 @@ class PinnedPool:
 
     def guard_held(self, guard: _process.ForkGuard) -> int:
         """Before a fork: keep the slots held now out of use, once given back, until
-        ``guard`` ends (the child copied them); how many (see ``_process.ForkGuard``)."""
+        ``guard`` ends (the child copied them); how many (see ``_process.ForkGuard``).
+        A closed pool hands out no slot again, but the parent may still write into a
+        batch it holds: its held slots are counted for the child to copy, none kept."""
+        if self._slots.closed:
+            return len(self._held_while_closed()) if self._resources.owner_pid == _process.pid else 0
         return int(self._slots.guard_held(_fork_guard(guard)))
+
+    def _held_while_closed(self) -> list[int]:
+        """A closed pool's slots held now (read from the table, which a forked child views
+        as it was at the fork until it writes)."""
+        if self._slots.drained:
+            return []
+        return [index for index, state in enumerate(self._slots.table.states()) if state == _HELD]
 
     def unguard(self) -> int:
         """Reuse the slots kept for forked processes whose guards ended; how many."""
@@ -604,7 +616,7 @@ class PinnedPool:
         process's own memory, where its private view of them read the pool's file, which
         the parent goes on refilling. OSError when that memory cannot be had."""
         table = self._slots.table
-        indices = self._slots.guarded_by(_fork_guard(guard))
+        indices = self._held_while_closed() if self._slots.closed else self._slots.guarded_by(_fork_guard(guard))
         if not indices or table.region.freed:
             return
         with memoryview(table.region) as whole:

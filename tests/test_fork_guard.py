@@ -99,6 +99,22 @@ def test_the_child_reads_the_batch_as_it_was_at_the_fork_whatever_the_parent_wri
     assert lines == ["second child reads 5 5", "child reads 7 7"]
 
 
+def test_a_closed_pools_batch_held_at_the_fork_reads_in_the_child_as_it_was_then() -> None:
+    """A pool closed while a batch is held (a loader's pool retired by a resize) reuses
+    no slot, but the parent may still write into the batch it holds: the child copies
+    that slot too (before: 8, the parent's write, seen through the pool's file)."""
+    lines = run("""
+        held = np.asarray(pool.acquire(timeout=0))
+        held[:] = 5
+        pool.close()
+        second = fork_reader(held)
+        held[:] = 8
+        print("second child reads", second())
+        child_reads()
+    """, slots=2)  # fmt: skip
+    assert lines == ["second child reads 5 5", "child reads 7 7"]
+
+
 def test_once_forked_the_parent_hands_the_slot_out_again_at_once() -> None:
     """The child copies what it inherited before the parent's fork returns: the one
     slot, dropped by the parent, is handed out again at once, the child still alive."""
