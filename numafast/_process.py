@@ -236,6 +236,9 @@ WORKER_COPY_BYTES = 64 << 20
 guard_writes: set[int] = set()
 """The write ends of the guards of forks under way in this process's threads (one
 thread's may be open as another forks: see ``_copied_guarded``)."""
+kept_guard_writes: set[int] = set()
+"""The write ends this process keeps of its parent's guard (it copied nothing: a worker,
+or a child that could not): its own children close them (see ``_copied_guarded``)."""
 FORK_COPY_WAIT_S = 2.0
 """How long the parent waits, after a fork, for the child's copy of the slots held at
 it (milliseconds, normally; a child stuck in the fork never makes it: see
@@ -298,22 +301,31 @@ def _copied_guarded() -> None:
     guard's write end closed (see :class:`ForkGuard`). Where one cannot be copied, and in
     a worker, the write end stays open: the parent keeps those slots out of use until
     this child exits. The write ends of forks other threads had under way at this one
-    are their children's to hold: closed here, or those slots would wait for this child."""
+    are their children's to hold: closed here, or those slots would wait for this child.
+    So are those the parent kept of its own parent's guard: a process it forks in turn (a
+    worker's helper) does not read the batches that guard keeps, and would keep them out
+    of use for as long as it lives."""
     guard, write = getattr(forking, "guard", None), getattr(forking, "guard_write", None)
     forking.guard = forking.guard_write = None
-    for other in guard_writes - {write}:
+    for other in (guard_writes | kept_guard_writes) - {write}:
         with contextlib.suppress(OSError):
             os.close(other)
     guard_writes.clear()
-    if guard is None or write is None or not forking.guard_copied:
+    kept_guard_writes.clear()
+    if guard is None or write is None:
         return
-    try:
-        for pool in list(live_pools):
-            pool.copy_guarded(guard)
-    except (OSError, MemoryError):
-        return
+    if forking.guard_copied:
+        try:
+            for pool in list(live_pools):
+                pool.copy_guarded(guard)
+        except (OSError, MemoryError):
+            pass
+        else:
+            if write >= 0:
+                os.close(write)
+            return
     if write >= 0:
-        os.close(write)
+        kept_guard_writes.add(write)
 
 
 # ------------------------------------------------------------ the node budget (numafast/node_budget.py)
@@ -395,8 +407,9 @@ def _forked() -> None:
       an at-fork hook is only printed, and the child would go on writing into its
       parent's slots unseen. The slots the parent held at the fork are then copied
       into the child's own memory, which ends the fork's guard (``ForkGuard``); the
-      child closes its copies of the parent's guards, and of the write ends of forks
-      other threads had under way (``guard_writes``).
+      child closes its copies of the parent's guards, of the write ends of forks
+      other threads had under way (``guard_writes``), and of those the parent kept of
+      its own parent's guard (``kept_guard_writes``).
     - The node budget: the ledgers stay open (the same files, shared); nothing is
       reserved (the parent's pools are not the child's to release); its locks (the
       ledgers', each ledger's claiming lock, the reservation's), which another thread

@@ -182,6 +182,37 @@ def test_a_slot_a_child_could_not_copy_is_handed_out_again_once_it_has_exited() 
     assert lines == ["refused: True", "child reads 7 7", "again 4096 0 1"]
 
 
+def test_a_process_forked_by_a_child_that_could_not_copy_does_not_hold_its_guard() -> None:
+    """A child that could not copy (as a DataLoader worker past WORKER_COPY_BYTES) forks
+    a helper that lives on: the slot comes back into use once the child has exited, not
+    once the helper has (before: guarded 1 while the helper lived)."""
+    lines = run(UNCOPIED + """
+        import os, time
+        import numpy as np
+        import numafast
+        pool = numafast.PinnedPool(0, 4096, 1, lock="off")
+        slot = pool.acquire()
+        batch = np.asarray(slot)
+        batch[:] = 7
+        del slot
+        release, go = os.pipe()
+        child = os.fork()
+        if child == 0:  # it cannot copy: it keeps its guard's write end
+            if os.fork() == 0:
+                os.read(release, 1)  # the helper lives until the parent lets it go
+            os._exit(0)
+        del batch
+        os.waitpid(child, 0)
+        deadline = time.monotonic() + 10
+        while pool.stats().guarded and time.monotonic() < deadline:
+            pool.unguard()
+            time.sleep(0.05)
+        print("guarded", pool.stats().guarded)
+        os.write(go, b"x")
+    """.replace("\n        ", "\n"), preamble="")  # fmt: skip
+    assert lines == ["guarded 0"]
+
+
 def test_a_child_that_could_not_copy_lets_its_slots_go_when_it_execs() -> None:
     """A child that execs another program has no inherited batch left: its guard ends at
     the exec (close-on-exec), while that program still runs."""
