@@ -28,6 +28,7 @@ import gc
 import os
 import select
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -548,6 +549,28 @@ def start_time(process: int | str = "self") -> int | None:
     if len(fields) < 20 or fields[0] in (b"Z", b"X", b"x"):
         return None
     return int(fields[19])
+
+
+CHILD_EXIT_WAIT_S = 5.0
+"""How long :func:`wait_child_exited` waits for a dead child's last thread."""
+
+
+def wait_child_exited(pid: int) -> None:
+    """Wait, up to :data:`CHILD_EXIT_WAIT_S`, until this process's child ``pid``, gone as
+    :func:`start_time` says (its main thread a zombie), has exited as ``waitpid`` sees it:
+    a killed process's other threads end after its main one, and freeing a large heap
+    takes a while. It is not reaped: that stays its parent's code's to do (torch's
+    ``is_alive()``). At once for a process that is not a child, or is reaped already."""
+    deadline = time.monotonic() + CHILD_EXIT_WAIT_S
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return
+        except ChildProcessError:
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
 
 
 def started() -> int:

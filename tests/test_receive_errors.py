@@ -10,8 +10,10 @@ test in seconds, not hang it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import platform
 import re
 import signal
 import threading
@@ -180,9 +182,12 @@ class DyingWorker(torch.utils.data.Dataset):  # type: ignore[misc]
     SIGCHLD handler lets pass (it raises for a failure): the DataLoader sees the death
     when it reads the queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, main_thread_only: bool = False) -> None:
         self.samples = dataset()
         self.dying = False
+        self.main_thread_only = main_thread_only
+        """Its main thread ends first, another LINGER_S later: as a killed worker's do,
+        where freeing a large heap takes a while."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -191,8 +196,15 @@ class DyingWorker(torch.utils.data.Dataset):  # type: ignore[misc]
         info = torch.utils.data.get_worker_info()
         if self.dying and info is not None and info.id == 0 and index == 4:
             time.sleep(0.5)  # the queue's feeder thread sends the first batch
+            if self.main_thread_only:
+                threading.Thread(target=lambda: (time.sleep(LINGER_S), os._exit(0))).start()
+                ctypes.CDLL(None).syscall(SYS_EXIT[platform.machine()], 0)  # this thread alone
             os._exit(0)
         return self.samples[index]
+
+
+LINGER_S = 3.0
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}  # exit(2), which ends the calling thread alone
 
 
 def test_a_batch_whose_worker_died_after_sending_it_raises_the_dataloaders_dead_worker_error() -> None:
@@ -221,6 +233,29 @@ def test_a_batch_whose_worker_died_after_sending_it_raises_the_dataloaders_dead_
     assert seen[1:] == [batch for index, batch in enumerate(expected()) if index not in (0, 2)], seen
     data.dying = False
     assert [batch[:, 0].tolist() for batch in loader] == expected()  # and the next epoch is whole
+
+
+def test_a_dead_worker_whose_last_thread_still_exits_is_named_by_the_dataloader_not_senderdied() -> None:
+    """A dead worker's main thread is a zombie in /proc while its other threads still
+    exit: the owner ends its leases then, but the DataLoader sees it alive until the last
+    thread is gone, and re-raised SenderDied as it came (before). The take-over waits for
+    that, so the DataLoader's own error for a dead worker is raised."""
+    data = DyingWorker(main_thread_only=True)
+    loader = numafast.torch.NumaLoader(data, batch_size=2, num_workers=2, timeout=TIMEOUT_S)
+    assert [batch[:, 0].tolist() for batch in loader] == expected()  # the pools exist: batches travel in slots
+    data.dying = True
+    iterator = iter(loader)
+    dead = iterator._workers[0]
+    deadline = time.monotonic() + TIMEOUT_S
+    while _process.start_time(dead.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _process.start_time(dead.pid) is None and dead.is_alive()  # a zombie main thread, another running
+    loader.stats()  # ends the dead worker's leases
+    seen = outcomes(iterator)
+    error = seen[0]
+    assert isinstance(error, RuntimeError) and not isinstance(error, SenderDied), repr(error)
+    assert str(error).startswith(f"DataLoader worker (pid(s) {dead.pid}) exited unexpectedly"), str(error)
+    assert seen[1:] == [batch for index, batch in enumerate(expected()) if index not in (0, 2)], seen
 
 
 def test_a_worker_killed_during_a_take_over_raises_the_dataloaders_error_not_the_batchs() -> None:

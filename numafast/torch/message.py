@@ -152,7 +152,11 @@ def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
         return receiver.receive(message) if isinstance(message, SlotBatch) else receiver.copy_in(message)
     except Exception as error:  # noqa: BLE001 - the consumer meets it at this batch, as a worker's error
         if isinstance(error, SenderDied) and not in_pin_thread():
-            raise  # out of the DataLoader's get: it finds its worker dead and says so (see above)
+            # Out of the DataLoader's get: it finds its worker dead and says so (see above),
+            # once that worker can be reaped, or it takes it for alive and raises this.
+            if isinstance(message, SlotBatch) and message.sender > 0:
+                _process.wait_child_exited(message.sender)
+            raise
         if _raised_by_signal_handler(error):
             raise
         return _failed(message.describe())
