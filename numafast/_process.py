@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import gc
 import os
 import select
+import signal
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable
@@ -251,25 +254,29 @@ def _guard_held_slots() -> None:
     """Before a fork, in the forking thread: every slot this process holds is guarded
     for the child (:class:`ForkGuard`); nothing where none is held. The fork watch's
     before-fork step (registered later, so run first) has said whether the child is a
-    worker (``forking.pending``)."""
+    worker (``forking.pending``). Run again from the start where a signal handler
+    raised inside it (:func:`at_fork_step`): a guard made already is kept."""
     pools = [pool for pool in list(live_pools) if pool.in_use]
     if not pools:
         return
-    try:
-        read, write = os.pipe()  # both close-on-exec
-        os.set_blocking(read, False)
-    except OSError:  # no descriptor free (EMFILE): an exception here is only printed, and the fork goes on
-        read, write = None, -1
-    guard = ForkGuard(read)
-    held = sum(pool.guard_held(guard) * pool.slot_bytes for pool in pools)
-    if held:
-        forking.guard, forking.guard_write = guard, write
-        forking.guard_copied = held <= WORKER_COPY_BYTES or getattr(forking, "pending", None) is None
+    guard, write = getattr(forking, "guard", None), getattr(forking, "guard_write", None)
+    if guard is None or write is None:
+        try:
+            read, write = os.pipe()  # both close-on-exec
+            os.set_blocking(read, False)
+        except OSError:  # no descriptor free (EMFILE): an exception here is only printed, and the fork goes on
+            read, write = None, -1
+        guard = ForkGuard(read)
+        forking.guard, forking.guard_write, forking.guard_copied = guard, write, True
         if write >= 0:
             guard_writes.add(write)
-    else:
+    held = sum(pool.guard_held(guard) * pool.slot_bytes for pool in pools)
+    forking.guard_copied = held <= WORKER_COPY_BYTES or getattr(forking, "pending", None) is None
+    if not held:
+        forking.guard = forking.guard_write = None
         guard.close()
         if write >= 0:
+            guard_writes.discard(write)
             os.close(write)
 
 
@@ -278,23 +285,29 @@ def _guarded_in_parent() -> None:
     wait for its copy (not a worker's: it copies nothing), then hand out again what was
     given back meanwhile."""
     guard, write = getattr(forking, "guard", None), getattr(forking, "guard_write", None)
-    forking.guard = forking.guard_write = None
     if guard is None or write is None:
         return
-    if write < 0:
+    if write >= 0:
+        guard_writes.discard(write)
+        forking.guard_write = _CLOSED  # before it is closed: run again (at_fork_step), this step closes it once
+        os.close(write)
+    elif write != _CLOSED:
+        forking.guard = forking.guard_write = None
         if first_time("fork guard without a pipe"):
             warnings.warn(
                 "numafast: no file descriptor was free at this fork (the open-files limit, ulimit -n), so the "
                 "pool slots held at it stay out of use until their pool closes, for the child to go on reading "
                 "the batches it inherited; raise the limit (ulimit -n, resource.setrlimit(RLIMIT_NOFILE))",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning, stacklevel=3,  # this step, at_fork_step's, the caller of os.fork()
             )
         return
-    guard_writes.discard(write)
-    os.close(write)
     if forking.guard_copied and guard.ended(FORK_COPY_WAIT_S):
         for pool in list(live_pools):
             pool.unguard()
+    forking.guard = forking.guard_write = None
+
+
+_CLOSED = -2  # forking.guard_write once the parent closed it
 
 
 def _copied_guarded() -> None:
@@ -517,8 +530,59 @@ def claim(read: int) -> bool:
         return True  # never a reason to stop a worker
 
 
+def raised_by_signal_handler(error: BaseException) -> int | None:
+    """The signal whose Python handler raised ``error``; None for any other exception.
+    CPython runs handlers in the main thread between any two bytecodes, so inside
+    whatever it was doing: PyTorch's SIGCHLD handler raises "DataLoader worker (pid N)
+    is killed by signal" from within a take-over or an at-fork step."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    handled: dict[Any, list[int]] = {}
+    for number in signal.valid_signals():
+        handler = signal.getsignal(number)
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            handled.setdefault(code, []).append(int(number))
+    for frame, _line in traceback.walk_tb(error.__traceback__):
+        numbers = handled.get(frame.f_code)
+        if numbers:
+            arguments = (frame.f_locals.get(name) for name in frame.f_code.co_varnames[: frame.f_code.co_argcount])
+            return next((value for value in arguments if value in numbers), numbers[0])
+    return None
+
+
+FORK_STEP_TRIES = 3
+
+
+def at_fork_step(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` as an at-fork hook, run to its end where a signal handler raises inside
+    it (Ctrl-C's; PyTorch's SIGCHLD handler, for a worker that died): a signal that came
+    during the fork is handled at the first instruction of the first hook, and would
+    leave the step half done (its guard's write end open for good, the collector off).
+    So the step, written to be run again from the start, is run again, up to
+    FORK_STEP_TRIES times. The handler's exception is then raised, which CPython only
+    prints ("Exception ignored in"), as it does for any hook's: raising it again in the
+    caller is not possible from here, as a handler made to run again would run in the
+    next hook (logging's releases its lock there)."""
+
+    def run() -> None:
+        caught: BaseException | None = None
+        for _ in range(FORK_STEP_TRIES):
+            try:
+                step()
+                break
+            except BaseException as error:
+                if raised_by_signal_handler(error) is None:
+                    raise
+                caught = caught or error
+        if caught is not None:
+            raise caught
+
+    return functools.wraps(step)(run)
+
+
 os.register_at_fork(after_in_child=_forked)
-os.register_at_fork(before=_guard_held_slots, after_in_parent=_guarded_in_parent)
+os.register_at_fork(before=at_fork_step(_guard_held_slots), after_in_parent=at_fork_step(_guarded_in_parent))
 
 
 # What opening /proc/PID/stat fails with once the process is gone (ESRCH: reaped while read).

@@ -137,8 +137,8 @@ where a dying worker's batch cannot be read."""
 
 WORKER_KILLED_MESSAGE = "DataLoader worker (pid {pid}) is killed by signal: "
 """The start of the error torch's SIGCHLD handler raises (a Python function, so its frame
-is in the traceback) for a registered worker killed: torch/message.py
-``_raised_by_signal_handler`` lets it pass as it came."""
+is in the traceback) for a registered worker killed: ``_process.raised_by_signal_handler``
+finds it, and a take-over lets it pass as it came."""
 
 LOADER_ITERATOR = "_iterator"
 """A DataLoader's persistent iterator (None until the first epoch): NumaLoader drops one

@@ -213,6 +213,66 @@ def test_a_process_forked_by_a_child_that_could_not_copy_does_not_hold_its_guard
     assert lines == ["guarded 0"]
 
 
+# A signal handler that raises (Ctrl-C's, PyTorch's SIGCHLD handler for a dead worker),
+# run at the first instruction of an at-fork step, as for a signal that came during the
+# fork: made to happen there by a trace function, which calls the handler itself.
+INTERRUPTED = """
+import signal, sys
+class Interrupted(Exception):
+    pass
+def interrupt(signum, frame):
+    raise Interrupted(signum)
+signal.signal(signal.SIGUSR1, interrupt)
+def interrupting(step):
+    first = [True]
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == step and first[0]:
+            first[0] = False
+            interrupt(signal.SIGUSR1, frame)
+    return tracer
+"""
+
+
+def test_a_fork_step_a_signal_handler_interrupted_still_ends_the_guard() -> None:
+    """Interrupted at its first instruction, the parent's step after the fork is run again:
+    it closes the guard's write end, so the slot held at the fork is used again once
+    dropped (before: the step was skipped, the write end stayed open and the slot
+    guarded for good). The handler's exception is printed, as CPython does for a hook's."""
+    lines = run(INTERRUPTED + """
+        held = np.asarray(pool.acquire(timeout=0))
+        held[:] = 5
+        sys.settrace(interrupting("_guarded_in_parent"))
+        second = fork_reader(held)
+        sys.settrace(None)
+        held[:] = 8
+        del held
+        pool.unguard()
+        print("second child reads", second(), "guarded", pool.stats().guarded)
+        child_reads()
+    """.replace("\n        ", "\n"), slots=2, preamble=FORKED + INTERRUPTED.replace("SLOTS", "2"))  # fmt: skip
+    assert lines == ["second child reads 5 5 guarded 0", "child reads 7 7"]
+
+
+def test_the_collector_is_on_again_after_a_fork_step_a_signal_handler_interrupted() -> None:
+    """The fork watch turns the collector off for a worker's fork; interrupted at its
+    first instruction, its step after the fork is run again and turns it back on
+    (before: it stayed off for the rest of the process)."""
+    lines = run("""
+        import gc
+        import numafast.torch.fork_watch
+        from numafast import _process
+        _process.forking.collecting = True  # as the watch's step before a worker's fork leaves it
+        gc.disable()
+        sys.settrace(interrupting("_after_fork_in_parent"))
+        if os.fork() == 0:
+            os._exit(0)
+        sys.settrace(None)
+        os.wait()
+        print("collecting", gc.isenabled())
+    """.replace("\n        ", "\n"), preamble="import os\n" + INTERRUPTED)  # fmt: skip
+    assert lines == ["collecting True"]
+
+
 def test_a_child_that_could_not_copy_lets_its_slots_go_when_it_execs() -> None:
     """A child that execs another program has no inherited batch left: its guard ends at
     the exec (close-on-exec), while that program still runs."""

@@ -360,21 +360,27 @@ class _StartWatch:
 # ------------------------------------------------------------ the fork hooks
 
 
+# Each is run again from the start where a signal handler raised inside it (_process.at_fork_step).
+
+
 def _before_fork() -> None:
     watch = getattr(_local, "watch", None) or _found_watch()
-    _local.pending = watch.token().read if watch is not None else None
+    if watch is None:
+        _local.pending = None
+    elif getattr(_local, "pending", None) is None:  # one token per fork
+        _local.pending = watch.token().read
     # A worker's collector stays off until its first step freezes what it inherited (see
     # numafast._process._start_claimed): the after-fork handlers registered before numafast's run first.
-    _local.collecting = watch is not None and gc.isenabled()
-    if _local.collecting:
+    if watch is not None and not getattr(_local, "collecting", False) and gc.isenabled():
+        _local.collecting = True
         gc.disable()
 
 
 def _after_fork_in_parent() -> None:
-    _local.pending = None
     if getattr(_local, "collecting", False):
+        gc.enable()  # first, and again where run again: enabling twice changes nothing
         _local.collecting = False
-        gc.enable()
+    _local.pending = None
     begin, _local.begin = getattr(_local, "begin", None), None
     if begin is not None:  # the first fork of an iterator found forking: its watch thread
         watch, made = begin
@@ -410,7 +416,10 @@ def _found_watch() -> _StartWatch | None:
         return None
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)  # the child's step: numafast/_process.py
+# The child's step: numafast/_process.py.
+os.register_at_fork(
+    before=_process.at_fork_step(_before_fork), after_in_parent=_process.at_fork_step(_after_fork_in_parent)
+)
 
 
 def _process_forking() -> _Run | None:

@@ -7,7 +7,7 @@ plain DataLoader with numafast's collate function: Lightning, Accelerate, Ray Tr
 landing their batches: nothing of numafast's iterator needs to be there. It forces
 three things, each handled here or beside it: the take-over runs wherever torch
 unpickles (the main thread, between any two bytecodes, where a signal handler may
-raise: see _raised_by_signal_handler; or PyTorch's pin thread, which must never die
+raise: see _process.raised_by_signal_handler; or PyTorch's pin thread, which must never die
 of a batch: see in_pin_thread), it must never raise where torch would lose count of
 its batches (see below), and a sender that died after sending has its slot
 reclaimed by then (SenderDied).
@@ -32,13 +32,11 @@ either: it passes as it came.
 
 from __future__ import annotations
 
-import signal
 import threading
 import weakref
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from traceback import walk_tb
 from typing import Any, Protocol, cast
 
 from numafast import _process
@@ -157,8 +155,8 @@ def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
             if isinstance(message, SlotBatch) and message.sender > 0:
                 _process.wait_child_exited(message.sender)
             raise
-        if _raised_by_signal_handler(error):
-            raise
+        if _process.raised_by_signal_handler(error) is not None:
+            raise  # the DataLoader's error, not this batch's: the consumer gets it as it came
         return _failed(message.describe())
 
 
@@ -174,19 +172,6 @@ def _unreceived(message: SlotBatch | Fallback) -> Any:
                            f"(closed): nothing can read it")  # fmt: skip
     except RuntimeError:
         return _failed(message.describe())
-
-
-def _raised_by_signal_handler(error: BaseException) -> bool:
-    """Whether ``error`` came out of a Python signal handler. CPython runs handlers in the
-    main thread between any two bytecodes, so inside whatever it was doing: PyTorch's
-    SIGCHLD handler raises "DataLoader worker (pid N) is killed by signal" from within a
-    take-over when a worker is killed then. That is the DataLoader's error, not this
-    batch's, and the consumer gets it as it came."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    handlers = {getattr(getattr(handler, "__func__", handler), "__code__", None)
-                for handler in map(signal.getsignal, signal.valid_signals())}  # fmt: skip
-    return any(frame.f_code in handlers for frame, _line in walk_tb(error.__traceback__))
 
 
 def _failed(batch: str) -> Any:
