@@ -257,6 +257,7 @@ def test_the_collector_is_on_again_after_a_fork_step_a_signal_handler_interrupte
     """The fork watch turns the collector off for a worker's fork; interrupted at its
     first instruction, its step after the fork is run again and turns it back on
     (before: it stayed off for the rest of the process)."""
+    pytest.importorskip("torch")
     lines = run("""
         import gc
         import numafast.torch.fork_watch
