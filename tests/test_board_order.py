@@ -169,6 +169,7 @@ def test_a_batch_written_by_a_worker_is_whole_when_the_owner_adopts_it(where: st
     with numafast.PinnedPool(NODES[0], words * 8, 4, lock="off") as pool:
         handle = pool.share()
         read_end, write_end = os.pipe()
+        go_read, go_write = os.pipe()  # the workers start together, once all are forked (slow under TCG)
         children = []
         for _ in range(READERS):
             pid = os.fork()
@@ -177,6 +178,7 @@ def test_a_batch_written_by_a_worker_is_whole_when_the_owner_adopts_it(where: st
                 try:
                     place("reader", where)  # the workers write them
                     view = PoolView(handle)
+                    os.read(go_read, 1)
                     deadline = time.monotonic() + SECONDS
                     while time.monotonic() < deadline:
                         lease = view.lease()
@@ -191,6 +193,9 @@ def test_a_batch_written_by_a_worker_is_whole_when_the_owner_adopts_it(where: st
                     os._exit(code)
             children.append(pid)
         os.close(write_end)
+        os.write(go_write, b"x" * READERS)
+        os.close(go_write)
+        os.close(go_read)
         adopted = bad = 0
         with os.fdopen(read_end, "rb") as messages:
             while message := messages.read(16):
