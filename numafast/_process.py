@@ -530,25 +530,16 @@ def claim(read: int) -> bool:
         return True  # never a reason to stop a worker
 
 
-def raised_by_signal_handler(error: BaseException) -> int | None:
-    """The signal whose Python handler raised ``error``; None for any other exception.
-    CPython runs handlers in the main thread between any two bytecodes, so inside
-    whatever it was doing: PyTorch's SIGCHLD handler raises "DataLoader worker (pid N)
-    is killed by signal" from within a take-over or an at-fork step."""
+def raised_by_signal_handler(error: BaseException) -> bool:
+    """Whether a Python signal handler raised ``error``. CPython runs handlers in the main
+    thread between any two bytecodes, so inside whatever it was doing: PyTorch's SIGCHLD
+    handler raises "DataLoader worker (pid N) is killed by signal" from within a
+    take-over or an at-fork step."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    handled: dict[Any, list[int]] = {}
-    for number in signal.valid_signals():
-        handler = signal.getsignal(number)
-        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
-        if code is not None:
-            handled.setdefault(code, []).append(int(number))
-    for frame, _line in traceback.walk_tb(error.__traceback__):
-        numbers = handled.get(frame.f_code)
-        if numbers:
-            arguments = (frame.f_locals.get(name) for name in frame.f_code.co_varnames[: frame.f_code.co_argcount])
-            return next((value for value in arguments if value in numbers), numbers[0])
-    return None
+        return False
+    handlers = {getattr(getattr(handler, "__func__", handler), "__code__", None)
+                for handler in map(signal.getsignal, signal.valid_signals())}  # fmt: skip
+    return any(frame.f_code in handlers for frame, _line in traceback.walk_tb(error.__traceback__))
 
 
 FORK_STEP_TRIES = 3
@@ -572,7 +563,7 @@ def at_fork_step(step: Callable[[], None]) -> Callable[[], None]:
                 step()
                 break
             except BaseException as error:
-                if raised_by_signal_handler(error) is None:
+                if not raised_by_signal_handler(error):
                     raise
                 caught = caught or error
         if caught is not None:

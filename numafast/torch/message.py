@@ -155,7 +155,7 @@ def _arrive(kind: type[SlotBatch | Fallback], *fields: Any) -> Any:
             if isinstance(message, SlotBatch) and message.sender > 0:
                 _process.wait_child_exited(message.sender)
             raise
-        if _process.raised_by_signal_handler(error) is not None:
+        if _process.raised_by_signal_handler(error):
             raise  # the DataLoader's error, not this batch's: the consumer gets it as it came
         return _failed(message.describe())
 
