@@ -178,6 +178,7 @@ def test_a_batch_written_by_a_worker_is_whole_when_the_owner_adopts_it(where: st
                 try:
                     place("reader", where)  # the workers write them
                     view = PoolView(handle)
+                    os.close(go_write)  # the parent's end alone: its exit, if it fails first, ends this wait
                     os.read(go_read, 1)
                     deadline = time.monotonic() + SECONDS
                     while time.monotonic() < deadline:
